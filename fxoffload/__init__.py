@@ -1,0 +1,59 @@
+"""fxoffload: a torch.compile backend that offloads long-lived saved activations to host memory.
+
+    torch.compile(model, backend="fxoffload")                      # after pip install
+    torch.compile(model, backend=fxoffload.backend(policy="all"))  # an object with .reports
+"""
+
+from __future__ import annotations
+
+import logging
+
+from . import ops
+from .backend import OffloadBackend, backend, fxoffload_backend, offload_pass, reports
+from .lifetimes import SavedTensor, analyze_saved_tensors
+from .ops import host_pool_stats, release_host_memory
+from .options import OffloadOptions
+from .plan import Decision, OffloadPlan, plan_offloads
+from .report import OffloadReport, SavedRow
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Decision",
+    "OffloadBackend",
+    "OffloadOptions",
+    "OffloadPlan",
+    "OffloadReport",
+    "SavedRow",
+    "SavedTensor",
+    "analyze_saved_tensors",
+    "backend",
+    "fxoffload_backend",
+    "host_pool_stats",
+    "offload_pass",
+    "ops",
+    "plan_offloads",
+    "release_host_memory",
+    "reports",
+]
+
+logging.getLogger(__name__).addHandler(logging.NullHandler())
+
+
+def _register_name() -> None:
+    """Make ``backend="fxoffload"`` work when the package is imported but not installed.
+
+    When it is installed, torch finds it through the ``torch_dynamo_backends`` entry point and
+    registers it on first lookup; registering here too would raise "duplicate name".
+    """
+    from importlib.metadata import entry_points
+
+    if any(ep.name == "fxoffload" for ep in entry_points(group="torch_dynamo_backends")):
+        return
+    from torch._dynamo.backends.registry import _COMPILER_FNS, register_backend
+
+    if "fxoffload" not in _COMPILER_FNS:
+        register_backend(fxoffload_backend, name="fxoffload")
+
+
+_register_name()

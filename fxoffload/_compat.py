@@ -1,0 +1,136 @@
+"""Every private torch API fxoffload uses, in one file, so a torch upgrade is one file's work.
+
+Supported: torch 2.11 and 2.13. Nothing here may depend on pieces that exist in only one of them
+(the ``ao::`` offload ops of torch >= 2.12, for example, are never used).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch._dynamo.backends.common import aot_autograd
+from torch._dynamo.backends.debugging import boxed_nop
+from torch._functorch import config as functorch_config
+from torch._functorch.partitioners import default_partition, min_cut_rematerialization_partition
+from torch._inductor import config as inductor_config
+from torch._inductor.custom_graph_pass import CustomPartitionerFn
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+__all__ = [
+    "CustomPartitionerFn",
+    "aot_autograd",
+    "boxed_nop",
+    "call_partitioner",
+    "compile_with_inductor",
+    "detect_fake_mode",
+    "inductor_mode_options",
+    "size_hint",
+    "storage_expired",
+    "storage_use_count",
+    "storage_weak_ref",
+]
+
+TORCH_PARTITIONERS: dict[str, Callable[..., tuple[fx.GraphModule, fx.GraphModule]]] = {
+    "min_cut": min_cut_rematerialization_partition,
+    "default": default_partition,
+}
+
+
+def call_partitioner(
+    name: str,
+    joint: fx.GraphModule,
+    joint_inputs: Any,
+    **kwargs: Any,
+) -> tuple[fx.GraphModule, fx.GraphModule]:
+    """Run torch's own partitioner ``name``, passing only the keyword arguments it accepts."""
+    fn = TORCH_PARTITIONERS[name]
+    accepted = inspect.signature(fn).parameters
+    return fn(joint, joint_inputs, **{k: v for k, v in kwargs.items() if k in accepted})
+
+
+def inductor_mode_options(mode: str | None) -> dict[str, Any]:
+    """Inductor config patches for a ``torch.compile`` mode ("default", "reduce-overhead", ...)."""
+    from torch._inductor import list_mode_options
+
+    if mode is None or mode == "default":
+        return {}
+    return dict(list_mode_options(mode))
+
+
+def cudagraphs_enabled(config_patches: dict[str, Any]) -> bool:
+    return bool(config_patches.get("triton.cudagraphs", inductor_config.triton.cudagraphs))
+
+
+@contextlib.contextmanager
+def _no_autograd_cache() -> Iterator[None]:
+    # A hit in AOTAutograd's cache would skip the partitioner, and so the plan and its report.
+    # Inductor's own FX graph cache still serves the (rewritten) forward and backward graphs.
+    with functorch_config.patch(enable_autograd_cache=False):
+        yield
+
+
+def compile_with_inductor(
+    gm: fx.GraphModule,
+    example_inputs: list[Any],
+    partitioner: CustomPartitionerFn,
+    config_patches: dict[str, Any],
+) -> Callable[..., Any]:
+    """Inductor's ``compile_fx`` with our partitioner plugged in for the duration of this compile."""
+    from torch._inductor.compile_fx import compile_fx
+
+    patches = dict(config_patches)
+    patches["custom_partitioner_fn"] = partitioner
+    with _no_autograd_cache():
+        return compile_fx(gm, example_inputs, config_patches=patches)
+
+
+def compile_with_aot_eager(
+    gm: fx.GraphModule, example_inputs: list[Any], partition_fn: Callable[..., Any]
+) -> Callable[..., Any]:
+    """AOTAutograd with eager forward/backward (boxed), for debugging and inspection."""
+    with _no_autograd_cache():
+        return aot_autograd(
+            fw_compiler=boxed_nop,
+            bw_compiler=boxed_nop,
+            partition_fn=partition_fn,
+            keep_inference_input_mutations=True,
+        )(gm, example_inputs)
+
+
+def detect_fake_mode(values: list[Any]) -> FakeTensorMode | None:
+    from torch._guards import detect_fake_mode as _detect
+
+    return _detect(values)
+
+
+def size_hint(value: Any, fallback: int = 8192) -> int:
+    """An int for a possibly symbolic size, without adding a guard (dynamic shapes stay dynamic)."""
+    if isinstance(value, int):
+        return value
+    if isinstance(value, torch.SymInt):
+        node = value.node
+        constant = node.maybe_as_int()
+        if constant is not None:
+            return int(constant)
+        if node.has_hint():
+            return int(node.hint)
+        return fallback  # unbacked (data-dependent) size
+    return int(value)
+
+
+def storage_use_count(storage: torch.UntypedStorage) -> int:
+    """Strong references to a storage (1: only the caller's handle)."""
+    return torch._C._storage_Use_Count(storage._cdata)
+
+
+def storage_weak_ref(storage: torch.UntypedStorage) -> int:
+    return storage._weak_ref()
+
+
+def storage_expired(ref: int) -> bool:
+    return bool(torch.UntypedStorage._expired(ref))

@@ -1,0 +1,335 @@
+"""Runtime ops of fxoffload: the only place that touches streams, events and host buffers.
+
+Every transfer is two nodes in the graph, found by ``node.target``::
+
+    forward, one offloaded tensor ``x`` whose last forward users are ``u1 .. uk``:
+        x_host = fxoffload.offload(x, [u1, .., uk])   # D2H copy on the transfer stream into a pooled host buffer
+        x_host = fxoffload.wait(x_host, x, [b])      # compute stream waits on the copy's event; x dies after this
+        return (..., x_host)                         # the host copy is saved for backward, x is not
+
+    (``b`` is the node ``prefetch`` compute nodes after the copy started: the copy overlaps with them.)
+
+    backward, ``a`` being the node ``prefetch`` compute nodes before the first use:
+        x_dev = fxoffload.reload(x_host, device, [a]) # H2D copy into a buffer allocated on the compute stream
+        x_dev = fxoffload.wait(x_dev, x_host, [])    # compute stream waits on the copy's event
+        first_use(x_dev)
+
+The one hard rule: a storage that a transfer reads or writes stays alive through a graph edge to the
+transfer's ``wait`` (its ``keepalive`` argument), and ``wait`` makes the compute stream wait on the
+transfer's event before that edge ends. ``record_stream`` is never used. Ordering never relies on the
+position of a node in the graph: the ``after`` lists are data edges that pin a copy behind the nodes it
+must follow, so schedulers that reorder (Inductor's ``reorder_for_peak_memory``) cannot break it.
+
+On a machine without an accelerator (``offload_cpu=True``) the same ops run synchronously with CPU
+tensors: the "host" copy is a separate buffer and the source storage is released exactly as on a GPU.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+import warnings
+from collections.abc import Sequence
+
+import torch
+
+from ._compat import storage_expired, storage_use_count, storage_weak_ref
+
+log = logging.getLogger(__name__)
+
+_LIB_NAME = "fxoffload"
+
+# --------------------------------------------------------------------------------------------------
+# Host buffer pool
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class HostPoolStats:
+    """What the host buffer pool holds now."""
+
+    buffers: int  # buffers allocated by the pool, free or in use
+    bytes_allocated: int  # bytes of those buffers
+    bytes_in_use: int  # bytes of buffers that some tensor still references
+    peak_bytes_in_use: int  # the most bytes in use at once since the last reset
+    pinned_bytes: int  # bytes of those buffers that are page-locked (only with an accelerator)
+    pin_failed: bool  # a pinned allocation failed and the pool fell back to pageable memory
+
+
+class HostBufferPool:
+    """Host buffers reused across steps, one bucket per exact byte size.
+
+    A buffer is free when nothing but the pool references its storage (``_storage_Use_Count == 1``),
+    so a buffer still held by autograd (``retain_graph=True``, a second backward) is never handed out
+    twice. Pinned allocations cost milliseconds and can synchronise; steps repeat the same sizes, so
+    after the first step no allocation happens at all.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._buckets: dict[tuple[int, bool], list[torch.UntypedStorage]] = {}
+        self._peak_in_use = 0
+        self._pin_failed = False
+
+    def acquire(self, nbytes: int, pin: bool) -> torch.UntypedStorage:
+        pin = pin and not self._pin_failed
+        with self._lock:
+            bucket = self._buckets.setdefault((nbytes, pin), [])
+            # The buffer handed out is free now, so count it by hand in the peak.
+            in_use = self._bytes_in_use() + nbytes
+            self._peak_in_use = max(self._peak_in_use, in_use)
+            for storage in bucket:
+                if _use_count(storage) == 1:
+                    return storage
+            storage = self._allocate(nbytes, pin)
+            self._buckets.setdefault((nbytes, storage.is_pinned()), []).append(storage)
+            return storage
+
+    def _allocate(self, nbytes: int, pin: bool) -> torch.UntypedStorage:
+        if pin:
+            try:
+                return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True).untyped_storage()
+            except RuntimeError as e:  # out of pinned (page-locked) memory
+                self._pin_failed = True
+                warnings.warn(
+                    f"fxoffload: pinned host allocation of {nbytes} bytes failed ({e}); "
+                    "falling back to pageable host memory, transfers will be synchronous and slower",
+                    RuntimeWarning,
+                    stacklevel=3,
+                )
+        return torch.empty(nbytes, dtype=torch.uint8).untyped_storage()
+
+    def _bytes_in_use(self) -> int:
+        return sum(
+            s.nbytes() for bucket in self._buckets.values() for s in bucket if _use_count(s) > 1
+        )
+
+    def stats(self) -> HostPoolStats:
+        with self._lock:
+            storages = [s for bucket in self._buckets.values() for s in bucket]
+            return HostPoolStats(
+                buffers=len(storages),
+                bytes_allocated=sum(s.nbytes() for s in storages),
+                bytes_in_use=self._bytes_in_use(),
+                peak_bytes_in_use=self._peak_in_use,
+                pinned_bytes=sum(s.nbytes() for s in storages if s.is_pinned()),
+                pin_failed=self._pin_failed,
+            )
+
+    def clear(self) -> None:
+        """Drop the free buffers (buffers still in use stay alive through their tensors)."""
+        with self._lock:
+            self._buckets.clear()
+            self._peak_in_use = 0
+
+
+def _use_count(storage: torch.UntypedStorage) -> int:
+    # The pool's own reference is the only one when this is 1. The temporary Python handle made by
+    # ``storage._cdata`` access does not add a strong reference.
+    return storage_use_count(storage)
+
+
+HOST_POOL = HostBufferPool()
+
+
+def host_pool_stats() -> HostPoolStats:
+    """Size of the host buffer pool that holds offloaded activations."""
+    return HOST_POOL.stats()
+
+
+def release_host_memory() -> None:
+    """Free the pooled host buffers that no tensor references any more."""
+    HOST_POOL.clear()
+
+
+# --------------------------------------------------------------------------------------------------
+# Streams and pending transfers
+# --------------------------------------------------------------------------------------------------
+
+_transfer_streams: dict[torch.device, torch.Stream] = {}
+
+
+def _transfer_stream(device: torch.device) -> torch.Stream:
+    stream = _transfer_streams.get(device)
+    if stream is None:
+        stream = _transfer_streams[device] = torch.Stream(device=device)
+    return stream
+
+
+@dataclasses.dataclass
+class _Pending:
+    event: torch.Event | None  # None: the copy ran synchronously (CPU tensors)
+    device: torch.device  # the accelerator whose compute stream must wait
+
+
+# Keyed by the data pointer of a transfer's destination: unique while that destination is alive,
+# and the destination is alive until its ``wait`` because ``wait`` takes it as an argument.
+_pending: dict[int, _Pending] = {}
+
+# Opt-in record of released source storages, read by tests to prove the release really happened.
+_release_log: list[tuple[int, object]] | None = None
+
+
+def _track(src: torch.Tensor) -> None:
+    if _release_log is not None:
+        _release_log.append((id(src), storage_weak_ref(src.untyped_storage())))
+
+
+class track_releases:
+    """Context manager recording a weak reference to every offloaded source storage.
+
+    ``.released()`` / ``.alive()`` tell how many of those storages were freed. Used by the tests to
+    prove that offloading really gives the memory back; weak references never keep a storage alive.
+    """
+
+    def __enter__(self) -> track_releases:
+        global _release_log
+        self._previous = _release_log
+        _release_log = []
+        self.log = _release_log
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        global _release_log
+        _release_log = self._previous
+
+    def count(self) -> int:
+        return len(self.log)
+
+    def alive(self) -> int:
+        return sum(not storage_expired(ref) for _, ref in self.log)
+
+    def released(self) -> int:
+        return self.count() - self.alive()
+
+
+def _register(dest: torch.Tensor, event: torch.Event | None, device: torch.device) -> None:
+    key = dest.data_ptr()
+    if key in _pending:
+        log.debug("fxoffload: dropping a stale pending transfer at %#x", key)
+    _pending[key] = _Pending(event, device)
+
+
+def _pop(dest: torch.Tensor) -> _Pending:
+    try:
+        return _pending.pop(dest.data_ptr())
+    except KeyError:
+        raise RuntimeError(
+            "fxoffload.wait: no transfer is pending for this tensor; every wait must follow the "
+            "offload or reload that produced its first argument"
+        ) from None
+
+
+def _layout_like(storage: torch.UntypedStorage, like: torch.Tensor) -> torch.Tensor:
+    out = torch.empty(0, dtype=like.dtype, device=storage.device)
+    return out.set_(storage, 0, like.size(), like.stride())
+
+
+def _dense_nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+# --------------------------------------------------------------------------------------------------
+# The ops
+# --------------------------------------------------------------------------------------------------
+
+_lib = torch.library.Library(_LIB_NAME, "DEF")
+_lib.define("offload(Tensor src, Tensor[] after) -> Tensor")
+_lib.define("reload(Tensor host, Device device, Tensor[] after) -> Tensor")
+_lib.define("wait(Tensor(a) dest, Tensor keepalive, Tensor[] after) -> Tensor(a)")
+
+
+def _offload_impl(src: torch.Tensor, after: Sequence[torch.Tensor]) -> torch.Tensor:
+    # src is dense and non-overlapping (the planner refuses anything else), so its storage bytes are
+    # copied as they are and the host tensor keeps its size and stride: reload restores the layout.
+    storage = HOST_POOL.acquire(_dense_nbytes(src), pin=src.device.type != "cpu")
+    host = _layout_like(storage, src)
+    _track(src)
+    if src.device.type == "cpu":
+        host.copy_(src)
+        _register(host, None, src.device)
+        return host
+    compute = torch.accelerator.current_stream(src.device)
+    transfer = _transfer_stream(src.device)
+    transfer.wait_stream(compute)  # the producer and the last forward users have been issued
+    event = torch.Event(device=src.device)
+    torch.accelerator.set_stream(transfer)
+    try:
+        host.copy_(src, non_blocking=host.is_pinned())
+        transfer.record_event(event)
+    finally:
+        torch.accelerator.set_stream(compute)
+    _register(host, event, src.device)
+    return host
+
+
+def _reload_impl(
+    host: torch.Tensor, device: torch.device, after: Sequence[torch.Tensor]
+) -> torch.Tensor:
+    # Allocated on the compute stream (the current one), so the caching allocator ties the block to
+    # the stream that uses it; the copy itself runs on the transfer stream.
+    dest = torch.empty_strided(host.size(), host.stride(), dtype=host.dtype, device=device)
+    if device.type == "cpu":
+        dest.copy_(host)
+        _register(dest, None, device)
+        return dest
+    compute = torch.accelerator.current_stream(device)
+    transfer = _transfer_stream(device)
+    transfer.wait_stream(compute)  # the allocation of dest is ordered before the copy into it
+    event = torch.Event(device=device)
+    torch.accelerator.set_stream(transfer)
+    try:
+        dest.copy_(host, non_blocking=host.is_pinned())
+        transfer.record_event(event)
+    finally:
+        torch.accelerator.set_stream(compute)
+    _register(dest, event, device)
+    return dest
+
+
+def _wait_impl(
+    dest: torch.Tensor, keepalive: torch.Tensor, after: Sequence[torch.Tensor]
+) -> torch.Tensor:
+    pending = _pop(dest)
+    if pending.event is not None:
+        torch.accelerator.current_stream(pending.device).wait_event(pending.event)
+    # ``keepalive`` ends here: its storage may be freed and reused from now on, which is safe
+    # because every later kernel on the compute stream is ordered after the copy.
+    return dest
+
+
+def _offload_fake(src: torch.Tensor, after: Sequence[torch.Tensor]) -> torch.Tensor:
+    return torch.empty_strided(src.size(), src.stride(), dtype=src.dtype, device="cpu")
+
+
+def _reload_fake(
+    host: torch.Tensor, device: torch.device, after: Sequence[torch.Tensor]
+) -> torch.Tensor:
+    return torch.empty_strided(host.size(), host.stride(), dtype=host.dtype, device=device)
+
+
+def _wait_fake(
+    dest: torch.Tensor, keepalive: torch.Tensor, after: Sequence[torch.Tensor]
+) -> torch.Tensor:
+    return dest
+
+
+for _name, _impl, _fake in (
+    ("offload", _offload_impl, _offload_fake),
+    ("reload", _reload_impl, _reload_fake),
+    ("wait", _wait_impl, _wait_fake),
+):
+    # One implementation for every device: the arguments mix host and device tensors.
+    torch.library.impl(f"{_LIB_NAME}::{_name}", "CompositeExplicitAutograd", lib=_lib)(_impl)
+    torch.library.register_fake(f"{_LIB_NAME}::{_name}", lib=_lib)(_fake)
+
+offload = torch.ops.fxoffload.offload.default
+reload = torch.ops.fxoffload.reload.default
+wait = torch.ops.fxoffload.wait.default
+
+# The copies have effects the graph does not see (a registered event); never dead-code eliminate them.
+for _op in (offload, reload, wait):
+    torch.fx.node.has_side_effect(_op)
+
+TRANSFER_OPS = frozenset({offload, reload, wait})

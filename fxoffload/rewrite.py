@@ -1,0 +1,144 @@
+"""The rewrite: the only code that mutates graphs. Inserts the transfer pairs an ``OffloadPlan`` chose.
+
+Before (forward / backward)::
+
+    x = producer(...)                       |  x = placeholder
+    y = user(x)                             |  gx = first_use(x, ...)
+    return (y, x)                           |
+
+After::
+
+    x = producer(...)                       |  x_host = placeholder
+    y = user(x)                             |  ...                   (``prefetch`` compute nodes)
+    h = fxoffload.offload(x, [y])           |  d = fxoffload.reload(x_host, device, [a])
+    ... (``prefetch`` compute nodes, b) ... |  ...
+    h = fxoffload.wait(h, x, [b])           |  d = fxoffload.wait(d, x_host, [])
+    return (y, h)                           |  gx = first_use(d, ...)
+
+``[y]``, ``[b]`` and ``[a]`` are data edges: they pin each copy behind the nodes it must follow, so a
+scheduler that reorders nodes keeps the intended order. ``x`` is an argument of its wait, so it lives
+until the compute stream has waited on the copy, and no longer.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.fx as fx
+
+from . import ops
+from .lifetimes import is_compute, storage_users
+from .plan import OffloadPlan
+
+
+def apply_plan(fw: fx.GraphModule, bw: fx.GraphModule, plan: OffloadPlan, prefetch: int) -> None:
+    """Insert one offload/wait pair in ``fw`` and one reload/wait pair in ``bw`` per offloaded tensor."""
+    chosen = plan.offloaded
+    if not chosen:
+        return
+    fw_nodes = {n.name: n for n in fw.graph.nodes}
+    bw_nodes = {n.name: n for n in bw.graph.nodes if n.op == "placeholder"}
+    fw_order = list(fw.graph.nodes)
+    bw_order = list(bw.graph.nodes)
+    output = fw.graph.output_node()
+    outputs = list(output.args[0])
+    for decision in chosen:
+        t = decision.saved
+        host = _rewrite_forward(fw.graph, fw_order, fw_nodes[t.name], prefetch)
+        outputs[t.output_index] = host
+        _rewrite_backward(bw.graph, bw_order, bw_nodes[t.name], host, prefetch)
+    output.args = (tuple(outputs),) + tuple(output.args[1:])
+    for gm in (fw, bw):
+        gm.graph.lint()
+        gm.recompile()
+
+
+def _rewrite_forward(graph: fx.Graph, order: list[fx.Node], x: fx.Node, prefetch: int) -> fx.Node:
+    index = {n: i for i, n in enumerate(order) if n.op != "output"}
+    users = [u for u in storage_users(x) if u in index]  # not the output, not inserted transfers
+    last = max([x, *users], key=index.__getitem__)
+    deps = _tensor_results(u for u in users if is_compute(u))
+    with graph.inserting_after(last):
+        copy = _call(graph, ops.offload, (x, deps))
+    anchor = _compute_anchor(order, index[last], prefetch, step=+1)
+    with graph.inserting_after(anchor if anchor is not None else copy):
+        done = _call(graph, ops.wait, (copy, x, [anchor] if anchor is not None else []))
+    if anchor is None:
+        # Nothing left to overlap with: wait just before the outputs are returned.
+        graph.output_node().prepend(done)
+    return done
+
+
+def _rewrite_backward(
+    graph: fx.Graph, order: list[fx.Node], placeholder: fx.Node, host: fx.Node, prefetch: int
+) -> None:
+    index = {n: i for i, n in enumerate(order)}
+    with graph.inserting_before(placeholder):
+        host_in = graph.placeholder(f"{placeholder.name}_host")
+    host_in.meta["val"] = host.meta["val"]
+    users = [u for u in storage_users(placeholder) if u in index and u.op != "output"]
+    first = min(users, key=index.__getitem__)
+    anchor = _compute_anchor(order, index[first], prefetch, step=-1)
+    device = placeholder.meta["val"].device
+    if anchor is not None:
+        with graph.inserting_after(anchor):
+            copy = _call(graph, ops.reload, (host_in, device, [anchor]))
+    else:
+        first_compute = next(n for n in order if n.op != "placeholder")
+        with graph.inserting_before(first_compute):
+            copy = _call(graph, ops.reload, (host_in, device, []))
+    with graph.inserting_before(first):
+        done = _call(graph, ops.wait, (copy, host_in, []))
+    placeholder.replace_all_uses_with(done)
+    graph.erase_node(placeholder)
+
+
+def _call(graph: fx.Graph, op: torch._ops.OpOverload, args: tuple) -> fx.Node:
+    node = graph.call_function(op, args)
+    vals = [a.meta["val"] if isinstance(a, fx.Node) else a for a in args[:-1]]
+    after = [a.meta["val"] for a in args[-1]]
+    with vals[0].fake_mode:
+        node.meta["val"] = op(*vals, after)
+    return node
+
+
+def _tensor_results(nodes) -> list[fx.Node]:
+    """Tensor-valued nodes standing for ``nodes``: multi-output ops are represented by a getitem."""
+    out = []
+    for n in nodes:
+        if isinstance(n.meta.get("val"), torch.Tensor):
+            out.append(n)
+        else:
+            out.extend(
+                u for u in n.users
+                if u.target is operator.getitem and isinstance(u.meta.get("val"), torch.Tensor)
+            )  # fmt: skip
+    return out
+
+
+def _compute_anchor(order: list[fx.Node], start: int, count: int, step: int) -> fx.Node | None:
+    """The tensor-valued, non-pointwise compute node ``count`` compute nodes away from ``order[start]``.
+
+    Non-pointwise nodes (matmuls, reductions, convolutions) are materialised by every compiler, so a
+    data edge on them costs no extra buffer; a pointwise one might otherwise be fused away.
+    """
+    seen = 0
+    i = start + step
+    while 0 <= i < len(order):
+        n = order[i]
+        if n.op in ("placeholder", "output"):
+            return None
+        if is_compute(n):
+            seen += 1
+            if seen >= count and _materialised(n):
+                return n
+        i += step
+    return None
+
+
+def _materialised(n: fx.Node) -> bool:
+    if not isinstance(n.meta.get("val"), torch.Tensor):
+        return False
+    tags = getattr(n.target, "tags", ())
+    return torch.Tag.pointwise not in tags
