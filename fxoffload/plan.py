@@ -52,12 +52,10 @@ def ineligible_reason(t: SavedTensor, options: OffloadOptions) -> str | None:
         return "graph input: its storage belongs to the caller, offloading it frees nothing"
     if t.is_user_output:
         return "returned to the caller: its storage stays alive"
-    if t.is_view:
-        return f"view of {t.storage}: the base storage stays alive, offloading the view frees nothing"
     if t.shares_storage_with:
         return (
-            f"its storage is also saved through {', '.join(t.shares_storage_with)}: "
-            "releasing it is impossible while that view is saved"
+            f"its storage ({t.storage}) is also saved as {', '.join(t.shares_storage_with)}: "
+            "the other saved alias keeps it alive, offloading this one frees nothing"
         )
     if not t.is_dense:
         return f"non-dense layout (stride {t.stride}): copying it would need a gather"

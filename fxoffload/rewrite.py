@@ -28,7 +28,7 @@ import torch
 import torch.fx as fx
 
 from . import ops
-from .lifetimes import is_compute, storage_users
+from .lifetimes import is_compute, storage_root, storage_users
 from .plan import OffloadPlan
 
 
@@ -56,9 +56,11 @@ def apply_plan(fw: fx.GraphModule, bw: fx.GraphModule, plan: OffloadPlan, prefet
 
 def _rewrite_forward(graph: fx.Graph, order: list[fx.Node], x: fx.Node, prefetch: int) -> fx.Node:
     index = {n: i for i, n in enumerate(order) if n.op != "output"}
-    users = [u for u in storage_users(x) if u in index]  # not the output, not inserted transfers
-    last = max([x, *users], key=index.__getitem__)
+    # Every reader of the storage, through any alias: a saved view of ``relu`` frees relu's storage.
+    users = [u for u in storage_users(storage_root(x)) if u in index and u is not x]
     deps = _tensor_results(u for u in users if is_compute(u))
+    # A multi-output user is represented by its getitems, which may come after it.
+    last = max([x, *users, *deps], key=index.__getitem__)
     with graph.inserting_after(last):
         copy = _call(graph, ops.offload, (x, deps))
     anchor = _compute_anchor(order, index[last], prefetch, step=+1)

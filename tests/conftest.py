@@ -1,0 +1,49 @@
+import copy
+
+import pytest
+import torch
+import torch._dynamo
+
+import fxoffload
+
+requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def cpu_backend(**options):
+    """An fxoffload backend that offloads CPU tensors, so the data flow runs on this machine."""
+    options = {"offload_cpu": True, "min_bytes": 0, "policy": "all", **options}
+    return fxoffload.backend(**options)
+
+
+def train_step(model, args, backend=None, seed=0, steps=1):
+    """Loss and gradients of ``steps`` forward+backward runs of a deep copy of ``model``.
+
+    backend None runs eagerly. The seed is fixed before each step, so dropout draws the same masks in
+    eager and compiled runs whose RNG handling agrees (see test_parity for where it does not).
+    """
+    model = copy.deepcopy(model)
+    fn = model if backend is None else torch.compile(model, backend=backend)
+    losses = []
+    for _ in range(steps):
+        model.zero_grad(set_to_none=True)
+        torch.manual_seed(seed)
+        loss = fn(*args)
+        loss.backward()
+        losses.append(loss.detach())
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    return torch.stack(losses), grads
+
+
+def assert_same(a, b, rtol=1e-5, atol=1e-5):
+    (loss_a, grads_a), (loss_b, grads_b) = a, b
+    torch.testing.assert_close(loss_a, loss_b, rtol=rtol, atol=atol)
+    assert grads_a.keys() == grads_b.keys()
+    for name in grads_a:
+        torch.testing.assert_close(grads_a[name], grads_b[name], rtol=rtol, atol=atol, msg=name)

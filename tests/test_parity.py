@@ -1,0 +1,146 @@
+"""Offloading never changes results: losses and gradients match eager and backend="inductor"."""
+
+import pytest
+import torch
+import torch._inductor.config as inductor_config
+
+import fxoffload
+from fxoffload.models import CNN, GPT, MLP, GPTConfig, gpt_batch
+
+from .conftest import assert_same, cpu_backend, train_step
+
+INNERS = ["aot_eager", "inductor"]
+
+
+@pytest.fixture(autouse=True)
+def _eager_random():
+    # Inductor draws random numbers with its own generator unless told to fall back to aten's;
+    # with the fallback, dropout masks are identical in eager, inductor and fxoffload runs.
+    with inductor_config.patch(fallback_random=True):
+        yield
+
+
+@pytest.mark.parametrize("inner", INNERS)
+def test_mlp(inner):
+    torch.manual_seed(0)
+    model, x = MLP(), (torch.randn(32, 64),)
+    backend = cpu_backend(inner=inner)
+    got = train_step(model, x, backend, steps=2)
+    assert_same(got, train_step(model, x, steps=2))
+    assert_same(got, train_step(model, x, "inductor", steps=2))
+    assert backend.reports and backend.reports[0].offloaded
+
+
+@pytest.mark.parametrize("inner", INNERS)
+@pytest.mark.parametrize("policy", ["all", "auto"])
+def test_gpt(inner, policy):
+    torch.manual_seed(0)
+    cfg = GPTConfig()
+    model, batch = GPT(cfg), gpt_batch(cfg, 4)
+    backend = cpu_backend(inner=inner, policy=policy)
+    got = train_step(model, batch, backend, steps=2)
+    assert_same(got, train_step(model, batch, "inductor", steps=2), rtol=1e-4, atol=1e-5)
+    assert_same(got, train_step(model, batch, steps=2), rtol=1e-4, atol=1e-5)
+    (report,) = backend.reports
+    assert report.offloaded, report.table()
+    if policy == "auto":
+        # The last block's tensors are needed almost at once by the backward: auto keeps some.
+        assert len(report.offloaded) < len([r for r in report.saved if "offload" in r.decision or "too soon" in r.reason])
+
+
+def test_gpt_dropout_is_active():
+    """The parity above would be vacuous if dropout never fired: two seeds give two losses."""
+    torch.manual_seed(0)
+    cfg = GPTConfig(dropout=0.5)
+    model, batch = GPT(cfg), gpt_batch(cfg, 2)
+    a, _ = train_step(model, batch, cpu_backend(inner="aot_eager"), seed=1)
+    torch._dynamo.reset()
+    b, _ = train_step(model, batch, cpu_backend(inner="aot_eager"), seed=2)
+    assert not torch.equal(a, b)
+
+
+@pytest.mark.parametrize("inner", INNERS)
+def test_cnn_batchnorm(inner):
+    torch.manual_seed(0)
+    model, batch = CNN(), (torch.randn(4, 3, 16, 16), torch.randint(0, 10, (4,)))
+    backend = cpu_backend(inner=inner)
+    got = train_step(model, batch, backend, steps=2)
+    assert_same(got, train_step(model, batch, steps=2), rtol=1e-4, atol=1e-5)
+    assert_same(got, train_step(model, batch, "inductor", steps=2), rtol=1e-4, atol=1e-5)
+    # BatchNorm running stats are buffers mutated in place: they stay on the device and keep working.
+    assert backend.reports[0].offloaded
+
+
+@pytest.mark.parametrize("inner", INNERS)
+def test_dynamic_shapes_two_batch_sizes(inner):
+    torch.manual_seed(0)
+    model = MLP()
+    backend = cpu_backend(inner=inner)
+    compiled = torch.compile(model, backend=backend, dynamic=True)
+    for batch in (8, 24):
+        x = torch.randn(batch, 64)
+        model.zero_grad()
+        compiled(x).backward()
+        got = {n: p.grad.clone() for n, p in model.named_parameters()}
+        model.zero_grad()
+        model(x).backward()
+        for n, p in model.named_parameters():
+            torch.testing.assert_close(got[n], p.grad, rtol=1e-5, atol=1e-6)
+    assert len(backend.reports) == 1, "one dynamic graph serves both batch sizes"
+    assert backend.reports[0].offloaded
+
+
+class GraphBreak(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = MLP(layers=2)
+        self.b = torch.nn.Linear(64, 64)
+
+    def forward(self, x):
+        h = self.b(x).relu() * x
+        torch._dynamo.graph_break()
+        return self.a(h)
+
+
+@pytest.mark.parametrize("inner", INNERS)
+def test_graph_break(inner):
+    torch.manual_seed(0)
+    model, x = GraphBreak(), (torch.randn(16, 64),)
+    backend = cpu_backend(inner=inner)
+    got = train_step(model, x, backend)
+    assert_same(got, train_step(model, x))
+    assert len(backend.reports) == 2
+    assert all(r.offloaded for r in backend.reports)
+
+
+@pytest.mark.parametrize("inner", INNERS)
+def test_no_grad_inference_is_unchanged(inner):
+    torch.manual_seed(0)
+    model, x = MLP(), torch.randn(8, 64)
+    backend = cpu_backend(inner=inner)
+    with torch.no_grad():
+        got = torch.compile(model, backend=backend)(x)
+        torch.testing.assert_close(got, model(x))
+    assert backend.reports == [], "an inference graph saves nothing for backward: no plan, no rewrite"
+
+
+def test_policy_none_is_pass_through():
+    torch.manual_seed(0)
+    model, x = MLP(), (torch.randn(8, 64),)
+    backend = cpu_backend(policy="none", inner="aot_eager")
+    assert_same(train_step(model, x, backend), train_step(model, x))
+    (report,) = backend.reports
+    assert report.offloaded == () and "fxoffload" not in report.graph_code()
+    assert all(r.reason == "policy='none'" for r in report.saved)
+
+
+def test_cpu_graph_unchanged_without_offload_cpu(caplog):
+    torch.manual_seed(0)
+    model, x = MLP(), (torch.randn(8, 64),)
+    backend = fxoffload.backend(min_bytes=0, inner="aot_eager")
+    with caplog.at_level("INFO", logger="fxoffload"):
+        assert_same(train_step(model, x, backend), train_step(model, x))
+    (report,) = backend.reports
+    assert report.offloaded == ()
+    assert "no accelerator tensors" in report.note
+    assert any("no accelerator tensors" in r.getMessage() for r in caplog.records)
