@@ -58,6 +58,9 @@ class GPT(nn.Module):
         self.pos = nn.Embedding(cfg.seq, cfg.dim)
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.layers))
         self.ln = nn.LayerNorm(cfg.dim)
+        for module in self.modules():  # GPT-2's initialisation: small weights, a sane first loss
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(module.weight, std=0.02)
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         pos = torch.arange(idx.shape[1], device=idx.device)

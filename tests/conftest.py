@@ -47,3 +47,12 @@ def assert_same(a, b, rtol=1e-5, atol=1e-5):
     assert grads_a.keys() == grads_b.keys()
     for name in grads_a:
         torch.testing.assert_close(grads_a[name], grads_b[name], rtol=rtol, atol=atol, msg=name)
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "cuda" in item.keywords:
+            item.add_marker(skip)
