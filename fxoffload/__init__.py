@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import logging
 
-from . import backend as backend_module
 from . import ops
 from .backend import OffloadBackend, backend, fxoffload_backend, offload_pass, reports
 from .lifetimes import SavedTensor, analyze_saved_tensors
@@ -29,7 +28,6 @@ __all__ = [
     "SavedTensor",
     "analyze_saved_tensors",
     "backend",
-    "backend_module",
     "fxoffload_backend",
     "host_pool_stats",
     "offload_pass",

@@ -85,6 +85,7 @@ class _OffloadPartitioner(_compat.CustomPartitionerFn):
         fw, bw = _compat.call_partitioner(self.options.partitioner, joint, joint_inputs, **kwargs)
         num_fwd_outputs = kwargs["num_fwd_outputs"]
         static = kwargs.get("static_lifetime_input_indices") or ()
+        host_before = self.backend.host_bytes_planned
         plan = offload_pass(
             fw, bw, num_fwd_outputs, static, self.options,
             host_bytes_available=self._host_left(),
@@ -92,9 +93,7 @@ class _OffloadPartitioner(_compat.CustomPartitionerFn):
         )  # fmt: skip
         with _graph_ids_lock:
             graph_id = next(_graph_ids)
-        report = OffloadReport.from_plan(
-            graph_id, plan, fw.code, bw.code, len(fw.graph.nodes), len(bw.graph.nodes)
-        )
+        report = OffloadReport.from_plan(graph_id, plan, fw, bw, self.options.host_budget, host_before)
         self.backend.record(report)
         log.debug("fxoffload plan for graph %d:\n%s", graph_id, report.table())
         return fw, bw
@@ -152,7 +151,9 @@ def fxoffload_backend(
 ) -> Callable[..., Any]:
     """Entry point of ``torch.compile(model, backend="fxoffload", options={...})``."""
     opts = OffloadOptions.from_dict(options or {}, **({"mode": mode} if mode else {}))
-    obj = _named_backends.setdefault(opts, OffloadBackend(opts))
+    obj = _named_backends.get(opts)
+    if obj is None:
+        obj = _named_backends[opts] = OffloadBackend(opts)
     return obj(gm, example_inputs)
 
 

@@ -254,12 +254,9 @@ def _offload_impl(src: torch.Tensor, after: Sequence[torch.Tensor]) -> torch.Ten
     transfer = _transfer_stream(src.device)
     transfer.wait_stream(compute)  # the producer and the last forward users have been issued
     event = torch.Event(device=src.device)
-    torch.accelerator.set_stream(transfer)
-    try:
+    with transfer:  # restores the previous stream and current device on exit
         host.copy_(src, non_blocking=host.is_pinned())
         transfer.record_event(event)
-    finally:
-        torch.accelerator.set_stream(compute)
     _register(host, event, src.device)
     return host
 
@@ -278,12 +275,9 @@ def _reload_impl(
     transfer = _transfer_stream(device)
     transfer.wait_stream(compute)  # the allocation of dest is ordered before the copy into it
     event = torch.Event(device=device)
-    torch.accelerator.set_stream(transfer)
-    try:
+    with transfer:
         dest.copy_(host, non_blocking=host.is_pinned())
         transfer.record_event(event)
-    finally:
-        torch.accelerator.set_stream(compute)
     _register(dest, event, device)
     return dest
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import torch.fx as fx
+
 from tabulate import tabulate
 
 from .plan import OFFLOAD, OffloadPlan, fmt_bytes
@@ -38,9 +40,19 @@ class OffloadReport:
     bw_code: str
     fw_nodes: int
     bw_nodes: int
+    host_budget: int | None  # the backend's bound on host bytes; None: unbounded
+    host_bytes_total: int  # host bytes planned by this and the earlier graphs of the same backend
 
     @classmethod
-    def from_plan(cls, graph_id: int, plan: OffloadPlan, fw_code: str, bw_code: str, fw_nodes: int, bw_nodes: int) -> OffloadReport:
+    def from_plan(
+        cls,
+        graph_id: int,
+        plan: OffloadPlan,
+        fw: fx.GraphModule,
+        bw: fx.GraphModule,
+        host_budget: int | None,
+        host_bytes_before: int,
+    ) -> OffloadReport:
         rows = tuple(
             SavedRow(
                 name=d.saved.name,
@@ -57,7 +69,11 @@ class OffloadReport:
             )
             for d in plan.decisions
         )
-        return cls(graph_id, plan.policy, rows, plan.note, fw_code, bw_code, fw_nodes, bw_nodes)
+        return cls(
+            graph_id, plan.policy, rows, plan.note, fw.code, bw.code,
+            len(fw.graph.nodes), len(bw.graph.nodes),
+            host_budget, host_bytes_before + plan.offloaded_bytes,
+        )  # fmt: skip
 
     @property
     def offloaded(self) -> tuple[SavedRow, ...]:
@@ -83,6 +99,8 @@ class OffloadReport:
             f"{len(self.saved)} saved tensors offloaded, {fmt_bytes(self.offloaded_bytes)} of "
             f"{fmt_bytes(self.saved_bytes)}"
         )
+        budget = "unbounded" if self.host_budget is None else fmt_bytes(self.host_budget)
+        header += f"\nhost memory: {fmt_bytes(self.host_bytes_total)} planned by this backend (host_budget: {budget})"
         if self.note:
             header += f"\n{self.note}"
         body = tabulate(

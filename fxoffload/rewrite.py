@@ -58,7 +58,7 @@ def _rewrite_forward(graph: fx.Graph, order: list[fx.Node], x: fx.Node, prefetch
     index = {n: i for i, n in enumerate(order) if n.op != "output"}
     # Every reader of the storage, through any alias: a saved view of ``relu`` frees relu's storage.
     users = [u for u in storage_users(storage_root(x)) if u in index and u is not x]
-    deps = _tensor_results(u for u in users if is_compute(u))
+    deps = _tensor_results(_maximal([u for u in users if is_compute(u)], index))
     # A multi-output user is represented by its getitems, which may come after it.
     last = max([x, *users, *deps], key=index.__getitem__)
     with graph.inserting_after(last):
@@ -103,6 +103,33 @@ def _call(graph: fx.Graph, op: torch._ops.OpOverload, args: tuple) -> fx.Node:
     with vals[0].fake_mode:
         node.meta["val"] = op(*vals, after)
     return node
+
+
+def _maximal(nodes: list[fx.Node], index: dict[fx.Node, int]) -> list[fx.Node]:
+    """The nodes that are not ancestors of another one in ``nodes``.
+
+    An edge on a later reader already orders the copy after its ancestors, and every extra edge keeps
+    one more output alive until the copy starts. The search walks backwards from each node and stops
+    at the earliest candidate's position, so readers close together cost little.
+    """
+    if len(nodes) < 2:
+        return nodes
+    candidates = set(nodes)
+    floor = min(index[n] for n in nodes)
+    covered: set[fx.Node] = set()
+    for n in sorted(nodes, key=index.__getitem__, reverse=True):
+        if n in covered:
+            continue
+        stack, seen = list(n.all_input_nodes), set()
+        while stack:
+            m = stack.pop()
+            if m in seen or index.get(m, -1) < floor:
+                continue
+            seen.add(m)
+            if m in candidates:
+                covered.add(m)
+            stack.extend(m.all_input_nodes)
+    return [n for n in nodes if n not in covered]
 
 
 def _tensor_results(nodes) -> list[fx.Node]:

@@ -97,6 +97,8 @@ def test_host_budget_bounds_offloaded_bytes():
     report = bounded.reports[0]
     assert 0 < report.offloaded_bytes <= budget
     assert any("host_budget reached" in r.reason for r in report.saved)
+    assert report.host_budget == budget and report.host_bytes_total == report.offloaded_bytes
+    assert "host_budget:" in report.table() and "host_budget: unbounded" in full.reports[0].table()
     expected = train_step(model, x)
     torch.testing.assert_close(got[0], expected[0])
 

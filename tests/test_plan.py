@@ -1,0 +1,118 @@
+"""The planner is a pure function: synthetic saved-tensor records in, decisions and reasons out."""
+
+import dataclasses
+
+import pytest
+import torch
+
+from fxoffload.lifetimes import GraphLifetimes, SavedTensor, is_dense
+from fxoffload.options import OffloadOptions
+from fxoffload.plan import KEEP, OFFLOAD, plan_offloads
+
+from .conftest import cpu_backend, train_step
+
+
+def saved(name="t", nbytes=4 << 20, device="cuda", **kw) -> SavedTensor:
+    base = dict(
+        name=name, output_index=0, shape=(nbytes // 4,), stride=(1,), dtype=torch.float32,
+        device=torch.device(device), nbytes=nbytes, producer="mm", storage=name, is_view=False,
+        is_graph_input=False, is_static_input=False, is_user_output=False, is_dense=True,
+        shares_storage_with=(), fw_position=3, fw_last_use=5, fw_last_user="u", fw_compute_after=10,
+        bw_first_use=7, bw_first_user="g", bw_compute_before=10,
+    )  # fmt: skip
+    base.update(kw)
+    return SavedTensor(**base)
+
+
+def plan(records, **options):
+    lifetimes = GraphLifetimes(tuple(records), 100, 100, ("cuda",))
+    return plan_offloads(lifetimes, OffloadOptions.from_dict(options))
+
+
+@pytest.mark.parametrize(
+    "fields, reason",
+    [
+        (dict(is_static_input=True, is_graph_input=True), "parameter or buffer"),
+        (dict(is_graph_input=True), "graph input"),
+        (dict(is_user_output=True), "returned to the caller"),
+        (dict(shares_storage_with=("v",), storage="b"), "also saved as v"),
+        (dict(is_dense=False, stride=(2,)), "non-dense layout"),
+        (dict(nbytes=1024), "< min_bytes"),
+        (dict(device="cpu"), "offload_cpu=True"),
+        (dict(bw_first_use=-1), "not used by the backward"),
+    ],
+)
+def test_each_ineligible_case_is_kept_with_its_reason(fields, reason):
+    (d,) = plan([saved(**fields)], policy="all").decisions
+    assert d.decision == KEEP and reason in d.reason
+
+
+def test_a_view_whose_base_is_not_saved_is_offloadable():
+    (d,) = plan([saved(is_view=True, storage="relu")], policy="all").decisions
+    assert d.decision == OFFLOAD
+
+
+def test_auto_keeps_tensors_needed_again_at_once():
+    late = saved("last_layer", fw_compute_after=1, bw_compute_before=2)
+    early = saved("first_layer", output_index=1)
+    decisions = {d.saved.name: d for d in plan([late, early], policy="auto", prefetch=4).decisions}
+    assert decisions["first_layer"].decision == OFFLOAD
+    assert decisions["last_layer"].decision == KEEP and "too soon" in decisions["last_layer"].reason
+    all_policy = {d.saved.name: d.decision for d in plan([late, early], policy="all").decisions}
+    assert all_policy == {"last_layer": OFFLOAD, "first_layer": OFFLOAD}
+
+
+def test_host_budget_takes_largest_first_deterministically():
+    records = [saved(f"t{i}", nbytes=n << 20, output_index=i) for i, n in enumerate([2, 8, 4, 8])]
+    lifetimes = GraphLifetimes(tuple(records), 100, 100, ("cuda",))
+    options = OffloadOptions(policy="all")
+    first = plan_offloads(lifetimes, options, host_bytes_available=13 << 20)
+    assert [d.saved.name for d in first.offloaded] == ["t1", "t2"]  # 8 MiB then 4 MiB; the other 8 does not fit
+    assert "host_budget reached" in first.decisions[3].reason
+    assert first == plan_offloads(lifetimes, options, host_bytes_available=13 << 20)
+
+
+def test_cpu_only_graph_is_left_unchanged_with_a_note():
+    lifetimes = GraphLifetimes((saved(device="cpu"),), 10, 10, ("cpu",))
+    p = plan_offloads(lifetimes, OffloadOptions(policy="all"))
+    assert p.offloaded == () and "no accelerator tensors" in p.note
+
+
+def test_policy_none_keeps_everything():
+    p = plan([saved()], policy="none")
+    assert p.offloaded == () and p.decisions[0].reason == "policy='none'"
+
+
+def test_is_dense():
+    assert is_dense(torch.empty(4, 6).t())
+    assert is_dense(torch.empty(2, 3, 4, 5).permute(0, 2, 3, 1))
+    assert not is_dense(torch.empty(4, 6)[:, :3])
+    assert not is_dense(torch.empty(4, 1).expand(4, 6))
+
+
+def test_cuda_graph_modes_turn_offloading_off_with_a_reason():
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 1))
+    x = (torch.randn(4, 16),)
+    backend = cpu_backend(mode="reduce-overhead")
+    got = train_step(lambda_module(model), x, backend)
+    ref = train_step(lambda_module(model), x)
+    torch.testing.assert_close(got[0], ref[0])
+    (report,) = backend.reports
+    assert report.offloaded == () and "CUDA graphs" in report.note
+
+
+def lambda_module(seq):
+    class Wrap(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.seq = seq
+
+        def forward(self, x):
+            return self.seq(x).sum()
+
+    return Wrap()
+
+
+def test_saved_tensor_records_are_frozen():
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        saved().nbytes = 1
