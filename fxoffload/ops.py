@@ -50,9 +50,10 @@ class HostPoolStats:
     """What the host buffer pool holds now."""
 
     buffers: int  # buffers allocated by the pool, free or in use
-    bytes_allocated: int  # bytes of those buffers
-    bytes_in_use: int  # bytes of buffers that some tensor still references
-    peak_bytes_in_use: int  # the most bytes in use at once since the last reset
+    # Bytes of those buffers. A bucket grows only when all its buffers are in use, so this is also the
+    # high-water mark of host memory in use at once (per size).
+    bytes_allocated: int
+    bytes_in_use: int  # bytes of buffers that some tensor still references now
     pinned_bytes: int  # bytes of those buffers that are page-locked (only with an accelerator)
     pin_failed: bool  # a pinned allocation failed and the pool fell back to pageable memory
 
@@ -60,7 +61,7 @@ class HostPoolStats:
 class HostBufferPool:
     """Host buffers reused across steps, one bucket per exact byte size.
 
-    A buffer is free when nothing but the pool references its storage (``_storage_Use_Count == 1``),
+    A buffer is free when nothing but the pool references its storage (use count 1),
     so a buffer still held by autograd (``retain_graph=True``, a second backward) is never handed out
     twice. Pinned allocations cost milliseconds and can synchronise; steps repeat the same sizes, so
     after the first step no allocation happens at all.
@@ -69,16 +70,12 @@ class HostBufferPool:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._buckets: dict[tuple[int, bool], list[torch.UntypedStorage]] = {}
-        self._peak_in_use = 0
         self._pin_failed = False
 
     def acquire(self, nbytes: int, pin: bool) -> torch.UntypedStorage:
         pin = pin and not self._pin_failed
         with self._lock:
             bucket = self._buckets.setdefault((nbytes, pin), [])
-            # The buffer handed out is free now, so count it by hand in the peak.
-            in_use = self._bytes_in_use() + nbytes
-            self._peak_in_use = max(self._peak_in_use, in_use)
             for storage in bucket:
                 if _use_count(storage) == 1:
                     return storage
@@ -112,7 +109,6 @@ class HostBufferPool:
                 buffers=len(storages),
                 bytes_allocated=sum(s.nbytes() for s in storages),
                 bytes_in_use=self._bytes_in_use(),
-                peak_bytes_in_use=self._peak_in_use,
                 pinned_bytes=sum(s.nbytes() for s in storages if s.is_pinned()),
                 pin_failed=self._pin_failed,
             )
@@ -121,7 +117,6 @@ class HostBufferPool:
         """Drop the free buffers (buffers still in use stay alive through their tensors)."""
         with self._lock:
             self._buckets.clear()
-            self._peak_in_use = 0
 
 
 def _use_count(storage: torch.UntypedStorage) -> int:
