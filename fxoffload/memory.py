@@ -1,0 +1,172 @@
+"""Memory model: live device bytes after every node of a forward/backward pair. Pure, reads graphs.
+
+Rules (sizes from fake values, symbolic sizes at their hints):
+
+- A node's output storage is allocated when the node runs and freed after the last node that reads
+  it through any alias; views and getitems of aliasing ops allocate nothing.
+- Forward placeholders are "parameters" when static (parameters, buffers) and "inputs" otherwise;
+  both live through the whole step.
+- Forward outputs saved for the backward are "saved" from their producer until their last backward
+  use; user outputs live until the end of the forward; everything else is "transient".
+- Backward outputs are "gradients" and live until the end of the backward; tangents are "transient".
+- Host tensors (the outputs of ``fxoffload.offload`` and the backward placeholders holding them) are
+  not device memory. A ``fxoffload.reload`` allocates its device destination when it is issued.
+
+The model predicts allocated bytes (what ``torch.cuda.max_memory_allocated`` measures), not reserved
+bytes: the caching allocator's rounding and fragmentation come on top.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import torch
+import torch.fx as fx
+
+from . import ops
+from .lifetimes import _tensor_bytes, storage_root
+
+CATEGORIES = ("parameters", "inputs", "saved", "transient", "gradients")
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryPoint:
+    phase: str  # "forward" or "backward"
+    node: str
+    live: dict[str, int]  # bytes per category after the node ran
+
+    @property
+    def total(self) -> int:
+        return sum(self.live.values())
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryTimeline:
+    points: tuple[MemoryPoint, ...]
+
+    @property
+    def peak(self) -> MemoryPoint:
+        return max(self.points, key=lambda p: p.total)
+
+    @property
+    def peak_bytes(self) -> int:
+        return self.peak.total if self.points else 0
+
+    def totals(self) -> list[int]:
+        return [p.total for p in self.points]
+
+
+def _is_host(node: fx.Node) -> bool:
+    if node.op == "call_function" and node.target in (ops.offload,):
+        return True
+    if node.op == "call_function" and node.target is ops.wait:
+        return _is_host(node.args[0])
+    if node.op == "placeholder":
+        return any(u.target is ops.reload and u.args[0] is node for u in node.users)
+    return False
+
+
+def _bytes(node: fx.Node) -> int:
+    val = node.meta.get("val")
+    if not isinstance(val, torch.Tensor) or _is_host(node) or val.device.type == "meta":
+        return 0
+    return _tensor_bytes(val)
+
+
+def _owners(nodes: Sequence[fx.Node]) -> dict[fx.Node, fx.Node]:
+    """Storage owner of every tensor node (itself unless it is a view)."""
+    return {n: storage_root(n) for n in nodes if isinstance(n.meta.get("val"), torch.Tensor)}
+
+
+def _last_uses(nodes: Sequence[fx.Node], owners: dict[fx.Node, fx.Node]) -> dict[fx.Node, int]:
+    """Index of the last node reading each storage owner (the output node counts)."""
+    index = {n: i for i, n in enumerate(nodes)}
+    last: dict[fx.Node, int] = {}
+    for n in nodes:
+        for inp in n.all_input_nodes:
+            owner = owners.get(inp)
+            if owner is not None:
+                last[owner] = max(last.get(owner, -1), index[n])
+    return last
+
+
+def simulate(
+    fw: fx.GraphModule,
+    bw: fx.GraphModule,
+    num_fwd_outputs: int,
+    static_input_indices: Sequence[int] = (),
+) -> MemoryTimeline:
+    """The device-memory timeline of one training step through ``fw`` then ``bw``."""
+    live = dict.fromkeys(CATEGORIES, 0)
+    points: list[MemoryPoint] = []
+
+    # ---- forward
+    nodes = list(fw.graph.nodes)
+    owners = _owners(nodes)
+    last = _last_uses(nodes, owners)
+    placeholders = [n for n in nodes if n.op == "placeholder"]
+    static = {placeholders[i] for i in static_input_indices if i < len(placeholders)}
+    outputs = list(fw.graph.output_node().args[0])
+    saved_owners = {owners[o] for o in outputs[num_fwd_outputs:] if o in owners}
+    user_owners = {owners[o] for o in outputs[:num_fwd_outputs] if o in owners}
+    category: dict[fx.Node, str] = {}
+    frees: dict[int, list[fx.Node]] = {}
+    for i, n in enumerate(nodes):
+        if n.op == "output":
+            break
+        if owners.get(n) is n and _bytes(n):
+            if n.op == "placeholder":
+                category[n] = "parameters" if n in static else "inputs"
+            else:
+                category[n] = "saved" if n in saved_owners else "transient"
+                if n not in saved_owners and n not in user_owners:
+                    frees.setdefault(last.get(n, i), []).append(n)
+            live[category[n]] += _bytes(n)
+        for dead in frees.pop(i, ()):
+            live[category[dead]] -= _bytes(dead)
+        points.append(MemoryPoint("forward", n.name, dict(live)))
+    # User outputs (the loss, typically) are consumed by autograd at the end of the forward.
+    for owner in user_owners - saved_owners:
+        if owner in category and category[owner] == "transient":
+            live["transient"] -= _bytes(owner)
+
+    # ---- backward: saved tensors enter as placeholders named like the forward outputs
+    saved_owner_of = {
+        o.name: owners[o] for o in outputs[num_fwd_outputs:] if o in owners and category.get(owners[o]) == "saved"
+    }
+    persistent = {o.name for o in outputs[num_fwd_outputs:] if isinstance(o, fx.Node)} - set(saved_owner_of)
+    nodes = list(bw.graph.nodes)
+    bw_owners = _owners(nodes)
+    last = _last_uses(nodes, bw_owners)
+    grads = {
+        bw_owners[o] for o in bw.graph.output_node().args[0] if isinstance(o, fx.Node) and o in bw_owners
+    }
+    # A forward storage saved through several placeholders is freed after the last of them.
+    saved_last: dict[fx.Node, int] = {}
+    for i, n in enumerate(nodes):
+        if n.op == "placeholder" and n.name in saved_owner_of:
+            owner = saved_owner_of[n.name]
+            saved_last[owner] = max(saved_last.get(owner, i), last.get(n, i))
+    frees_saved: dict[int, list[fx.Node]] = {}
+    for owner, i in saved_last.items():
+        frees_saved.setdefault(i, []).append(owner)
+    bw_category: dict[fx.Node, str] = {}
+    frees = {}
+    for i, n in enumerate(nodes):
+        if n.op == "output":
+            break
+        if bw_owners.get(n) is n and n.name not in saved_owner_of and n.name not in persistent and _bytes(n):
+            if n.op == "placeholder":
+                bw_category[n] = "transient"  # tangents
+            else:
+                bw_category[n] = "gradients" if n in grads else "transient"
+            live[bw_category[n]] += _bytes(n)
+            if bw_category[n] == "transient":
+                frees.setdefault(last.get(n, i), []).append(n)
+        for dead in frees.pop(i, ()):
+            live[bw_category[dead]] -= _bytes(dead)
+        for owner in frees_saved.pop(i, ()):
+            live["saved"] -= _bytes(owner)
+        points.append(MemoryPoint("backward", n.name, dict(live)))
+    return MemoryTimeline(tuple(points))

@@ -1,0 +1,75 @@
+"""The memory model against timelines computed by hand."""
+
+import torch
+import torch.fx as fx
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from fxoffload.lifetimes import analyze_saved_tensors
+from fxoffload.memory import simulate
+from fxoffload.options import OffloadOptions
+from fxoffload.plan import plan_offloads
+from fxoffload.rewrite import apply_plan
+
+aten = torch.ops.aten
+
+
+def _pair():
+    """forward: a = mm(x, p) [1000 B]; b = relu(a) [1000 B, saved]; c = sum(b) [4 B, returned]
+    backward: g = mul(t, b) [1000 B, gradient]. p: 400 B parameter, x: 200 B input, t: 4 B tangent."""
+    mode = FakeTensorMode()
+    with mode:
+        vals = {
+            "p": torch.empty(10, 10), "x": torch.empty(25, 2), "a": torch.empty(250),
+            "b": torch.empty(250), "c": torch.empty(()), "t": torch.empty(()), "g": torch.empty(250),
+        }  # fmt: skip
+
+    def node(graph, name, target=None, args=()):
+        n = graph.placeholder(name) if target is None else graph.call_function(target, args)
+        n.name = name
+        n.meta["val"] = vals[name]
+        return n
+
+    fg = fx.Graph()
+    p, x = node(fg, "p"), node(fg, "x")
+    a = node(fg, "a", aten.mm.default, (x, p))
+    b = node(fg, "b", aten.relu.default, (a,))
+    c = node(fg, "c", aten.sum.default, (b,))
+    fg.output((c, b))
+    bg = fx.Graph()
+    b_in, t = node(bg, "b"), node(bg, "t")
+    g = node(bg, "g", aten.mul.Tensor, (t, b_in))
+    bg.output((g,))
+    return fx.GraphModule({}, fg), fx.GraphModule({}, bg)
+
+
+def test_hand_computed_timeline():
+    fw, bw = _pair()
+    timeline = simulate(fw, bw, num_fwd_outputs=1, static_input_indices=[0])
+    assert [(p.phase, p.node, p.total) for p in timeline.points] == [
+        ("forward", "p", 400),
+        ("forward", "x", 600),
+        ("forward", "a", 1600),
+        ("forward", "b", 1600),  # a dies after its last reader b
+        ("forward", "c", 1604),
+        ("backward", "b", 1600),  # the returned loss is gone; b is still saved
+        ("backward", "t", 1604),
+        ("backward", "g", 1600),  # gradient in, tangent and saved b out
+    ]
+    assert timeline.points[3].live == {"parameters": 400, "inputs": 200, "saved": 1000, "transient": 0, "gradients": 0}
+    assert (timeline.peak.phase, timeline.peak.node, timeline.peak_bytes) == ("forward", "c", 1604)
+
+
+def test_offloaded_tensor_leaves_the_device_between_phases():
+    fw, bw = _pair()
+    options = OffloadOptions(policy="all", min_bytes=0, offload_cpu=True, prefetch=0)
+    plan = plan_offloads(analyze_saved_tensors(fw, bw, 1, [0]), options)
+    assert [d.saved.name for d in plan.offloaded] == ["b"]
+    apply_plan(fw, bw, plan, prefetch=0)
+    timeline = simulate(fw, bw, num_fwd_outputs=1, static_input_indices=[0])
+    points = {(p.phase, p.node): p for p in timeline.points}
+    forward = [p for p in timeline.points if p.phase == "forward"]
+    # b is transient now, released at its wait; the host copy costs no device memory.
+    assert forward[-1].total == 604 and forward[-1].live["saved"] == 0
+    reload = next(p for p in timeline.points if p.node.startswith("reload"))
+    assert reload.total == 1604  # reload allocates b again just before its use
+    assert points[("backward", "g")].total == 1600
