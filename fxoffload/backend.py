@@ -12,6 +12,7 @@ import torch.fx as fx
 
 from . import _compat
 from .lifetimes import analyze_saved_tensors
+from .memory import simulate
 from .options import OffloadOptions
 from .plan import OffloadPlan, fmt_bytes, plan_offloads
 from .report import OffloadReport
@@ -86,6 +87,7 @@ class _OffloadPartitioner(_compat.CustomPartitionerFn):
         num_fwd_outputs = kwargs["num_fwd_outputs"]
         static = kwargs.get("static_lifetime_input_indices") or ()
         host_before = self.backend.host_bytes_planned
+        memory_before = simulate(fw, bw, num_fwd_outputs, tuple(static))
         plan = offload_pass(
             fw, bw, num_fwd_outputs, static, self.options,
             host_bytes_available=self._host_left(),
@@ -93,7 +95,10 @@ class _OffloadPartitioner(_compat.CustomPartitionerFn):
         )  # fmt: skip
         with _graph_ids_lock:
             graph_id = next(_graph_ids)
-        report = OffloadReport.from_plan(graph_id, plan, fw, bw, self.options.host_budget, host_before)
+        memory_after = simulate(fw, bw, num_fwd_outputs, tuple(static)) if plan.offloaded else memory_before
+        report = OffloadReport.from_plan(
+            graph_id, plan, fw, bw, self.options.host_budget, host_before, memory_before, memory_after
+        )
         self.backend.record(report)
         log.debug("fxoffload plan for graph %d:\n%s", graph_id, report.table())
         return fw, bw

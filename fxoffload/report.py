@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import torch.fx as fx
 
 from tabulate import tabulate
 
+from .memory import MemoryPoint, MemoryTimeline
 from .plan import OFFLOAD, OffloadPlan, fmt_bytes
 
 
@@ -42,6 +44,8 @@ class OffloadReport:
     bw_nodes: int
     host_budget: int | None  # the backend's bound on host bytes; None: unbounded
     host_bytes_total: int  # host bytes planned by this and the earlier graphs of the same backend
+    memory_before: MemoryTimeline | None = None  # predicted device memory per node, without fxoffload
+    memory_after: MemoryTimeline | None = None  # the same for the rewritten graphs
 
     @classmethod
     def from_plan(
@@ -52,6 +56,8 @@ class OffloadReport:
         bw: fx.GraphModule,
         host_budget: int | None,
         host_bytes_before: int,
+        memory_before: MemoryTimeline | None = None,
+        memory_after: MemoryTimeline | None = None,
     ) -> OffloadReport:
         rows = tuple(
             SavedRow(
@@ -72,7 +78,7 @@ class OffloadReport:
         return cls(
             graph_id, plan.policy, rows, plan.note, fw.code, bw.code,
             len(fw.graph.nodes), len(bw.graph.nodes),
-            host_budget, host_bytes_before + plan.offloaded_bytes,
+            host_budget, host_bytes_before + plan.offloaded_bytes, memory_before, memory_after,
         )  # fmt: skip
 
     @property
@@ -109,6 +115,56 @@ class OffloadReport:
             maxcolwidths=[None, None, None, None, None, None, 60],
         )
         return f"{header}\n{body}"
+
+    @property
+    def predicted_peak_before(self) -> int:
+        return self.memory_before.peak_bytes if self.memory_before else 0
+
+    @property
+    def predicted_peak_after(self) -> int:
+        return self.memory_after.peak_bytes if self.memory_after else 0
+
+    def timeline(self) -> list[dict[str, object]]:
+        """Predicted live device bytes after every node, without and with fxoffload, as data."""
+        out: list[dict[str, object]] = []
+        for which, timeline in (("before", self.memory_before), ("after", self.memory_after)):
+            for i, p in enumerate(timeline.points if timeline else ()):
+                out.append({"graph": which, "step": i, "phase": p.phase, "node": p.node, "total": p.total, **p.live})
+        return out
+
+    def summary(self) -> str:
+        """Predicted peak before and after, split by category, bytes offloaded and host memory."""
+        lines = [f"graph {self.graph_id} (policy={self.policy!r})"]
+        for label, timeline in (("without fxoffload", self.memory_before), ("with fxoffload", self.memory_after)):
+            if not timeline or not timeline.points:
+                continue
+            peak = timeline.peak
+            parts = ", ".join(f"{k} {fmt_bytes(v)}" for k, v in peak.live.items() if v)
+            lines.append(
+                f"  predicted peak {label}: {fmt_bytes(peak.total)} at {peak.phase} node {peak.node} ({parts})"
+            )
+        lines.append(
+            f"  offloaded: {len(self.offloaded)} of {len(self.saved)} saved tensors, "
+            f"{fmt_bytes(self.offloaded_bytes)} of {fmt_bytes(self.saved_bytes)}"
+        )
+        budget = "unbounded" if self.host_budget is None else fmt_bytes(self.host_budget)
+        lines.append(f"  host memory planned by this backend: {fmt_bytes(self.host_bytes_total)} (host_budget: {budget})")
+        if self.note:
+            lines.append(f"  note: {self.note}")
+        return "\n".join(lines)
+
+    def to_json(self) -> str:
+        """The whole report as JSON; ``OffloadReport.from_json`` reads it back."""
+        return json.dumps(dataclasses.asdict(self), indent=1)
+
+    @classmethod
+    def from_json(cls, text: str) -> OffloadReport:
+        data = json.loads(text)
+        data["saved"] = tuple(SavedRow(**{**r, "shape": tuple(r["shape"])}) for r in data["saved"])
+        for key in ("memory_before", "memory_after"):
+            if data[key] is not None:
+                data[key] = MemoryTimeline(tuple(MemoryPoint(**p) for p in data[key]["points"]))
+        return cls(**data)
 
     def graph_code(self) -> str:
         """The rewritten forward and backward graphs as Python code (before the inner compiler)."""

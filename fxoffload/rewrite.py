@@ -28,7 +28,7 @@ import torch
 import torch.fx as fx
 
 from . import ops
-from .lifetimes import is_compute, storage_root, storage_users
+from .lifetimes import is_compute, is_view, storage_root, storage_users
 from .plan import OffloadPlan
 
 
@@ -37,6 +37,7 @@ def apply_plan(fw: fx.GraphModule, bw: fx.GraphModule, plan: OffloadPlan, prefet
     chosen = plan.offloaded
     if not chosen:
         return
+    _hoist_saved_views(fw.graph, [d.saved.name for d in chosen])
     fw_nodes = {n.name: n for n in fw.graph.nodes}
     bw_nodes = {n.name: n for n in bw.graph.nodes if n.op == "placeholder"}
     fw_order = list(fw.graph.nodes)
@@ -52,6 +53,30 @@ def apply_plan(fw: fx.GraphModule, bw: fx.GraphModule, plan: OffloadPlan, prefet
     for gm in (fw, bw):
         gm.graph.lint()
         gm.recompile()
+
+
+def _hoist_saved_views(graph: fx.Graph, names: list[str]) -> None:
+    """Move each saved view (and its chain of views) right after its inputs.
+
+    Partitioners emit the views they save at the end of the forward, which keeps the base storage
+    alive until then whatever we do. A view computes nothing, so moving it up is free, and the base
+    can then be copied out and released as soon as its real readers are done.
+    """
+    by_name = {n.name: n for n in graph.nodes}
+    for name in names:
+        chain = []
+        node = by_name[name]
+        while is_view(node):
+            chain.append(node)
+            node = node.args[0]
+        if not chain:
+            continue
+        index = {n: i for i, n in enumerate(graph.nodes)}
+        for view in reversed(chain):  # the one closest to the base first
+            latest = max(view.all_input_nodes, key=index.__getitem__)
+            if index[latest] + 1 < index[view]:
+                latest.append(view)
+                index = {n: i for i, n in enumerate(graph.nodes)}
 
 
 def _rewrite_forward(graph: fx.Graph, order: list[fx.Node], x: fx.Node, prefetch: int) -> fx.Node:
