@@ -79,14 +79,16 @@ class HostBufferPool:
             for storage in bucket:
                 if _use_count(storage) == 1:
                     return storage
-            storage = self._allocate(nbytes, pin)
-            self._buckets.setdefault((nbytes, storage.is_pinned()), []).append(storage)
+            storage, pinned = self._allocate(nbytes, pin)
+            self._buckets.setdefault((nbytes, pinned), []).append(storage)
             return storage
 
-    def _allocate(self, nbytes: int, pin: bool) -> torch.UntypedStorage:
+    def _allocate(self, nbytes: int, pin: bool) -> tuple[torch.UntypedStorage, bool]:
+        # Whether a buffer is pinned is known here and kept in its bucket's key: asking the storage
+        # (UntypedStorage.is_pinned) goes through a deprecated path on torch 2.11.
         if pin:
             try:
-                return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True).untyped_storage()
+                return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True).untyped_storage(), True
             except RuntimeError as e:  # out of pinned (page-locked) memory
                 self._pin_failed = True
                 warnings.warn(
@@ -95,7 +97,7 @@ class HostBufferPool:
                     RuntimeWarning,
                     stacklevel=3,
                 )
-        return torch.empty(nbytes, dtype=torch.uint8).untyped_storage()
+        return torch.empty(nbytes, dtype=torch.uint8).untyped_storage(), False
 
     def _bytes_in_use(self) -> int:
         return sum(
@@ -105,11 +107,12 @@ class HostBufferPool:
     def stats(self) -> HostPoolStats:
         with self._lock:
             storages = [s for bucket in self._buckets.values() for s in bucket]
+            pinned = [s for (_, is_pinned), bucket in self._buckets.items() if is_pinned for s in bucket]
             return HostPoolStats(
                 buffers=len(storages),
                 bytes_allocated=sum(s.nbytes() for s in storages),
                 bytes_in_use=self._bytes_in_use(),
-                pinned_bytes=sum(s.nbytes() for s in storages if s.is_pinned()),
+                pinned_bytes=sum(s.nbytes() for s in pinned),
                 pin_failed=self._pin_failed,
             )
 
@@ -250,7 +253,7 @@ def _offload_impl(src: torch.Tensor, after: Sequence[torch.Tensor]) -> torch.Ten
     transfer.wait_stream(compute)  # the producer and the last forward users have been issued
     event = torch.Event(device=src.device)
     with transfer:  # restores the previous stream and current device on exit
-        host.copy_(src, non_blocking=host.is_pinned())
+        host.copy_(src, non_blocking=True)  # pinned pool buffer, or pageable: then the copy syncs
         transfer.record_event(event)
     _register(host, event, src.device)
     return host
@@ -271,7 +274,7 @@ def _reload_impl(
     transfer.wait_stream(compute)  # the allocation of dest is ordered before the copy into it
     event = torch.Event(device=device)
     with transfer:
-        dest.copy_(host, non_blocking=host.is_pinned())
+        dest.copy_(host, non_blocking=True)
         transfer.record_event(event)
     _register(dest, event, device)
     return dest
