@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.fxoffload-installed
 
-.PHONY: demo test bench-smoke clean
+.PHONY: demo test test-torch211 bench-smoke clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -18,8 +18,16 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -q
 
+# The other supported torch version, in its own environment (PyPI's 2.11 wheel is the CUDA build,
+# several GB, but runs on a CPU). Not part of CI for that download's sake.
+test-torch211:
+	test -x .venv-211/bin/python || $(PYTHON) -m venv .venv-211
+	.venv-211/bin/python -m pip install -q torch==2.11.0 tabulate==0.10.0 pytest==9.2.0 numpy==2.4.6
+	.venv-211/bin/python -m pip install -q --no-deps -e .
+	.venv-211/bin/python -m pytest -q
+
 bench-smoke: $(STAMP)
 	$(PY) -m bench --preset tiny --steps 2
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) .venv-211 build *.egg-info
