@@ -10,7 +10,9 @@ import logging
 
 from . import ops
 from .backend import OffloadBackend, backend, fxoffload_backend, offload_pass, reports
+from .explain import explain
 from .lifetimes import SavedTensor, analyze_saved_tensors
+from .memory import MemoryTimeline, simulate
 from .ops import host_pool_stats, release_host_memory
 from .options import OffloadOptions
 from .plan import Decision, OffloadPlan, plan_offloads
@@ -25,9 +27,11 @@ __all__ = [
     "OffloadPlan",
     "OffloadReport",
     "SavedRow",
+    "MemoryTimeline",
     "SavedTensor",
     "analyze_saved_tensors",
     "backend",
+    "explain",
     "fxoffload_backend",
     "host_pool_stats",
     "offload_pass",
@@ -35,6 +39,7 @@ __all__ = [
     "plan_offloads",
     "release_host_memory",
     "reports",
+    "simulate",
 ]
 
 logging.getLogger(__name__).addHandler(logging.NullHandler())

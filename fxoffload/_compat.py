@@ -134,3 +134,14 @@ def storage_weak_ref(storage: torch.UntypedStorage) -> int:
 
 def storage_expired(ref: int) -> bool:
     return bool(torch.UntypedStorage._expired(ref))
+
+
+def trace_artifact(name: str, payload: Callable[[], str], encoding: str = "string") -> None:
+    """A structured trace artifact (TORCH_TRACE / tlparse shows it beside the compile it belongs to)."""
+    from torch._logging import trace_structured
+
+    trace_structured(
+        "artifact",
+        metadata_fn=lambda: {"name": name, "encoding": encoding},
+        payload_fn=payload,
+    )

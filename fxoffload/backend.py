@@ -101,6 +101,8 @@ class _OffloadPartitioner(_compat.CustomPartitionerFn):
         )
         self.backend.record(report)
         log.debug("fxoffload plan for graph %d:\n%s", graph_id, report.table())
+        _compat.trace_artifact("fxoffload_plan", report.to_json, encoding="json")
+        _compat.trace_artifact("fxoffload_graphs", report.graph_code)
         return fw, bw
 
     def _host_left(self) -> int | None:

@@ -106,3 +106,66 @@ class CNN(nn.Module):
         h = self.stem(x)
         h = F.relu(h + self.body(h))
         return F.cross_entropy(self.head(h.mean((2, 3))), y)
+
+
+class Seq2Seq(nn.Module):
+    """The attention seq2seq model of the well-known "high GPU memory" forum thread: a packed
+    bidirectional GRU encoder, a bridge to the decoder state, and a GRUCell decoder with additive
+    (Bahdanau) attention, trained with teacher forcing."""
+
+    def __init__(self, vocab: int = 128, emb: int = 32, hidden: int = 64) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, emb)
+        self.encoder = nn.GRU(emb, hidden, batch_first=True, bidirectional=True)
+        self.bridge = nn.Linear(2 * hidden, hidden)
+        self.att_enc = nn.Linear(2 * hidden, hidden, bias=False)
+        self.att_dec = nn.Linear(hidden, hidden)
+        self.att_v = nn.Linear(hidden, 1, bias=False)
+        self.cell = nn.GRUCell(emb + 2 * hidden, hidden)
+        self.out = nn.Linear(hidden, vocab)
+
+    @torch.compiler.disable  # Dynamo does not trace packed sequences; the decoder still compiles
+    def encode(self, src: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        packed = nn.utils.rnn.pack_padded_sequence(self.embed(src), lengths, batch_first=True, enforce_sorted=False)
+        enc, _ = self.encoder(packed)
+        enc, _ = nn.utils.rnn.pad_packed_sequence(enc, batch_first=True, total_length=src.shape[1])
+        return enc
+
+    def forward(self, src: torch.Tensor, lengths: torch.Tensor, tgt: torch.Tensor) -> torch.Tensor:
+        enc = self.encode(src, lengths)
+        mask = torch.arange(src.shape[1], device=src.device)[None, :] < lengths.to(src.device)[:, None]
+        state = torch.tanh(self.bridge(enc.sum(1) / lengths.to(enc.device)[:, None]))
+        keys = self.att_enc(enc)
+        loss = enc.new_zeros(())
+        for t in range(tgt.shape[1] - 1):
+            scores = self.att_v(torch.tanh(keys + self.att_dec(state)[:, None])).squeeze(-1)
+            weights = scores.masked_fill(~mask, float("-inf")).softmax(-1)
+            context = (weights[:, :, None] * enc).sum(1)
+            state = self.cell(torch.cat([self.embed(tgt[:, t]), context], -1), state)
+            loss = loss + F.cross_entropy(self.out(state), tgt[:, t + 1])
+        return loss / (tgt.shape[1] - 1)
+
+
+def seq2seq_batch(batch: int = 4, src_len: int = 12, tgt_len: int = 6, vocab: int = 128, device="cpu"):
+    src = torch.randint(1, vocab, (batch, src_len), device=device)
+    lengths = torch.randint(src_len // 2, src_len + 1, (batch,))
+    lengths[0] = src_len
+    return src, lengths, torch.randint(1, vocab, (batch, tgt_len), device=device)
+
+
+def example(name: str, device: str | torch.device = "cpu"):
+    """A built-in (model, example args) pair: "gpt", "cnn", "seq2seq" or "mlp"."""
+    torch.manual_seed(0)
+    if name == "gpt":
+        cfg = PRESETS["tiny"]
+        return GPT(cfg).to(device), gpt_batch(cfg, 8, device)
+    if name == "cnn":
+        return CNN().to(device), (torch.randn(8, 3, 32, 32, device=device), torch.randint(0, 10, (8,), device=device))
+    if name == "seq2seq":
+        return Seq2Seq().to(device), seq2seq_batch(device=device)
+    if name == "mlp":
+        return MLP().to(device), (torch.randn(32, 64, device=device),)
+    raise ValueError(f"unknown example {name!r}; choose one of: gpt, cnn, seq2seq, mlp")
+
+
+EXAMPLES = ("gpt", "cnn", "seq2seq", "mlp")

@@ -172,27 +172,39 @@ def _tensor_results(nodes) -> list[fx.Node]:
 
 
 def _compute_anchor(order: list[fx.Node], start: int, count: int, step: int) -> fx.Node | None:
-    """The tensor-valued, non-pointwise compute node ``count`` compute nodes away from ``order[start]``.
+    """The node a copy is pinned to: ``count`` compute nodes away from ``order[start]``.
 
-    Non-pointwise nodes (matmuls, reductions, convolutions) are materialised by every compiler, so a
-    data edge on them costs no extra buffer; a pointwise one might otherwise be fused away.
+    Preferred is a node every compiler materialises (a matmul, a convolution, a reduction, or the
+    getitem of a multi-output op such as a convolution's backward), so the data edge costs no
+    extra buffer; a pointwise node might otherwise be fused away. If none is found a little further
+    on, the first tensor-valued compute node at the intended distance is used.
     """
     seen = 0
+    fallback = None
     i = start + step
     while 0 <= i < len(order):
         n = order[i]
         if n.op in ("placeholder", "output"):
-            return None
+            break
         if is_compute(n):
             seen += 1
-            if seen >= count and _materialised(n):
-                return n
+            if seen >= count:
+                anchor = _materialised(n)
+                if anchor is not None:
+                    return anchor
+                if fallback is None and isinstance(n.meta.get("val"), torch.Tensor):
+                    fallback = n
+                if seen > 2 * count + 4 and fallback is not None:
+                    break
         i += step
-    return None
+    return fallback
 
 
-def _materialised(n: fx.Node) -> bool:
-    if not isinstance(n.meta.get("val"), torch.Tensor):
-        return False
-    tags = getattr(n.target, "tags", ())
-    return torch.Tag.pointwise not in tags
+def _materialised(n: fx.Node) -> fx.Node | None:
+    """``n`` itself, or the first tensor getitem of a multi-output ``n``, if compilers keep it."""
+    if torch.Tag.pointwise in getattr(n.target, "tags", ()):
+        return None
+    if isinstance(n.meta.get("val"), torch.Tensor):
+        return n
+    items = [u for u in n.users if u.target is operator.getitem and isinstance(u.meta.get("val"), torch.Tensor)]
+    return min(items, key=lambda u: u.args[1]) if items else None

@@ -1,0 +1,51 @@
+"""``fxoffload.explain``: compile once, return the reports, leave the model as it was."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+from .backend import OffloadBackend
+from .options import OffloadOptions
+from .report import OffloadReport
+
+
+def explain(model_or_fn: Callable[..., Any], *example_args: Any, **options: Any) -> list[OffloadReport]:
+    """The ``OffloadReport`` of every graph fxoffload compiles for ``model_or_fn(*example_args)``.
+
+    Runs one compiled forward (the plan is made when the forward is compiled) and no backward: no
+    gradient is left behind, and parameters, buffers (BatchNorm statistics, for example) and the
+    random number generators are restored afterwards. Inputs or parameters must require grad,
+    otherwise there is no backward to plan for and the list is empty.
+    """
+    backend = OffloadBackend(OffloadOptions.from_dict(options))
+    compiled = torch.compile(model_or_fn, backend=backend)
+    with _restored(model_or_fn):
+        compiled(*example_args)
+    return list(backend.reports)
+
+
+@contextlib.contextmanager
+def _restored(model: Any) -> Iterator[None]:
+    state = {}
+    grads = {}
+    if isinstance(model, torch.nn.Module):
+        state = {k: v.detach().clone() for k, v in model.state_dict(keep_vars=True).items()}
+        grads = {n: p.grad for n, p in model.named_parameters()}
+    cpu_rng = torch.get_rng_state()
+    cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+    try:
+        yield
+    finally:
+        torch.set_rng_state(cpu_rng)
+        if cuda_rng is not None:
+            torch.cuda.set_rng_state_all(cuda_rng)
+        if isinstance(model, torch.nn.Module):
+            with torch.no_grad():
+                for name, value in model.state_dict(keep_vars=True).items():
+                    value.copy_(state[name])
+            for name, p in model.named_parameters():
+                p.grad = grads[name]
