@@ -153,6 +153,41 @@ class OffloadReport:
             lines.append(f"  note: {self.note}")
         return "\n".join(lines)
 
+    def plot(self, path: str) -> str:
+        """Draw predicted device memory over the step, without and with fxoffload, to a PNG or SVG.
+
+        Offload and reload nodes are marked on the "with" curve. Needs matplotlib
+        (``pip install 'fxoffload[plot]'``). Returns ``path``.
+        """
+        plt = _pyplot()
+        fig, ax = plt.subplots(figsize=(10, 4.5))
+        mib = 2**20
+        for label, timeline, style in (
+            ("without fxoffload", self.memory_before, dict(color="tab:gray", lw=1.5)),
+            ("with fxoffload", self.memory_after, dict(color="tab:blue", lw=1.5)),
+        ):
+            if not timeline or not timeline.points:
+                continue
+            totals = [p.total / mib for p in timeline.points]
+            xs = _original_positions(timeline)
+            ax.step(xs, totals, where="post", label=f"{label} (peak {fmt_bytes(timeline.peak_bytes)})", **style)
+            if timeline is self.memory_after:
+                for name, marker, color in (("offload", "v", "tab:orange"), ("reload", "^", "tab:green")):
+                    marks = [i for i, p in enumerate(timeline.points) if p.node.startswith(f"{name}_default")]
+                    ax.scatter([xs[i] for i in marks], [totals[i] for i in marks], marker=marker, color=color,
+                               s=18, zorder=3, label=name)  # fmt: skip
+                split = xs[sum(p.phase == "forward" for p in timeline.points)]
+                ax.axvline(split, color="black", ls=":", lw=1)
+                ax.text(split, ax.get_ylim()[1] * 0.98, " backward", va="top", fontsize=8)
+        ax.set_xlabel("graph node (forward, then backward)")
+        ax.set_ylabel("predicted live device memory (MiB)")
+        ax.set_title(f"fxoffload graph {self.graph_id}: {len(self.offloaded)} of {len(self.saved)} saved tensors offloaded")
+        ax.legend(loc="upper left", fontsize=8)
+        fig.tight_layout()
+        fig.savefig(path)
+        plt.close(fig)
+        return path
+
     def to_json(self) -> str:
         """The whole report as JSON; ``OffloadReport.from_json`` reads it back."""
         return json.dumps(dataclasses.asdict(self), indent=1)
@@ -172,3 +207,45 @@ class OffloadReport:
 
     def __str__(self) -> str:
         return self.table()
+
+
+_INSERTED = ("offload_default", "reload_default", "wait_default")
+
+
+def _original_positions(timeline: MemoryTimeline) -> list[float]:
+    """x of every point, counting only the nodes of the original graphs, so that the curves with and
+    without fxoffload line up; inserted transfer nodes sit just after the node before them."""
+    xs, x, extra = [], -1, 0
+    for p in timeline.points:
+        if p.node.startswith(_INSERTED):
+            extra += 1
+            xs.append(x + min(0.9, 0.1 * extra))
+        else:
+            x, extra = x + 1, 0
+            xs.append(float(x))
+    return xs
+
+
+def _pyplot():
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg", force=False)
+        import matplotlib.pyplot as plt
+    except ImportError as e:
+        raise ImportError(
+            "OffloadReport.plot needs matplotlib, which is not installed: "
+            "pip install 'fxoffload[plot]' (or pip install matplotlib)"
+        ) from e
+    return plt
+
+
+def save_reports(reports: list[OffloadReport], path: str) -> None:
+    """Write several reports to one JSON file (a list); ``load_reports`` reads it back."""
+    with open(path, "w") as f:
+        f.write("[\n" + ",\n".join(r.to_json() for r in reports) + "\n]\n")
+
+
+def load_reports(path: str) -> list[OffloadReport]:
+    with open(path) as f:
+        return [OffloadReport.from_json(json.dumps(item)) for item in json.load(f)]

@@ -1,0 +1,113 @@
+"""explain(), the report file formats, the picture and the command line."""
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import fxoffload
+from fxoffload.models import example
+from fxoffload.report import load_reports, save_reports
+
+OPTIONS = dict(offload_cpu=True, min_bytes=0, policy="all", inner="aot_eager")
+
+
+@pytest.mark.parametrize("name", ["gpt", "cnn", "seq2seq"])
+def test_explain_reports_and_leaves_the_model_alone(name):
+    model, args = example(name)
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    rng = torch.get_rng_state()
+    reports = fxoffload.explain(model, *args, **OPTIONS)
+    assert reports and all(r.saved for r in reports)
+    assert any(r.offloaded for r in reports)
+    assert all(p.grad is None for p in model.parameters()), "explain must not leave gradients"
+    for key, value in model.state_dict().items():
+        assert torch.equal(value, state[key]), f"{key} changed"  # BatchNorm running stats included
+    assert torch.equal(torch.get_rng_state(), rng)
+    # One table row per saved tensor.
+    for report in reports:
+        body = report.table().splitlines()[4:]  # header, host line, column names, rule
+        assert len([line for line in body if line and not line.startswith(" ")]) == len(report.saved)
+
+
+def test_explain_without_anything_requiring_grad_is_empty():
+    model, args = example("mlp")
+    model.requires_grad_(False)
+    assert fxoffload.explain(model, *args, **OPTIONS) == []
+
+
+def test_reports_file_round_trip(tmp_path):
+    model, args = example("cnn")
+    reports = fxoffload.explain(model, *args, **OPTIONS)
+    path = tmp_path / "reports.json"
+    save_reports(reports, str(path))
+    assert load_reports(str(path)) == reports
+
+
+@pytest.mark.parametrize("suffix", ["png", "svg"])
+def test_plot_writes_a_picture(tmp_path, suffix):
+    pytest.importorskip("matplotlib")
+    model, args = example("mlp")
+    (report,) = fxoffload.explain(model, *args, **OPTIONS)
+    path = tmp_path / f"memory.{suffix}"
+    report.plot(str(path))
+    head = path.read_bytes()[:200]
+    assert head.startswith(b"\x89PNG") if suffix == "png" else b"<svg" in path.read_bytes()[:2000]
+
+
+def test_plot_without_matplotlib_says_how_to_get_it(monkeypatch):
+    model, args = example("mlp")
+    (report,) = fxoffload.explain(model, *args, **OPTIONS)
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    with pytest.raises(ImportError, match=r"pip install 'fxoffload\[plot\]'"):
+        report.plot("never.png")
+
+
+def _cli(*argv):
+    return subprocess.run([sys.executable, "-m", "fxoffload", *argv], capture_output=True, text=True, timeout=600)
+
+
+def test_cli_explain(tmp_path):
+    out = tmp_path / "r.json"
+    picture = tmp_path / "r.png"
+    result = _cli("explain", "--model", "mlp", "--offload-cpu", "--inner", "aot_eager", "--policy", "all",
+                  "--min-bytes", "0", "--json", str(out), "--plot", str(picture))  # fmt: skip
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "predicted peak without fxoffload" in result.stdout and "decision" in result.stdout
+    assert load_reports(str(out))[0].offloaded
+    assert picture.read_bytes().startswith(b"\x89PNG")
+
+
+def test_cli_user_factory(tmp_path):
+    factory = tmp_path / "mine.py"
+    factory.write_text(
+        "import torch\n"
+        "def make():\n"
+        "    m = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))\n"
+        "    return m, (torch.randn(4, 8),)\n"
+    )
+    result = _cli("explain", "--model", f"{factory}:make", "--offload-cpu", "--inner", "aot_eager", "--min-bytes", "0")
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "saved tensor" in result.stdout
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["explain", "--policy", "most"], "invalid choice: 'most'"),
+        (["explain", "--min-bytes", "12parsecs"], "cannot parse"),
+        (["explain", "--model", "nope"], "expected one of gpt, cnn, seq2seq, mlp or FILE.py:FUNCTION"),
+        (["explain", "--model", "missing.py:make"], "no such file 'missing.py'"),
+        (["frobnicate"], "invalid choice: 'frobnicate'"),
+    ],
+)
+def test_cli_bad_arguments(argv, message):
+    result = _cli(*argv)
+    assert result.returncode != 0
+    assert message in result.stderr
+
+
+def test_cli_help():
+    result = _cli("--help")
+    assert result.returncode == 0 and "explain" in result.stdout
