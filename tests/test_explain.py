@@ -111,3 +111,19 @@ def test_cli_bad_arguments(argv, message):
 def test_cli_help():
     result = _cli("--help")
     assert result.returncode == 0 and "explain" in result.stdout
+
+
+def test_logs_and_trace_artifacts(tmp_path):
+    """TORCH_LOGS="+fxoffload" shows decisions; TORCH_TRACE gets the plan and graphs as artifacts."""
+    code = (
+        "import torch, fxoffload\n"
+        "b = fxoffload.backend(inner='aot_eager', offload_cpu=True, min_bytes=0, policy='all', partitioner='default')\n"
+        "f = torch.compile(lambda x: (x.sin() * x.cos()).sum(), backend=b)\n"
+        "f(torch.randn(8, requires_grad=True)).backward()\n"
+    )
+    env = {**__import__("os").environ, "TORCH_LOGS": "+fxoffload", "TORCH_TRACE": str(tmp_path)}
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "fxoffload: offload sin" in result.stderr and "offloading 2 of" in result.stderr
+    trace = "".join(p.read_text() for p in tmp_path.iterdir())
+    assert '"name": "fxoffload_plan"' in trace and '"name": "fxoffload_graphs"' in trace
