@@ -96,8 +96,8 @@ class OffloadReport:
     def table(self) -> str:
         """One row per saved tensor, with its decision and the reason for it."""
         rows = [
-            (r.name, "x".join(map(str, r.shape)) or "scalar", r.dtype, fmt_bytes(r.nbytes),
-             r.producer, r.decision, r.reason)
+            (r.name, "x".join(map(str, r.shape)) or "scalar", r.dtype, f"{r.nbytes / 2**20:.3f}",
+             r.producer, r.fw_last_use, r.bw_first_use or "-", r.idle_compute_nodes, r.decision, r.reason)
             for r in self.saved
         ]  # fmt: skip
         header = (
@@ -111,8 +111,9 @@ class OffloadReport:
             header += f"\n{self.note}"
         body = tabulate(
             rows,
-            headers=("saved tensor", "shape", "dtype", "size", "producer", "decision", "reason"),
-            maxcolwidths=[None, None, None, None, None, None, 60],
+            headers=("saved tensor", "shape", "dtype", "MiB", "producer", "fw last use", "bw first use",
+                     "idle nodes", "decision", "reason"),
+            maxcolwidths=[None, None, None, None, None, None, None, None, None, 56],
         )
         return f"{header}\n{body}"
 
