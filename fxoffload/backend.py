@@ -11,12 +11,13 @@ import torch
 import torch.fx as fx
 
 from . import _compat
-from .lifetimes import analyze_saved_tensors
-from .memory import simulate
+from .cost import device_rates, node_start_times
+from .lifetimes import GraphLifetimes, analyze_saved_tensors
+from .memory import MemoryTimeline, simulate
 from .options import OffloadOptions
-from .plan import OffloadPlan, fmt_bytes, plan_offloads
+from .plan import OffloadPlan, PlanCosts, fmt_bytes, plan_offloads
 from .report import OffloadReport
-from .rewrite import apply_plan
+from .rewrite import apply_plan, hoist_saved_views
 
 log = logging.getLogger(__name__)
 
@@ -87,11 +88,13 @@ class _OffloadPartitioner(_compat.CustomPartitionerFn):
         num_fwd_outputs = kwargs["num_fwd_outputs"]
         static = kwargs.get("static_lifetime_input_indices") or ()
         host_before = self.backend.host_bytes_planned
+        hoist_saved_views(fw, num_fwd_outputs)  # normalise first: the baseline is unchanged by it
         memory_before = simulate(fw, bw, num_fwd_outputs, tuple(static))
         plan = offload_pass(
             fw, bw, num_fwd_outputs, static, self.options,
             host_bytes_available=self._host_left(),
             disabled_reason=self.disabled_reason,
+            baseline=memory_before,
         )  # fmt: skip
         with _graph_ids_lock:
             graph_id = next(_graph_ids)
@@ -120,25 +123,46 @@ def offload_pass(
     *,
     host_bytes_available: int | None = None,
     disabled_reason: str = "",
+    baseline: MemoryTimeline | None = None,
 ) -> OffloadPlan:
     """The fxoffload pass on a partitioned pair: analyse, plan, rewrite in place. Returns the plan."""
-    # 1. Lifetimes of the saved tensors.
+    # 1. Lifetimes of the saved tensors (saved views first moved next to their bases).
+    hoist_saved_views(fw, num_fwd_outputs)
     lifetimes = analyze_saved_tensors(fw, bw, num_fwd_outputs, tuple(static_input_indices))
-    # 2. The plan: one decision and reason per saved tensor.
+    # 2. Costs: compute time of every node and the host link, on the graph's device.
+    costs = plan_costs(fw, bw, lifetimes, options, baseline)
+    # 3. The plan: one decision and reason per saved tensor.
     plan = plan_offloads(
-        lifetimes, options, host_bytes_available=host_bytes_available, disabled_reason=disabled_reason
-    )
+        lifetimes, options, host_bytes_available=host_bytes_available, disabled_reason=disabled_reason,
+        costs=costs,
+    )  # fmt: skip
     for d in plan.decisions:
         log.debug("fxoffload: %s %s (%s): %s", d.decision, d.saved.name, fmt_bytes(d.saved.nbytes), d.reason)
     if plan.note:
         log.info("fxoffload: %s", plan.note)
-    # 3. The rewrite.
+    # 4. The rewrite.
     apply_plan(fw, bw, plan, options.prefetch)
     log.info(
         "fxoffload: offloading %d of %d saved tensors (%s)",
         len(plan.offloaded), len(plan.decisions), fmt_bytes(plan.offloaded_bytes),
     )  # fmt: skip
     return plan
+
+
+def plan_costs(
+    fw: fx.GraphModule,
+    bw: fx.GraphModule,
+    lifetimes: GraphLifetimes,
+    options: OffloadOptions,
+    baseline: MemoryTimeline | None = None,
+) -> PlanCosts:
+    """The cost model's view of a graph pair: device rates and predicted node start times."""
+    accelerators = [d for d in lifetimes.devices if d not in ("cpu", "meta")]
+    device = torch.device(accelerators[0]) if accelerators else torch.device("cpu")
+    overrides = dict(options.bandwidth or ()) | dict(options.compute_rates or ())
+    wants_measure = options.policy != "none" and bool(lifetimes.saved)
+    rates = device_rates(device, overrides, measure=wants_measure)
+    return PlanCosts(rates, tuple(node_start_times(fw, rates)), tuple(node_start_times(bw, rates)), baseline)
 
 
 def backend(**options: Any) -> OffloadBackend:

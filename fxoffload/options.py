@@ -51,9 +51,24 @@ class OffloadOptions:
     # Saved tensors smaller than this many bytes stay on the device: tiny copies cost more in launch
     # overhead than they save. Int or size string.
     min_bytes: int = 1 << 20
-    # How many compute nodes a copy gets to overlap with: reloads are issued this many nodes before
-    # their first backward use, and an offload's wait sits this many nodes after its copy started.
-    prefetch: int = 4
+    # Where copies are placed. None: from the cost model (a reload is issued as late as it can be and
+    # still be hidden; an offload's wait goes where its copy is predicted done). An int: fixed, that
+    # many compute nodes (reloads before their first use, waits after the copy starts).
+    prefetch: int | None = None
+    # Target for the predicted peak device memory: bytes (int or "12GiB"), or a float in (0, 1] as a
+    # fraction of the predicted peak without offloading. On top of policy="auto", tensors whose copies
+    # cannot be hidden are offloaded too, cheapest predicted stall per byte first, until it fits.
+    memory_budget: int | float | None = None
+    # With memory_budget: raise instead of warning when the budget cannot be reached.
+    strict: bool = False
+    # Host link bandwidth, bytes/s: a number for both directions or {"d2h": ..., "h2d": ...}; None
+    # measures it once per GPU (pinned memory) and uses fixed figures on CPU.
+    bandwidth: Any = None
+    # Device compute rates for the cost model: {"flops": FLOP/s, "memory_bandwidth": bytes/s};
+    # None uses figures for the GPU model (fixed ones on CPU).
+    compute_rates: Any = None
+    # At most this many reloads are issued ahead of their first use at any time.
+    max_inflight_reloads: int = 8
     # Upper bound on host bytes holding offloaded tensors, summed over the graphs this backend
     # compiles; None is unbounded. Tensors past the bound stay on the device, with that reason.
     host_budget: int | None = None
@@ -75,8 +90,24 @@ class OffloadOptions:
         object.__setattr__(self, "min_bytes", parse_bytes(self.min_bytes, "min_bytes"))
         if self.host_budget is not None:
             object.__setattr__(self, "host_budget", parse_bytes(self.host_budget, "host_budget"))
-        if isinstance(self.prefetch, bool) or not isinstance(self.prefetch, int) or self.prefetch < 0:
-            raise ValueError(f"fxoffload: prefetch must be an int >= 0 (graph nodes), got {self.prefetch!r}")
+        if self.prefetch is not None and (
+            isinstance(self.prefetch, bool) or not isinstance(self.prefetch, int) or self.prefetch < 0
+        ):
+            raise ValueError(
+                f"fxoffload: prefetch must be None (cost model) or an int >= 0 (graph nodes), got {self.prefetch!r}"
+            )
+        if self.memory_budget is not None:
+            object.__setattr__(self, "memory_budget", parse_budget(self.memory_budget))
+        if not isinstance(self.strict, bool):
+            raise ValueError(f"fxoffload: strict must be True or False, got {self.strict!r}")
+        object.__setattr__(self, "bandwidth", _rates("bandwidth", self.bandwidth, ("d2h", "h2d"), both=True))
+        object.__setattr__(
+            self, "compute_rates", _rates("compute_rates", self.compute_rates, ("flops", "memory_bandwidth"))
+        )
+        if isinstance(self.max_inflight_reloads, bool) or not isinstance(self.max_inflight_reloads, int) or (
+            self.max_inflight_reloads < 1
+        ):
+            raise ValueError(f"fxoffload: max_inflight_reloads must be an int >= 1, got {self.max_inflight_reloads!r}")
         if not isinstance(self.offload_cpu, bool):
             raise ValueError(f"fxoffload: offload_cpu must be True or False, got {self.offload_cpu!r}")
         if self.inner == "aot_eager" and self.mode != "default":
@@ -98,6 +129,41 @@ class OffloadOptions:
 
     def replace(self, **changes: Any) -> OffloadOptions:
         return OffloadOptions.from_dict(dataclasses.asdict(self), **changes)
+
+
+def parse_budget(value: Any) -> int | float:
+    """memory_budget: bytes (int or size string), or a float in (0, 1] (fraction of the baseline)."""
+    if isinstance(value, float):
+        if not 0.0 < value <= 1.0:
+            raise ValueError(
+                f"fxoffload: memory_budget={value!r}: a float is a fraction of the predicted peak and must "
+                "be in (0, 1]; use an int or a size string such as '12GiB' for bytes"
+            )
+        return value
+    return parse_bytes(value, "memory_budget")
+
+
+def _rates(name: str, value: Any, keys: tuple[str, ...], both: bool = False) -> tuple[tuple[str, float], ...] | None:
+    """A hashable, validated mapping of positive rates (a bare number sets every key when ``both``)."""
+    if value is None:
+        return None
+    if isinstance(value, tuple):
+        value = dict(value)
+    if both and isinstance(value, (int, float, str)) and not isinstance(value, bool):
+        value = dict.fromkeys(keys, value)
+    if not isinstance(value, Mapping) or not value or set(value) - set(keys):
+        raise ValueError(f"fxoffload: {name} must be a mapping with keys among {', '.join(keys)}, got {value!r}")
+    out = []
+    for key in keys:
+        if key not in value:
+            continue
+        rate = value[key]
+        if isinstance(rate, str):
+            rate = parse_bytes(rate, f"{name}[{key!r}]")
+        if isinstance(rate, bool) or not isinstance(rate, (int, float)) or rate <= 0:
+            raise ValueError(f"fxoffload: {name}[{key!r}] must be a positive number per second, got {rate!r}")
+        out.append((key, float(rate)))
+    return tuple(out)
 
 
 def _choice(name: str, value: Any, allowed: tuple[str, ...]) -> None:

@@ -3,9 +3,17 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
+import warnings
+from collections.abc import Sequence
 
+from .cost import DeviceRates
 from .lifetimes import GraphLifetimes, SavedTensor
+from .memory import MemoryTimeline
 from .options import OffloadOptions
+from .schedule import HiddenSetChecker, TransferTiming, _MinTree, copy_seconds, schedule_transfers, windows
+
+log = logging.getLogger(__name__)
 
 OFFLOAD = "offload"
 KEEP = "keep"
@@ -16,6 +24,17 @@ class Decision:
     saved: SavedTensor
     decision: str  # OFFLOAD or KEEP
     reason: str
+    timing: TransferTiming | None = None  # predicted copies, for offloaded tensors under the cost model
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanCosts:
+    """What the cost model knows about one graph pair."""
+
+    rates: DeviceRates
+    fw_starts: tuple[float, ...]  # predicted start time of every forward node, then its end
+    bw_starts: tuple[float, ...]
+    baseline: MemoryTimeline | None = None  # predicted memory without offloading, for memory_budget
 
 
 @dataclasses.dataclass(frozen=True)
@@ -23,6 +42,9 @@ class OffloadPlan:
     decisions: tuple[Decision, ...]
     policy: str
     note: str = ""  # why the whole graph was left unchanged, if it was
+    stall: float = 0.0  # predicted seconds the compute stream waits for copies
+    memory_budget: int | None = None  # the budget in bytes, when one was asked for
+    costs: PlanCosts | None = None  # what the cost model predicted, when it was used
 
     @property
     def offloaded(self) -> tuple[Decision, ...]:
@@ -72,11 +94,13 @@ def plan_offloads(
     *,
     host_bytes_available: int | None = None,
     disabled_reason: str = "",
+    costs: PlanCosts | None = None,
 ) -> OffloadPlan:
     """Decide every saved tensor of one graph pair.
 
     ``host_bytes_available`` is what is left of ``host_budget`` after the graphs planned before this
-    one (None: unbounded). ``disabled_reason`` turns offloading off for the whole graph.
+    one (None: unbounded). ``disabled_reason`` turns offloading off for the whole graph. ``costs``
+    switches on the cost model: without it, "auto" judges by node counts alone.
     """
     saved = lifetimes.saved
     if options.policy == "none":
@@ -89,11 +113,11 @@ def plan_offloads(
         return OffloadPlan(tuple(Decision(t, KEEP, note) for t in saved), options.policy, note)
 
     reasons: dict[str, str] = {}
-    wanted: list[SavedTensor] = []
-    window = max(1, options.prefetch)
+    eligible: list[SavedTensor] = []
+    window = max(1, options.prefetch or 0) if costs is None else 0
     for t in saved:
         reason = ineligible_reason(t, options)
-        if reason is None and options.policy == "auto" and (
+        if reason is None and costs is None and options.policy == "auto" and (
             t.fw_compute_after < window or t.bw_compute_before < window
         ):
             reason = (
@@ -102,30 +126,158 @@ def plan_offloads(
                 f"(policy='auto' wants >= {window} on each side)"
             )
         if reason is None:
-            wanted.append(t)
+            eligible.append(t)
         else:
             reasons[t.name] = reason
 
-    # Largest first under the host budget: the most device memory per host byte is the same for
-    # every tensor, but fewer, larger copies use the link better.
+    # Largest first: the same device memory per host byte for every tensor, but fewer, larger
+    # copies use the link better, and the hidden set saves the most.
     used = 0
-    chosen: set[str] = set()
-    for t in sorted(wanted, key=lambda t: (-t.nbytes, t.output_index)):
+    chosen: list[SavedTensor] = []
+    left: list[SavedTensor] = []  # eligible, not chosen, host budget permitting
+    checker = (
+        HiddenSetChecker(eligible, costs.fw_starts, costs.bw_starts, costs.rates)
+        if costs is not None and options.policy == "auto"
+        else None
+    )
+    for t in sorted(eligible, key=lambda t: (-t.nbytes, t.output_index)):
         if host_bytes_available is not None and used + t.nbytes > host_bytes_available:
             reasons[t.name] = (
                 f"host_budget reached: {fmt_bytes(used)} of the {fmt_bytes(host_bytes_available)} "
                 "left are taken by larger tensors"
             )
             continue
+        if checker is not None and not checker.try_add(t):
+            d2h, h2d = copy_seconds(t, costs.rates)
+            fw_window, bw_window = windows(t, costs.fw_starts, costs.bw_starts)
+            reasons[t.name] = (
+                f"its copies cannot be hidden: {_ms(d2h)} out in {_ms(fw_window)} of forward compute after "
+                f"its last use, {_ms(h2d)} back in {_ms(bw_window)} of backward compute before its first "
+                "use, sharing the link with the tensors already chosen"
+            )
+            left.append(t)
+            continue
         used += t.nbytes
-        chosen.add(t.name)
-        reasons[t.name] = (
-            f"idle for {t.idle_compute_nodes} compute nodes "
-            f"({t.fw_compute_after} forward + {t.bw_compute_before} backward)"
-        )
+        chosen.append(t)
+        idle = f"idle for {t.idle_compute_nodes} compute nodes ({t.fw_compute_after} forward + {t.bw_compute_before} backward)"
+        reasons[t.name] = f"copies predicted hidden; {idle}" if checker is not None else idle
 
+    budget = None
+    extra: list[SavedTensor] = []
+    if options.memory_budget is not None and costs is not None and costs.baseline is not None:
+        budget = _budget_bytes(options.memory_budget, costs.baseline)
+        extra = _fit_budget(budget, chosen, left, costs, options, host_bytes_available, used)
+        for t in extra:
+            chosen.append(t)
+            reasons[t.name] = f"memory_budget {fmt_bytes(budget)}: offloaded although its copies stall"
+
+    timings: dict[str, TransferTiming] = {}
+    stall = 0.0
+    if costs is not None and chosen:
+        schedule = schedule_transfers(
+            chosen, costs.fw_starts, costs.bw_starts, costs.rates, options.max_inflight_reloads,
+            wait_at_once=frozenset(t.name for t in extra) if budget is not None else frozenset(),
+        )  # fmt: skip
+        timings = schedule.by_name()
+        stall = schedule.stall
+    names = {t.name for t in chosen}
     decisions = tuple(
-        Decision(t, OFFLOAD if t.name in chosen else KEEP, reasons[t.name])
-        for t in saved
+        Decision(t, OFFLOAD if t.name in names else KEEP, reasons[t.name], timings.get(t.name)) for t in saved
     )
-    return OffloadPlan(decisions, options.policy)
+    return OffloadPlan(decisions, options.policy, stall=stall, memory_budget=budget, costs=costs)
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.3g} ms"
+
+
+def _budget_bytes(budget: int | float, baseline: MemoryTimeline) -> int:
+    return int(budget * baseline.peak_bytes) if isinstance(budget, float) else int(budget)
+
+
+def _estimated_interval(t: SavedTensor, fw_points: int) -> tuple[int, int]:
+    """Baseline points freed by offloading ``t`` for the budget: after its last use, until the
+    reload issued just before its first use."""
+    return t.fw_last_use + 1, fw_points + max(t.bw_first_use, 0) - 1
+
+
+def _fit_budget(
+    budget: int,
+    chosen: Sequence[SavedTensor],
+    left: Sequence[SavedTensor],
+    costs: PlanCosts,
+    options: OffloadOptions,
+    host_bytes_available: int | None,
+    host_used: int,
+) -> list[SavedTensor]:
+    """Un-hidden offloads, cheapest predicted stall per byte first, until the predicted peak fits.
+
+    Rounds: a greedy pass on estimated intervals, then a check with the intervals the transfer
+    schedule really gives (copies queue on the link, waits and reloads move); repeat until the
+    check passes or nothing is left to offload.
+    """
+    points = costs.baseline.points
+    fw_points = sum(p.phase == "forward" for p in points)
+
+    def standalone_stall(t: SavedTensor) -> float:
+        d2h, h2d = copy_seconds(t, costs.rates)
+        fw_window, bw_window = windows(t, costs.fw_starts, costs.bw_starts)
+        return max(0.0, d2h - fw_window) + max(0.0, h2d - bw_window)
+
+    pool = sorted(left, key=lambda t: (standalone_stall(t) / max(t.nbytes, 1), t.output_index))
+    extra: list[SavedTensor] = []
+    while True:
+        # The check: memory with the intervals of the real schedule of everything chosen so far.
+        tree = _MinTree(len(points))  # holds -live bytes: its min is minus the peak
+        for i, p in enumerate(points):
+            tree.set(i, -float(p.total))
+        schedule = schedule_transfers(
+            [*chosen, *extra], costs.fw_starts, costs.bw_starts, costs.rates, options.max_inflight_reloads,
+            wait_at_once=frozenset(t.name for t in extra),
+        )  # fmt: skip
+        for timing, t in zip(schedule.timings, [*chosen, *extra]):
+            tree.add(timing.fw_wait_after + 1, fw_points + timing.bw_issue_after, float(t.nbytes))
+        if -tree.min(0, len(points) - 1) <= budget:
+            break
+        # A greedy round on estimated intervals.
+        added = False
+        while -tree.min(0, len(points) - 1) > budget:
+            peak_at = _argmin(tree, len(points))
+            pick = next(
+                (t for t in pool if _estimated_interval(t, fw_points)[0] <= peak_at <= _estimated_interval(t, fw_points)[1]),
+                None,
+            )
+            if pick is None or (host_bytes_available is not None and host_used + pick.nbytes > host_bytes_available):
+                break
+            pool.remove(pick)
+            extra.append(pick)
+            added = True
+            host_used += pick.nbytes
+            lo, hi = _estimated_interval(pick, fw_points)
+            tree.add(lo, hi, float(pick.nbytes))
+        if not added:
+            break
+    reachable = int(-tree.min(0, len(points) - 1))
+    if reachable > budget:
+        at = points[_argmin(tree, len(points))]
+        message = (
+            f"fxoffload: memory_budget {fmt_bytes(budget)} cannot be reached: the smallest predicted peak "
+            f"is {fmt_bytes(reachable)} (at {at.phase} node {at.node}); applying that plan"
+        )
+        if options.strict:
+            raise ValueError(message.replace("; applying that plan", " (strict=True)"))
+        warnings.warn(message, RuntimeWarning, stacklevel=2)
+    return extra
+
+
+def _argmin(tree: _MinTree, n: int) -> int:
+    """Index of the smallest value (descends the tree; ties go left)."""
+    k, lo, hi = 1, 0, tree.n - 1
+    while lo != hi:
+        tree._push(k)
+        mid = (lo + hi) // 2
+        if tree.low[2 * k] <= tree.low[2 * k + 1]:
+            k, hi = 2 * k, mid
+        else:
+            k, lo = 2 * k + 1, mid + 1
+    return min(lo, n - 1)

@@ -10,7 +10,8 @@ import torch.fx as fx
 from tabulate import tabulate
 
 from .memory import MemoryPoint, MemoryTimeline
-from .plan import OFFLOAD, OffloadPlan, fmt_bytes
+from .plan import OFFLOAD, OffloadPlan, PlanCosts, fmt_bytes
+from .schedule import copy_seconds, windows
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,6 +29,10 @@ class SavedRow:
     fw_last_use: str  # forward node after which it is not needed on the device
     bw_first_use: str  # backward node that needs it again
     idle_compute_nodes: int
+    d2h_ms: float = 0.0  # predicted device-to-host copy time (cost model)
+    h2d_ms: float = 0.0  # predicted host-to-device copy time
+    fw_window_ms: float = 0.0  # predicted forward compute after its last use
+    bw_window_ms: float = 0.0  # predicted backward compute before its first use
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,6 +51,9 @@ class OffloadReport:
     host_bytes_total: int  # host bytes planned by this and the earlier graphs of the same backend
     memory_before: MemoryTimeline | None = None  # predicted device memory per node, without fxoffload
     memory_after: MemoryTimeline | None = None  # the same for the rewritten graphs
+    predicted_stall_ms: float = 0.0  # compute-stream time predicted lost to waiting for copies
+    memory_budget: int | None = None  # the memory_budget in bytes, when one was asked for
+    device: str = ""  # the device the cost model priced, with its host link
 
     @classmethod
     def from_plan(
@@ -59,6 +67,7 @@ class OffloadReport:
         memory_before: MemoryTimeline | None = None,
         memory_after: MemoryTimeline | None = None,
     ) -> OffloadReport:
+        costs = plan.costs
         rows = tuple(
             SavedRow(
                 name=d.saved.name,
@@ -72,6 +81,7 @@ class OffloadReport:
                 fw_last_use=d.saved.fw_last_user,
                 bw_first_use=d.saved.bw_first_user,
                 idle_compute_nodes=d.saved.idle_compute_nodes,
+                **_timing_fields(d, costs),
             )
             for d in plan.decisions
         )
@@ -79,6 +89,7 @@ class OffloadReport:
             graph_id, plan.policy, rows, plan.note, fw.code, bw.code,
             len(fw.graph.nodes), len(bw.graph.nodes),
             host_budget, host_bytes_before + plan.offloaded_bytes, memory_before, memory_after,
+            plan.stall * 1e3, plan.memory_budget, _device_line(costs),
         )  # fmt: skip
 
     @property
@@ -97,7 +108,8 @@ class OffloadReport:
         """One row per saved tensor, with its decision and the reason for it."""
         rows = [
             (r.name, "x".join(map(str, r.shape)) or "scalar", r.dtype, f"{r.nbytes / 2**20:.3f}",
-             r.producer, r.fw_last_use, r.bw_first_use or "-", r.idle_compute_nodes, r.decision, r.reason)
+             r.producer, r.fw_last_use, r.bw_first_use or "-", r.idle_compute_nodes,
+             f"{r.d2h_ms:.3f}/{r.h2d_ms:.3f}", f"{r.fw_window_ms:.3f}/{r.bw_window_ms:.3f}", r.decision, r.reason)
             for r in self.saved
         ]  # fmt: skip
         header = (
@@ -112,8 +124,8 @@ class OffloadReport:
         body = tabulate(
             rows,
             headers=("saved tensor", "shape", "dtype", "MiB", "producer", "fw last use", "bw first use",
-                     "idle nodes", "decision", "reason"),
-            maxcolwidths=[None, None, None, None, None, None, None, None, None, 56],
+                     "idle nodes", "copy ms out/in", "window ms fw/bw", "decision", "reason"),
+            maxcolwidths=[None] * 11 + [56],
         )
         return f"{header}\n{body}"
 
@@ -144,6 +156,11 @@ class OffloadReport:
             lines.append(
                 f"  predicted peak {label}: {fmt_bytes(peak.total)} at {peak.phase} node {peak.node} ({parts})"
             )
+        if self.memory_budget is not None:
+            fits = "met" if self.predicted_peak_after <= self.memory_budget else "NOT met"
+            lines.append(f"  memory_budget: {fmt_bytes(self.memory_budget)} ({fits})")
+        if self.device:
+            lines.append(f"  predicted stall: {self.predicted_stall_ms:.3f} ms per step ({self.device})")
         lines.append(
             f"  offloaded: {len(self.offloaded)} of {len(self.saved)} saved tensors, "
             f"{fmt_bytes(self.offloaded_bytes)} of {fmt_bytes(self.saved_bytes)}"
@@ -211,6 +228,22 @@ class OffloadReport:
 
 
 _INSERTED = ("offload_default", "reload_default", "wait_default")
+
+
+def _timing_fields(d, costs: PlanCosts | None) -> dict[str, float]:
+    """Predicted copy times and compute windows of a saved tensor (every row, offloaded or not)."""
+    if costs is None:
+        return {}
+    d2h, h2d = copy_seconds(d.saved, costs.rates)
+    fw_window, bw_window = windows(d.saved, costs.fw_starts, costs.bw_starts)
+    return {"d2h_ms": d2h * 1e3, "h2d_ms": h2d * 1e3, "fw_window_ms": fw_window * 1e3, "bw_window_ms": bw_window * 1e3}
+
+
+def _device_line(costs: PlanCosts | None) -> str:
+    if costs is None:
+        return ""
+    r = costs.rates
+    return f"{r.name}: link {r.d2h / 1e9:.1f} GB/s out, {r.h2d / 1e9:.1f} GB/s in"
 
 
 def _original_positions(timeline: MemoryTimeline) -> list[float]:

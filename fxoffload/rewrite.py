@@ -32,12 +32,16 @@ from .lifetimes import is_compute, is_view, storage_root, storage_users
 from .plan import OffloadPlan
 
 
-def apply_plan(fw: fx.GraphModule, bw: fx.GraphModule, plan: OffloadPlan, prefetch: int) -> None:
-    """Insert one offload/wait pair in ``fw`` and one reload/wait pair in ``bw`` per offloaded tensor."""
+def apply_plan(fw: fx.GraphModule, bw: fx.GraphModule, plan: OffloadPlan, prefetch: int | None) -> None:
+    """Insert one offload/wait pair in ``fw`` and one reload/wait pair in ``bw`` per offloaded tensor.
+
+    With ``prefetch=None`` the copies go where the plan's schedule put them (the forward wait after
+    the node by which the copy is predicted done, the reload after the last node that ends before
+    its predicted issue time); with an int, that many compute nodes away.
+    """
     chosen = plan.offloaded
     if not chosen:
         return
-    _hoist_saved_views(fw.graph, [d.saved.name for d in chosen])
     fw_nodes = {n.name: n for n in fw.graph.nodes}
     bw_nodes = {n.name: n for n in bw.graph.nodes if n.op == "placeholder"}
     fw_order = list(fw.graph.nodes)
@@ -46,26 +50,32 @@ def apply_plan(fw: fx.GraphModule, bw: fx.GraphModule, plan: OffloadPlan, prefet
     outputs = list(output.args[0])
     for decision in chosen:
         t = decision.saved
-        host = _rewrite_forward(fw.graph, fw_order, fw_nodes[t.name], prefetch)
+        timing = decision.timing if prefetch is None else None
+        fw_at = timing.fw_wait_after if timing else None
+        bw_at = timing.bw_issue_after if timing else None
+        host = _rewrite_forward(fw.graph, fw_order, fw_nodes[t.name], prefetch or 0, fw_at)
         outputs[t.output_index] = host
-        _rewrite_backward(bw.graph, bw_order, bw_nodes[t.name], host, prefetch)
+        _rewrite_backward(bw.graph, bw_order, bw_nodes[t.name], host, prefetch or 0, bw_at)
     output.args = (tuple(outputs),) + tuple(output.args[1:])
     for gm in (fw, bw):
         gm.graph.lint()
         gm.recompile()
 
 
-def _hoist_saved_views(graph: fx.Graph, names: list[str]) -> None:
-    """Move each saved view (and its chain of views) right after its inputs.
+def hoist_saved_views(fw: fx.GraphModule, num_fwd_outputs: int) -> None:
+    """Move each saved view (and its chain of views) right after its inputs. Runs before analysis.
 
-    Partitioners emit the views they save at the end of the forward, which keeps the base storage
-    alive until then whatever we do. A view computes nothing, so moving it up is free, and the base
-    can then be copied out and released as soon as its real readers are done.
+    Partitioners emit the views they save at the end of the forward, which makes the base's last
+    use the end of the forward. A view computes nothing, so moving it up is free; it changes no
+    memory without offloading (a saved view keeps its base alive until the backward anyway), and
+    with offloading the base can be copied out and released as soon as its real readers are done.
     """
-    by_name = {n.name: n for n in graph.nodes}
-    for name in names:
+    graph = fw.graph
+    outputs = graph.output_node().args[0]
+    saved_views = [o for o in outputs[num_fwd_outputs:] if isinstance(o, fx.Node) and is_view(o)]
+    for view_node in saved_views:
         chain = []
-        node = by_name[name]
+        node = view_node
         while is_view(node):
             chain.append(node)
             node = node.args[0]
@@ -77,9 +87,14 @@ def _hoist_saved_views(graph: fx.Graph, names: list[str]) -> None:
             if index[latest] + 1 < index[view]:
                 latest.append(view)
                 index = {n: i for i, n in enumerate(graph.nodes)}
+    if saved_views:
+        graph.lint()
+        fw.recompile()
 
 
-def _rewrite_forward(graph: fx.Graph, order: list[fx.Node], x: fx.Node, prefetch: int) -> fx.Node:
+def _rewrite_forward(
+    graph: fx.Graph, order: list[fx.Node], x: fx.Node, prefetch: int, wait_after: int | None = None
+) -> fx.Node:
     index = {n: i for i, n in enumerate(order) if n.op != "output"}
     # Every reader of the storage, through any alias: a saved view of ``relu`` frees relu's storage.
     users = [u for u in storage_users(storage_root(x)) if u in index and u is not x]
@@ -88,7 +103,10 @@ def _rewrite_forward(graph: fx.Graph, order: list[fx.Node], x: fx.Node, prefetch
     last = max([x, *users, *deps], key=index.__getitem__)
     with graph.inserting_after(last):
         copy = _call(graph, ops.offload, (x, deps))
-    anchor = _compute_anchor(order, index[last], prefetch, step=+1)
+    if wait_after is None:
+        anchor = _compute_anchor(order, index[last], prefetch, step=+1)
+    else:  # the scheduled node, or the first materialised one after it, but never before the copy
+        anchor = _compute_anchor(order, max(wait_after, index[last] + 1) - 1, 1, step=+1)
     with graph.inserting_after(anchor if anchor is not None else copy):
         done = _call(graph, ops.wait, (copy, x, [anchor] if anchor is not None else []))
     if anchor is None:
@@ -98,7 +116,12 @@ def _rewrite_forward(graph: fx.Graph, order: list[fx.Node], x: fx.Node, prefetch
 
 
 def _rewrite_backward(
-    graph: fx.Graph, order: list[fx.Node], placeholder: fx.Node, host: fx.Node, prefetch: int
+    graph: fx.Graph,
+    order: list[fx.Node],
+    placeholder: fx.Node,
+    host: fx.Node,
+    prefetch: int,
+    issue_after: int | None = None,
 ) -> None:
     index = {n: i for i, n in enumerate(order)}
     with graph.inserting_before(placeholder):
@@ -106,7 +129,12 @@ def _rewrite_backward(
     host_in.meta["val"] = host.meta["val"]
     users = [u for u in storage_users(placeholder) if u in index and u.op != "output"]
     first = min(users, key=index.__getitem__)
-    anchor = _compute_anchor(order, index[first], prefetch, step=-1)
+    if issue_after is None:
+        anchor = _compute_anchor(order, index[first], prefetch, step=-1)
+    elif issue_after < 0:
+        anchor = None  # issued at the start of the backward
+    else:  # the scheduled node, or the last materialised one before it
+        anchor = _compute_anchor(order, min(issue_after, index[first] - 1) + 1, 1, step=-1)
     device = placeholder.meta["val"].device
     if anchor is not None:
         with graph.inserting_after(anchor):

@@ -44,8 +44,8 @@ def test_gpt(inner, policy):
     (report,) = backend.reports
     assert report.offloaded, report.table()
     if policy == "auto":
-        # The last block's tensors are needed almost at once by the backward: auto keeps some.
-        assert len(report.offloaded) < len([r for r in report.saved if "offload" in r.decision or "too soon" in r.reason])
+        # auto offloads only what the cost model predicts hidden (tests/test_planner.py varies the link).
+        assert report.predicted_stall_ms < 1e-6
 
 
 def test_gpt_dropout_is_active():
