@@ -11,7 +11,7 @@ import torch
 
 from .explain import explain
 from .models import EXAMPLES, example
-from .options import POLICIES, parse_bytes
+from .options import POLICIES, parse_budget, parse_bytes
 from .report import save_reports
 
 
@@ -41,6 +41,14 @@ def _size(text: str) -> int:
         raise argparse.ArgumentTypeError(str(e).replace("fxoffload: ", "")) from None
 
 
+def _budget(text: str) -> int | float:
+    try:
+        value: int | float | str = float(text) if "." in text and text.replace(".", "", 1).isdigit() else text
+        return parse_budget(value)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e).replace("fxoffload: ", "")) from None
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m fxoffload", description="fxoffload: activation offloading for torch.compile")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -50,6 +58,10 @@ def build_parser() -> argparse.ArgumentParser:
     ex.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
     ex.add_argument("--policy", default="auto", choices=POLICIES)
     ex.add_argument("--min-bytes", type=_size, default=None, help="e.g. 1MiB (default: the backend's, 1 MiB)")
+    ex.add_argument("--budget", type=_budget, default=None,
+                    help="memory budget for the predicted peak: a size (12GiB) or a fraction (0.6) of the peak")  # fmt: skip
+    ex.add_argument("--strict", action="store_true", help="fail when --budget cannot be reached")
+    ex.add_argument("--bandwidth", type=_size, default=None, help="host link bytes/s each way, e.g. 25GB")
     ex.add_argument("--host-budget", type=_size, default=None, help="bound on host bytes, e.g. 8GiB")
     ex.add_argument("--prefetch", type=int, default=None, help="compute nodes each copy overlaps with")
     ex.add_argument("--offload-cpu", action="store_true", help="offload CPU tensors (machines without a GPU)")
@@ -69,9 +81,11 @@ def main(argv: list[str] | None = None) -> int:
     else:
         model, inputs = _load_factory(args.model)
     options = {"policy": args.policy, "offload_cpu": args.offload_cpu, "inner": args.inner}
-    for key in ("min_bytes", "host_budget", "prefetch"):
+    for key in ("min_bytes", "host_budget", "prefetch", "bandwidth"):
         if getattr(args, key) is not None:
             options[key] = getattr(args, key)
+    if args.budget is not None:
+        options.update(memory_budget=args.budget, strict=args.strict)
     try:
         reports = explain(model, *inputs, **options)
     except ValueError as e:

@@ -24,7 +24,15 @@ def explain(model_or_fn: Callable[..., Any], *example_args: Any, **options: Any)
     backend = OffloadBackend(OffloadOptions.from_dict(options))
     compiled = torch.compile(model_or_fn, backend=backend)
     with _restored(model_or_fn):
-        compiled(*example_args)
+        try:
+            compiled(*example_args)
+        except Exception as e:
+            # torch.compile wraps a backend's errors; a bad option or an unreachable strict budget
+            # is a ValueError of ours and reads better unwrapped.
+            inner = getattr(e, "inner_exception", None)
+            if isinstance(inner, ValueError):
+                raise inner from None
+            raise
     return list(backend.reports)
 
 

@@ -100,6 +100,10 @@ def test_cli_user_factory(tmp_path):
         (["explain", "--model", "nope"], "expected one of gpt, cnn, seq2seq, mlp or FILE.py:FUNCTION"),
         (["explain", "--model", "missing.py:make"], "no such file 'missing.py'"),
         (["frobnicate"], "invalid choice: 'frobnicate'"),
+        (["explain", "--budget", "1.5"], "a float is a fraction of the predicted peak"),
+        (["explain", "--budget", "lots"], "cannot parse memory_budget='lots'"),
+        (["explain", "--model", "mlp", "--offload-cpu", "--inner", "aot_eager", "--min-bytes", "0",
+          "--budget", "1KiB", "--strict"], "cannot be reached"),
     ],
 )
 def test_cli_bad_arguments(argv, message):
@@ -127,3 +131,11 @@ def test_logs_and_trace_artifacts(tmp_path):
     assert "fxoffload: offload sin" in result.stderr and "offloading 2 of" in result.stderr
     trace = "".join(p.read_text() for p in tmp_path.iterdir())
     assert '"name": "fxoffload_plan"' in trace and '"name": "fxoffload_graphs"' in trace
+
+
+def test_cli_budget():
+    result = _cli("explain", "--model", "gpt", "--offload-cpu", "--inner", "aot_eager", "--min-bytes", "16KiB",
+                  "--bandwidth", "1GB", "--budget", "0.6")  # fmt: skip
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "memory_budget:" in result.stdout and "(met)" in result.stdout
+    assert "predicted stall" in result.stdout
