@@ -316,6 +316,14 @@ for _name, _impl, _fake in (
     torch.library.impl(f"{_LIB_NAME}::{_name}", "CompositeExplicitAutograd", lib=_lib)(_impl)
     torch.library.register_fake(f"{_LIB_NAME}::{_name}", lib=_lib)(_fake)
 
+_FAKES = {"offload": _offload_fake, "reload": _reload_fake, "wait": _wait_fake}
+
+
+def fake_impl(op: torch._ops.OpOverload):
+    """The fake (meta) function of one of our ops, to build ``meta["val"]`` without dispatching."""
+    return _FAKES[op._opname]
+
+
 offload = torch.ops.fxoffload.offload.default
 reload = torch.ops.fxoffload.reload.default
 wait = torch.ops.fxoffload.wait.default

@@ -46,6 +46,8 @@ def apply_plan(fw: fx.GraphModule, bw: fx.GraphModule, plan: OffloadPlan, prefet
     bw_nodes = {n.name: n for n in bw.graph.nodes if n.op == "placeholder"}
     fw_order = list(fw.graph.nodes)
     bw_order = list(bw.graph.nodes)
+    fw_index = {n: i for i, n in enumerate(fw_order) if n.op != "output"}
+    bw_index = {n: i for i, n in enumerate(bw_order)}
     output = fw.graph.output_node()
     outputs = list(output.args[0])
     for decision in chosen:
@@ -53,9 +55,9 @@ def apply_plan(fw: fx.GraphModule, bw: fx.GraphModule, plan: OffloadPlan, prefet
         timing = decision.timing if prefetch is None else None
         fw_at = timing.fw_wait_after if timing else None
         bw_at = timing.bw_issue_after if timing else None
-        host = _rewrite_forward(fw.graph, fw_order, fw_nodes[t.name], prefetch or 0, fw_at)
+        host = _rewrite_forward(fw.graph, fw_order, fw_index, fw_nodes[t.name], prefetch or 0, fw_at)
         outputs[t.output_index] = host
-        _rewrite_backward(bw.graph, bw_order, bw_nodes[t.name], host, prefetch or 0, bw_at)
+        _rewrite_backward(bw.graph, bw_order, bw_index, bw_nodes[t.name], host, prefetch or 0, bw_at)
     output.args = (tuple(outputs),) + tuple(output.args[1:])
     for gm in (fw, bw):
         gm.graph.lint()
@@ -93,9 +95,13 @@ def hoist_saved_views(fw: fx.GraphModule, num_fwd_outputs: int) -> None:
 
 
 def _rewrite_forward(
-    graph: fx.Graph, order: list[fx.Node], x: fx.Node, prefetch: int, wait_after: int | None = None
+    graph: fx.Graph,
+    order: list[fx.Node],
+    index: dict[fx.Node, int],
+    x: fx.Node,
+    prefetch: int,
+    wait_after: int | None = None,
 ) -> fx.Node:
-    index = {n: i for i, n in enumerate(order) if n.op != "output"}
     # Every reader of the storage, through any alias: a saved view of ``relu`` frees relu's storage.
     users = [u for u in storage_users(storage_root(x)) if u in index and u is not x]
     deps = _tensor_results(_maximal([u for u in users if is_compute(u)], index))
@@ -118,12 +124,12 @@ def _rewrite_forward(
 def _rewrite_backward(
     graph: fx.Graph,
     order: list[fx.Node],
+    index: dict[fx.Node, int],
     placeholder: fx.Node,
     host: fx.Node,
     prefetch: int,
     issue_after: int | None = None,
 ) -> None:
-    index = {n: i for i, n in enumerate(order)}
     with graph.inserting_before(placeholder):
         host_in = graph.placeholder(f"{placeholder.name}_host")
     host_in.meta["val"] = host.meta["val"]
@@ -151,10 +157,13 @@ def _rewrite_backward(
 
 def _call(graph: fx.Graph, op: torch._ops.OpOverload, args: tuple) -> fx.Node:
     node = graph.call_function(op, args)
-    vals = [a.meta["val"] if isinstance(a, fx.Node) else a for a in args[:-1]]
-    after = [a.meta["val"] for a in args[-1]]
-    with vals[0].fake_mode:
-        node.meta["val"] = op(*vals, after)
+    val = args[0].meta["val"]
+    if op is ops.wait:
+        node.meta["val"] = val  # the wait returns its first argument, aliased
+    else:
+        # The ops' own fake functions, without a trip through the dispatcher (this runs per tensor).
+        with val.fake_mode:
+            node.meta["val"] = ops.fake_impl(op)(*[a.meta["val"] if isinstance(a, fx.Node) else a for a in args[:-1]], [])
     return node
 
 

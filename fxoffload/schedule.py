@@ -15,6 +15,7 @@ every k. Both are range-add / range-min updates of per-copy slacks.
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import math
 from collections.abc import Sequence
@@ -88,8 +89,8 @@ def schedule_transfers(
         link = end = max(fw_starts[t.fw_last_use + 1], link) + d2h
         j = t.fw_last_use + 1
         if t.name not in wait_at_once:
-            while j < n_fw - 1 and fw_starts[j + 1] < end:
-                j += 1
+            # the first node j >= last use + 1 that ends (fw_starts[j + 1]) at or after the copy
+            j = max(j, bisect.bisect_left(fw_starts, end, lo=j + 1) - 1)
         wait_node[t.name] = min(j, n_fw - 1)
     # Second pass: run the forward clock node by node; a wait whose copy is not done stalls it.
     released: dict[int, list[SavedTensor]] = {}
@@ -136,9 +137,8 @@ def schedule_transfers(
         link = end = start + dur[i]
         stall = max(0.0, end - (need[i] + delay))
         delay += stall
-        a = -1
-        while a + 2 < len(bw_starts) and bw_starts[a + 2] <= issue[i]:
-            a += 1
+        # the last node a that has ended (bw_starts[a + 1]) by the issue time
+        a = bisect.bisect_right(bw_starts, issue[i], lo=1) - 2
         if t.name in wait_at_once:
             a = max(t.bw_first_use - 1, -1)
         bw[t.name] = (start, end, stall, min(a, max(t.bw_first_use - 1, -1)))

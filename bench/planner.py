@@ -1,0 +1,76 @@
+"""Planning time against graph size: GPT-style decoders of 4 to 48 layers.
+
+    python -m bench.planner [--layers 4,8,16,32,48]
+
+Times the whole fxoffload pass on the partitioned graphs (hoisting, lifetimes, cost model, plan,
+rewrite) and the two memory-model runs the report makes, with policy="auto" and a memory budget so
+that every part of the planner runs. Tracing and partitioning are torch's and not counted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import time
+
+import torch
+from tabulate import tabulate
+
+import fxoffload
+from fxoffload.models import GPT, GPTConfig, gpt_batch
+
+
+def measure(layers: int) -> dict:
+    backend_module = importlib.import_module("fxoffload.backend")
+    timings: dict[str, float] = {}
+    original_pass, original_simulate = backend_module.offload_pass, backend_module.simulate
+
+    def timed_pass(fw, bw, *args, **kwargs):
+        timings["fw_nodes"], timings["bw_nodes"] = len(fw.graph.nodes), len(bw.graph.nodes)
+        start = time.perf_counter()
+        plan = original_pass(fw, bw, *args, **kwargs)
+        timings["pass_s"] = time.perf_counter() - start
+        return plan
+
+    def timed_simulate(*args, **kwargs):
+        start = time.perf_counter()
+        result = original_simulate(*args, **kwargs)
+        timings["simulate_s"] = timings.get("simulate_s", 0.0) + time.perf_counter() - start
+        return result
+
+    backend_module.offload_pass, backend_module.simulate = timed_pass, timed_simulate
+    try:
+        torch._dynamo.reset()
+        cfg = GPTConfig(layers=layers, dim=64, seq=64, heads=4, dropout=0.0)
+        model = GPT(cfg)
+        fxoffload.explain(model, *gpt_batch(cfg, 2), offload_cpu=True, min_bytes=0, inner="aot_eager",
+                          memory_budget=0.5, bandwidth="2GB")  # fmt: skip
+    finally:
+        backend_module.offload_pass, backend_module.simulate = original_pass, original_simulate
+    return {
+        "layers": layers,
+        "nodes (fw+bw)": int(timings["fw_nodes"] + timings["bw_nodes"]),
+        "pass ms": timings["pass_s"] * 1e3,
+        "memory model ms": timings["simulate_s"] * 1e3,
+        "total ms": (timings["pass_s"] + timings["simulate_s"]) * 1e3,
+    }
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--layers", default="4,8,16,32,48")
+    args = parser.parse_args(argv)
+    rows = []
+    for layers in (int(x) for x in args.layers.split(",")):
+        print(f"planning a {layers}-layer decoder ...", flush=True)
+        rows.append(measure(layers))
+    print(f"# CPU ({torch.__version__}); planning is CPU work on every machine")
+    print(tabulate(rows, headers="keys", floatfmt=".1f"))
+    base = rows[0]
+    for r in rows[1:]:
+        grow = (r["total ms"] / base["total ms"]) / (r["nodes (fw+bw)"] / base["nodes (fw+bw)"])
+        print(f"{r['layers']} layers: time grew {grow:.2f}x as fast as the node count")
+
+
+if __name__ == "__main__":
+    main()
