@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import logging
 import warnings
 from collections.abc import Sequence
 
@@ -12,8 +11,6 @@ from .lifetimes import GraphLifetimes, SavedTensor
 from .memory import MemoryTimeline
 from .options import OffloadOptions
 from .schedule import HiddenSetChecker, TransferTiming, _MinTree, copy_seconds, schedule_transfers, windows
-
-log = logging.getLogger(__name__)
 
 OFFLOAD = "offload"
 KEEP = "keep"
@@ -176,7 +173,7 @@ def plan_offloads(
     if costs is not None and chosen:
         schedule = schedule_transfers(
             chosen, costs.fw_starts, costs.bw_starts, costs.rates, options.max_inflight_reloads,
-            wait_at_once=frozenset(t.name for t in extra) if budget is not None else frozenset(),
+            wait_at_once=frozenset(t.name for t in extra),
         )  # fmt: skip
         timings = schedule.by_name()
         stall = schedule.stall
