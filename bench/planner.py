@@ -2,8 +2,8 @@
 
     python -m bench.planner [--layers 4,8,16,32,48]
 
-Times the whole fxoffload pass on the partitioned graphs (hoisting, lifetimes, cost model, plan,
-rewrite) and the two memory-model runs the report makes, with policy="auto" and a memory budget so
+Times the whole fxoffload pass on the partitioned graphs (hoisting, lifetimes, baseline memory
+model, cost model, plan, rewrite) and the report's memory-model run on the rewritten graphs, with policy="auto" and a memory budget so
 that every part of the planner runs. Tracing and partitioning are torch's and not counted.
 """
 
@@ -28,14 +28,15 @@ def measure(layers: int) -> dict:
     def timed_pass(fw, bw, *args, **kwargs):
         timings["fw_nodes"], timings["bw_nodes"] = len(fw.graph.nodes), len(bw.graph.nodes)
         start = time.perf_counter()
-        plan = original_pass(fw, bw, *args, **kwargs)
+        plan = original_pass(fw, bw, *args, **kwargs)  # includes the baseline memory model
         timings["pass_s"] = time.perf_counter() - start
         return plan
 
     def timed_simulate(*args, **kwargs):
         start = time.perf_counter()
         result = original_simulate(*args, **kwargs)
-        timings["simulate_s"] = timings.get("simulate_s", 0.0) + time.perf_counter() - start
+        if "pass_s" in timings:  # the report's run on the rewritten graphs, after the pass
+            timings["simulate_s"] = time.perf_counter() - start
         return result
 
     backend_module.offload_pass, backend_module.simulate = timed_pass, timed_simulate
@@ -51,7 +52,7 @@ def measure(layers: int) -> dict:
         "layers": layers,
         "nodes (fw+bw)": int(timings["fw_nodes"] + timings["bw_nodes"]),
         "pass ms": timings["pass_s"] * 1e3,
-        "memory model ms": timings["simulate_s"] * 1e3,
+        "memory after ms": timings["simulate_s"] * 1e3,
         "total ms": (timings["pass_s"] + timings["simulate_s"]) * 1e3,
     }
 

@@ -88,16 +88,14 @@ class _OffloadPartitioner(_compat.CustomPartitionerFn):
         num_fwd_outputs = kwargs["num_fwd_outputs"]
         static = kwargs.get("static_lifetime_input_indices") or ()
         host_before = self.backend.host_bytes_planned
-        hoist_saved_views(fw, num_fwd_outputs)  # normalise first: the baseline is unchanged by it
-        memory_before = simulate(fw, bw, num_fwd_outputs, tuple(static))
         plan = offload_pass(
             fw, bw, num_fwd_outputs, static, self.options,
             host_bytes_available=self._host_left(),
             disabled_reason=self.disabled_reason,
-            baseline=memory_before,
         )  # fmt: skip
         with _graph_ids_lock:
             graph_id = next(_graph_ids)
+        memory_before = plan.costs.baseline
         memory_after = simulate(fw, bw, num_fwd_outputs, tuple(static)) if plan.offloaded else memory_before
         report = OffloadReport.from_plan(
             graph_id, plan, fw, bw, self.options.host_budget, host_before, memory_before, memory_after
@@ -123,14 +121,18 @@ def offload_pass(
     *,
     host_bytes_available: int | None = None,
     disabled_reason: str = "",
-    baseline: MemoryTimeline | None = None,
 ) -> OffloadPlan:
-    """The fxoffload pass on a partitioned pair: analyse, plan, rewrite in place. Returns the plan."""
-    # 1. Lifetimes of the saved tensors (saved views first moved next to their bases).
+    """The fxoffload pass on a partitioned pair: analyse, plan, rewrite in place. Returns the plan.
+
+    The plan's ``costs.baseline`` is the predicted memory of the pair before the rewrite.
+    """
+    # 1. Lifetimes of the saved tensors (saved views first moved next to their bases, which changes
+    #    no memory without offloading, so the baseline is taken after it).
     hoist_saved_views(fw, num_fwd_outputs)
-    lifetimes = analyze_saved_tensors(fw, bw, num_fwd_outputs, tuple(static_input_indices))
+    static = tuple(static_input_indices)
+    lifetimes = analyze_saved_tensors(fw, bw, num_fwd_outputs, static)
     # 2. Costs: compute time of every node and the host link, on the graph's device.
-    costs = plan_costs(fw, bw, lifetimes, options, baseline)
+    costs = plan_costs(fw, bw, lifetimes, options, simulate(fw, bw, num_fwd_outputs, static))
     # 3. The plan: one decision and reason per saved tensor.
     plan = plan_offloads(
         lifetimes, options, host_bytes_available=host_bytes_available, disabled_reason=disabled_reason,

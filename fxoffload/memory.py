@@ -53,9 +53,6 @@ class MemoryTimeline:
     def peak_bytes(self) -> int:
         return self.peak.total if self.points else 0
 
-    def totals(self) -> list[int]:
-        return [p.total for p in self.points]
-
 
 def _is_host(node: fx.Node) -> bool:
     if node.op == "call_function" and node.target in (ops.offload,):

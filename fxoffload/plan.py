@@ -101,13 +101,13 @@ def plan_offloads(
     """
     saved = lifetimes.saved
     if options.policy == "none":
-        return OffloadPlan(tuple(Decision(t, KEEP, "policy='none'") for t in saved), "none")
+        return OffloadPlan(tuple(Decision(t, KEEP, "policy='none'") for t in saved), "none", costs=costs)
     if disabled_reason:
         decisions = tuple(Decision(t, KEEP, disabled_reason) for t in saved)
-        return OffloadPlan(decisions, options.policy, disabled_reason)
+        return OffloadPlan(decisions, options.policy, disabled_reason, costs=costs)
     if not options.offload_cpu and all(d in ("cpu", "meta") for d in lifetimes.devices):
         note = "no accelerator tensors in this graph; compiled unchanged (offload_cpu=False)"
-        return OffloadPlan(tuple(Decision(t, KEEP, note) for t in saved), options.policy, note)
+        return OffloadPlan(tuple(Decision(t, KEEP, note) for t in saved), options.policy, note, costs=costs)
 
     reasons: dict[str, str] = {}
     eligible: list[SavedTensor] = []

@@ -75,21 +75,21 @@ def hoist_saved_views(fw: fx.GraphModule, num_fwd_outputs: int) -> None:
     graph = fw.graph
     outputs = graph.output_node().args[0]
     saved_views = [o for o in outputs[num_fwd_outputs:] if isinstance(o, fx.Node) and is_view(o)]
+    index = {n: i for i, n in enumerate(graph.nodes)}
+    moved = False
     for view_node in saved_views:
         chain = []
         node = view_node
         while is_view(node):
             chain.append(node)
             node = node.args[0]
-        if not chain:
-            continue
-        index = {n: i for i, n in enumerate(graph.nodes)}
         for view in reversed(chain):  # the one closest to the base first
             latest = max(view.all_input_nodes, key=index.__getitem__)
             if index[latest] + 1 < index[view]:
                 latest.append(view)
                 index = {n: i for i, n in enumerate(graph.nodes)}
-    if saved_views:
+                moved = True
+    if moved:
         graph.lint()
         fw.recompile()
 

@@ -78,7 +78,6 @@ def schedule_transfers(
     last use, and their reload is issued just before their first use. The compute stream pauses
     for those copies, which is the price of holding their memory for the shortest time.
     """
-    fw_end = fw_starts[-1]
     n_fw = len(fw_starts) - 1
     # First pass, no stalls: when would each copy be done, and so where does its wait go?
     link = 0.0
@@ -112,7 +111,6 @@ def schedule_transfers(
             stall = max(0.0, end - clock)
             clock += stall
             fw[t.name] = (start, end, stall, wait_node[t.name])
-    del fw_end
 
     bw: dict[str, tuple[float, float, float, int]] = {}
     order = sorted(chosen, key=lambda t: (t.bw_first_use, t.output_index))
