@@ -198,6 +198,10 @@ def _estimated_interval(t: SavedTensor, fw_points: int) -> tuple[int, int]:
     return t.fw_last_use + 1, fw_points + max(t.bw_first_use, 0) - 1
 
 
+def _covers(interval: tuple[int, int], point: int) -> bool:
+    return interval[0] <= point <= interval[1]
+
+
 def _fit_budget(
     budget: int,
     chosen: Sequence[SavedTensor],
@@ -239,11 +243,8 @@ def _fit_budget(
         # A greedy round on estimated intervals.
         added = False
         while -tree.min(0, len(points) - 1) > budget:
-            peak_at = _argmin(tree, len(points))
-            pick = next(
-                (t for t in pool if _estimated_interval(t, fw_points)[0] <= peak_at <= _estimated_interval(t, fw_points)[1]),
-                None,
-            )
+            peak_at = tree.argmin()
+            pick = next((t for t in pool if _covers(_estimated_interval(t, fw_points), peak_at)), None)
             if pick is None or (host_bytes_available is not None and host_used + pick.nbytes > host_bytes_available):
                 break
             pool.remove(pick)
@@ -256,7 +257,7 @@ def _fit_budget(
             break
     reachable = int(-tree.min(0, len(points) - 1))
     if reachable > budget:
-        at = points[_argmin(tree, len(points))]
+        at = points[tree.argmin()]
         message = (
             f"fxoffload: memory_budget {fmt_bytes(budget)} cannot be reached: the smallest predicted peak "
             f"is {fmt_bytes(reachable)} (at {at.phase} node {at.node}); applying that plan"
@@ -265,16 +266,3 @@ def _fit_budget(
             raise ValueError(message.replace("; applying that plan", " (strict=True)"))
         warnings.warn(message, RuntimeWarning, stacklevel=2)
     return extra
-
-
-def _argmin(tree: _MinTree, n: int) -> int:
-    """Index of the smallest value (descends the tree; ties go left)."""
-    k, lo, hi = 1, 0, tree.n - 1
-    while lo != hi:
-        tree._push(k)
-        mid = (lo + hi) // 2
-        if tree.low[2 * k] <= tree.low[2 * k + 1]:
-            k, hi = 2 * k, mid
-        else:
-            k, lo = 2 * k + 1, mid + 1
-    return min(lo, n - 1)

@@ -204,6 +204,19 @@ class _MinTree:
         return min(self.min(lo, hi, 2 * k, l, m), self.min(lo, hi, 2 * k + 1, m + 1, r))
 
 
+    def argmin(self) -> int:
+        """Index of the smallest value (ties go to the lowest index)."""
+        k, lo, hi = 1, 0, self.n - 1
+        while lo != hi:
+            self._push(k)
+            mid = (lo + hi) // 2
+            if self.low[2 * k] <= self.low[2 * k + 1]:
+                k, hi = 2 * k, mid
+            else:
+                k, lo = 2 * k + 1, mid + 1
+        return lo
+
+
 class HiddenSetChecker:
     """Grows a set of offloaded tensors whose copies all stay hidden (predicted stall 0)."""
 
