@@ -1,126 +1,178 @@
-"""Peak memory and step time of fxoffload next to eager and Inductor.
+"""Peak memory and step time of fxoffload next to what users would pick instead.
 
-    python -m bench --preset tiny --steps 2           # CPU smoke run (offload_cpu=True, labelled CPU)
-    python -m bench --preset gpt2-medium --batch 8    # on a GPU
+    python -m bench --workload gpt --preset tiny --steps 2                  # CPU smoke run
+    python -m bench --workload gpt --preset gpt2-medium --png gpt2m.png     # on a GPU
+    python -m bench --workload hf-llama --preset medium --methods eager,fxoffload-budget,checkpoint --budgets 0.7,0.5
 
-GPU metrics: peak allocated and reserved (MiB), median step time over the timed steps (CUDA events,
-compile and warm-up steps excluded), offloaded bytes. CPU metrics: median step time and compile time;
-CPU numbers are labelled as such and say nothing about GPU memory.
+Workloads (presets): gpt (tiny, small, gpt2-medium), hf-gpt2 (tiny, gpt2-medium), hf-llama (tiny,
+medium), cnn (tiny, resnet18), seq2seq (tiny, thread). The hf-* ones need `transformers`.
+
+Methods: eager, inductor, fxoffload-auto, fxoffload-all, fxoffload-budget[=F], save_on_cpu, streamed,
+checkpoint, inductor-amb[=F], intree (see bench/methods.py). Each runs on a fresh deep copy of the
+same model with the same seed; the first step's loss of every method is compared with eager's.
+
+A step is forward + backward (no optimizer). GPU: peak allocated/reserved over the timed steps,
+median step time from CUDA events, throughput, bytes copied to/from the host and the achieved link
+GB/s from one profiled extra step. CPU: median step time, the first step's time (with the compile)
+and fxoffload's predicted peak; CPU figures are labelled CPU and say nothing about GPU memory.
 """
 
 from __future__ import annotations
 
 import argparse
-import copy
 import datetime
 import json
-import statistics
+import os
+import platform
+import shlex
 import sys
-import time
+from typing import Any
 
 import torch
 from tabulate import tabulate
 
-import fxoffload
-from fxoffload.models import GPT, PRESETS, gpt_batch
+from fxoffload.options import parse_bytes
 
-METHODS = ("eager", "inductor", "fxoffload-auto", "fxoffload-all")
+from .methods import DEFAULT, Context, parse_methods
+from .plot import plot
+from .runner import check_losses, run_method
+from .workloads import WORKLOADS, WorkloadUnavailable, build
 
-
-def make_backend(method: str, cpu: bool):
-    if method == "eager":
-        return None
-    if method == "inductor":
-        return "inductor"
-    extra = {"offload_cpu": True, "min_bytes": "16KiB"} if cpu else {}
-    return fxoffload.backend(policy=method.split("-")[1], **extra)
-
-
-def run_method(method, model, batch, steps, warmup, device):
-    model = copy.deepcopy(model)
-    backend = make_backend(method, device == "cpu")
-    fn = model if backend is None else torch.compile(model, backend=backend)
-
-    def step():
-        loss = fn(*batch)
-        loss.backward()
-        model.zero_grad(set_to_none=True)
-
-    start = time.perf_counter()
-    step()  # compile (and first run)
-    if device == "cuda":
-        torch.cuda.synchronize()
-    compile_s = time.perf_counter() - start
-    for _ in range(warmup):
-        step()
-    times = []
-    if device == "cuda":
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        for _ in range(steps):
-            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            begin.record()
-            step()
-            end.record()
-            end.synchronize()
-            times.append(begin.elapsed_time(end))
-    else:
-        for _ in range(steps):
-            begin = time.perf_counter()
-            step()
-            times.append((time.perf_counter() - begin) * 1e3)
-    row = {
-        "method": method,
-        "step_ms": statistics.median(times),
-        "compile_s": compile_s,
-        "offloaded_MiB": sum(r.offloaded_bytes for r in getattr(backend, "reports", [])) / 2**20,
-    }
-    if device == "cuda":
-        row["peak_alloc_MiB"] = torch.cuda.max_memory_allocated() / 2**20
-        row["peak_reserved_MiB"] = torch.cuda.max_memory_reserved() / 2**20
-    torch._dynamo.reset()
-    return row
+COLUMNS = (  # (row key, header, format); columns with no value in any row are left out
+    ("method", "method", "{}"),
+    ("status", "status", "{}"),
+    ("loss", "loss (1st step)", "{:.6f}"),
+    ("loss_ok", "same loss", None),
+    ("first_step_s", "1st step s (compile)", "{:.2f}"),
+    ("step_ms", "step ms (median)", "{:.2f}"),
+    ("throughput", "throughput", "{:,.0f}"),
+    ("peak_alloc_MiB", "peak alloc MiB", "{:,.1f}"),
+    ("peak_reserved_MiB", "peak reserved MiB", "{:,.1f}"),
+    ("predicted_before_MiB", "predicted peak MiB (no offload)", "{:,.2f}"),
+    ("predicted_after_MiB", "predicted peak MiB", "{:,.2f}"),
+    ("offloaded_MiB", "offloaded MiB/step", "{:,.2f}"),
+    ("dtoh_GBps", "D2H GB/s", "{:.1f}"),
+    ("htod_GBps", "H2D GB/s", "{:.1f}"),
+    ("note", "note", "{}"),
+)
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
-    parser.add_argument("--batch", type=int, default=4)
-    parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--methods", default=",".join(METHODS))
-    parser.add_argument("--json", default=None, help="write the rows and conditions to this file")
+def table(rows: list[dict[str, Any]], unit: str) -> str:
+    used = [c for c in COLUMNS if any(r.get(c[0]) not in (None, "") for r in rows)]
+    body = []
+    for r in rows:
+        line = []
+        for key, _, fmt in used:
+            value = r.get(key)
+            if key == "loss_ok":
+                line.append("" if value is None else "yes" if value else "MISMATCH")
+            else:
+                line.append("" if value is None else fmt.format(value))
+        body.append(line)
+    headers = [f"{unit}/s" if key == "throughput" else header for key, header, _ in used]
+    return tabulate(body, headers=headers, disable_numparse=True, maxcolwidths=[None] * (len(used) - 1) + [60])
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = argparse.ArgumentParser(
+        prog="python -m bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--workload", default="gpt", choices=sorted(WORKLOADS))
+    parser.add_argument("--preset", default="tiny", help="a preset of the workload (listed above)")
+    parser.add_argument("--batch", type=int, default=None, help="batch size (default: the preset's)")
+    parser.add_argument("--methods", default=DEFAULT, help="comma-separated (default: all)")
+    parser.add_argument("--budgets", default="0.8,0.5", help="fractions in (0, 1] for the two budget sweeps")
+    parser.add_argument("--steps", type=int, default=10, help="timed steps per method (median reported)")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed steps after the first (compile) step")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--min-bytes", default=None, help="fxoffload's and the streamed offloader's threshold "
+                        "(default: 1MiB on a GPU, 16KiB on a CPU)")  # fmt: skip
+    parser.add_argument("--inner", default="inductor", choices=("inductor", "aot_eager"),
+                        help="fxoffload's inner compiler (aot_eager: faster compile, eager kernels)")  # fmt: skip
+    parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads for CPU ops "
+                        "(default: torch's own; 1 is steadier on a shared machine)")  # fmt: skip
+    parser.add_argument("--amp", default="none", choices=("none", "bf16"), help="autocast on the GPU")
+    parser.add_argument("--json", default=None, help="write conditions and rows to this file")
+    parser.add_argument("--png", default=None, help="draw peak memory against step time to this file")
     args = parser.parse_args(argv)
-    methods = args.methods.split(",")
-    bad = [m for m in methods if m not in METHODS]
-    if bad:
-        parser.error(f"unknown method(s) {bad}; choose from {', '.join(METHODS)}")
+    if args.steps < 1 or args.warmup < 0:
+        parser.error(f"--steps must be >= 1 and --warmup >= 0, got {args.steps} and {args.warmup}")
+    if args.threads is not None:
+        if args.threads < 1:
+            parser.error(f"--threads must be >= 1, got {args.threads}")
+        torch.set_num_threads(args.threads)
+    cuda = torch.cuda.is_available()
+    try:
+        methods = parse_methods(args.methods, args.budgets)
+        min_bytes = parse_bytes(args.min_bytes or ("1MiB" if cuda else "16KiB"), "--min-bytes")
+        device = torch.device("cuda" if cuda else "cpu")
+        workload = build(args.workload, args.preset, device, args.batch, args.seed)
+    except ValueError as e:
+        parser.error(str(e))
+    except WorkloadUnavailable as e:
+        print(f"skipped: {e}", flush=True)
+        if args.json:
+            _write_json(args.json, {"skipped": str(e), "command": _command(argv)}, [])
+        return 0
+    if args.amp == "bf16" and not cuda:
+        print("note: --amp bf16 is for GPU runs; this CPU run is fp32", flush=True)
+    ctx = Context(device, min_bytes, args.inner, torch.bfloat16 if args.amp == "bf16" and cuda else None)
 
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    cfg = PRESETS[args.preset]
-    torch.manual_seed(0)
-    model = GPT(cfg).to(device)
-    batch = gpt_batch(cfg, args.batch, device)
-    where = torch.cuda.get_device_name() if device == "cuda" else "CPU (figures are CPU-only)"
     conditions = {
         "date": datetime.date.today().isoformat(),
-        "device": where,
+        "device": torch.cuda.get_device_name() if cuda else f"CPU ({os.cpu_count()} cores; figures are CPU-only)",
+        "gpu": cuda,
         "torch": torch.__version__,
+        "cuda": torch.version.cuda if cuda else None,
+        "python": platform.python_version(),
+        "workload": args.workload,
         "preset": args.preset,
-        "batch": args.batch,
+        "model": workload.description,
+        "throughput_unit": f"{workload.unit}/s",
+        "dtype": "bf16 autocast" if ctx.amp else "fp32",
+        "cpu_threads": torch.get_num_threads(),
         "steps": args.steps,
-        "command": "python -m bench " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "warmup": args.warmup,
+        "min_bytes": min_bytes,
+        "fxoffload_inner": args.inner,
+        "step": "forward + backward + zero_grad, no optimizer",
+        "command": _command(argv),
     }
-    print(f"# {conditions}", flush=True)
+    print(f"# {conditions['date']}  {conditions['device']}  torch {conditions['torch']}  {conditions['dtype']}")
+    print(f"# {workload.description}", flush=True)
     rows = []
     for i, method in enumerate(methods, 1):
-        print(f"[{i}/{len(methods)}] {method} ...", flush=True)
-        rows.append(run_method(method, model, batch, args.steps, args.warmup, device))
-    print(tabulate(rows, headers="keys", floatfmt=".1f"))
+        print(f"[{i}/{len(methods)}] {method.name} ...", flush=True)
+        row = run_method(method, workload, ctx, args.steps, args.warmup, args.seed, progress=_progress)
+        if row["status"] != "ok":
+            print(f"    {row['status']}: {row['note']}", flush=True)
+        rows.append(row)
+    check_losses(rows, rtol=2e-2 if ctx.amp else 1e-3)
+    print(table(rows, workload.unit))
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"conditions": conditions, "rows": rows}, f, indent=2)
-    return 0
+        _write_json(args.json, conditions, rows)
+        print(f"wrote {args.json}")
+    if args.png:
+        why_not = plot(rows, conditions, args.png)
+        print(why_not or f"wrote {args.png}")
+    bad = [r["method"] for r in rows if r["status"] == "failed" or r.get("loss_ok") is False]
+    if bad:
+        print(f"failed or different loss: {', '.join(bad)}", flush=True)
+    return 1 if bad else 0
+
+
+def _progress(line: str) -> None:
+    print(line, flush=True)
+
+
+def _command(argv: list[str]) -> str:
+    return "python -m bench " + " ".join(shlex.quote(a) for a in argv)
+
+
+def _write_json(path: str, conditions: dict[str, Any], rows: list[dict[str, Any]]) -> None:
+    with open(path, "w") as f:
+        json.dump({"conditions": conditions, "rows": rows}, f, indent=2)
 
 
 if __name__ == "__main__":

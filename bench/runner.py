@@ -1,0 +1,172 @@
+"""Run one method on a fresh copy of the workload's model and measure it.
+
+GPU: peak allocated and reserved bytes over the timed steps (``reset_peak_memory_stats`` after the
+warm-up), the median step time from CUDA events around each step, and, from one extra step under
+``torch.profiler``, the bytes every host<->device copy moved and the time the copies took on the
+device (achieved link GB/s = bytes / copy time, per direction). CPU: median wall-clock step time.
+Both: the first step's loss and wall time (compile included; reported apart, never in the median).
+"""
+
+from __future__ import annotations
+
+import copy
+import gc
+import json
+import os
+import statistics
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+import fxoffload
+
+from .methods import Context, Method, Skip, prepare
+from .workloads import Workload
+
+MiB = 2**20
+
+
+def run_method(method: Method, workload: Workload, ctx: Context, steps: int, warmup: int, seed: int = 0,
+               progress: Callable[[str], None] = print) -> dict[str, Any]:  # fmt: skip
+    """One row of the table: measured figures, or ``status`` "skipped"/"failed" with the reason."""
+    row: dict[str, Any] = {"method": method.name, "status": "ok", "note": ""}
+    _fresh_state(ctx)
+    torch.manual_seed(seed)
+    model = copy.deepcopy(workload.model).to(ctx.device)
+    try:
+        prepared = prepare(method, model, workload.batch, workload.blocks(model), ctx)
+    except Skip as e:
+        row.update(status="skipped", note=str(e))
+        return row
+    except Exception as e:
+        row.update(status="failed", note=f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+        progress(traceback.format_exc(limit=-3).rstrip())
+        return row
+    row["note"] = prepared.note
+    try:
+        _measure(row, prepared, workload, ctx, steps, warmup, seed, progress)
+    except Exception as e:  # a method that breaks is a row that says how, not a lost run
+        row.update(status="failed", note=f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+        progress(traceback.format_exc(limit=-3).rstrip())
+    finally:
+        prepared.close()
+    if prepared.backend is not None and prepared.backend.reports:
+        reports = prepared.backend.reports
+        row["predicted_before_MiB"] = max(r.predicted_peak_before for r in reports) / MiB
+        row["predicted_after_MiB"] = max(r.predicted_peak_after for r in reports) / MiB
+        if method.kind == "fxoffload-auto":
+            ctx.auto_reports = list(reports)
+        budgets = [r for r in reports if r.memory_budget is not None]
+        if budgets:
+            met = all(r.predicted_peak_after <= r.memory_budget for r in budgets)
+            row["note"] = _join(row["note"], f"predicted budget {'met' if met else 'NOT met'}")
+    if prepared.late_note is not None:
+        row["note"] = _join(row["note"], prepared.late_note())
+    del model, prepared
+    _fresh_state(ctx)
+    return row
+
+
+def _measure(row, prepared, workload: Workload, ctx: Context, steps, warmup, seed, progress) -> None:
+    torch.manual_seed(seed)
+    start = time.perf_counter()
+    loss = prepared.step()  # the compile, for the compiled methods
+    row["loss"] = float(loss)
+    _sync(ctx)
+    row["first_step_s"] = time.perf_counter() - start
+    for _ in range(warmup):
+        prepared.step()
+    times = []
+    if ctx.cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        for _ in range(steps):
+            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            begin.record()
+            prepared.step()
+            end.record()
+            end.synchronize()
+            times.append(begin.elapsed_time(end))
+        row["peak_alloc_MiB"] = torch.cuda.max_memory_allocated() / MiB
+        row["peak_reserved_MiB"] = torch.cuda.max_memory_reserved() / MiB
+    else:
+        for _ in range(steps):
+            begin = time.perf_counter()
+            prepared.step()
+            times.append((time.perf_counter() - begin) * 1e3)
+    row["step_ms"] = statistics.median(times)
+    row["throughput"] = workload.items_per_step / (row["step_ms"] / 1e3)
+    offloaded = prepared.offloaded_bytes()
+    if offloaded is not None:
+        row["offloaded_MiB"] = offloaded / MiB
+    if ctx.cuda:
+        row.update(measure_copies(prepared.step))
+    progress(f"    first step {row['first_step_s']:.2f} s, median step {row['step_ms']:.2f} ms, loss {row['loss']:.6f}")
+
+
+def measure_copies(step: Callable[[], Any]) -> dict[str, float]:
+    """Bytes and device time of every host<->device copy in one step, from a profiler trace."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    fd, path = tempfile.mkstemp(suffix=".json")
+    os.close(fd)
+    try:
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            return copies_from_trace(json.load(f))
+    finally:
+        os.unlink(path)
+
+
+def copies_from_trace(trace: dict[str, Any]) -> dict[str, float]:
+    """Per direction: MiB moved, ms the copies took on the device, and their ratio in GB/s (10^9
+    bytes/s), from the ``gpu_memcpy`` events of a Chrome trace (Kineto's "Memcpy DtoH (Device ->
+    Pinned)" with ``args.bytes`` and ``dur`` in microseconds). Device-to-device copies are left out."""
+    out: dict[str, float] = {}
+    for direction in ("DtoH", "HtoD"):
+        events = [
+            e for e in trace.get("traceEvents", [])
+            if e.get("cat") == "gpu_memcpy" and direction in e.get("name", "") and e.get("ph") == "X"
+        ]  # fmt: skip
+        nbytes = sum(int(e.get("args", {}).get("bytes", 0)) for e in events)
+        seconds = sum(float(e.get("dur", 0)) for e in events) / 1e6
+        key = direction.lower()
+        out[f"{key}_MiB"] = nbytes / MiB
+        out[f"{key}_ms"] = seconds * 1e3
+        out[f"{key}_GBps"] = nbytes / seconds / 1e9 if seconds > 0 else 0.0
+    return out
+
+
+def _sync(ctx: Context) -> None:
+    if ctx.cuda:
+        torch.cuda.synchronize()
+
+
+def _fresh_state(ctx: Context) -> None:
+    torch._dynamo.reset()
+    fxoffload.release_host_memory()
+    gc.collect()
+    if ctx.cuda:
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+
+
+def _join(a: str, b: str) -> str:
+    return f"{a}; {b}" if a and b else a or b
+
+
+def check_losses(rows: list[dict[str, Any]], rtol: float) -> None:
+    """Compare every first-step loss with eager's (else the first measured one): ``loss_ok``."""
+    measured = [r for r in rows if "loss" in r]
+    if not measured:
+        return
+    ref = next((r for r in measured if r["method"] == "eager"), measured[0])
+    for r in measured:
+        r["loss_ok"] = abs(r["loss"] - ref["loss"]) <= rtol * max(abs(ref["loss"]), 1e-12)

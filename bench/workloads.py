@@ -1,0 +1,207 @@
+"""The models the harness measures, by name and preset: random weights, nothing downloaded.
+
+Every workload is a model whose ``forward(*batch)`` returns a scalar training loss, one fixed batch,
+the list of blocks that activation checkpointing wraps one by one, and the unit of its throughput.
+Dropout is zero everywhere so that every method computes the same loss and the first-step losses
+of the table can be compared.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from fxoffload.models import GPT, PRESETS, Seq2Seq, gpt_batch, seq2seq_batch
+
+
+class WorkloadUnavailable(RuntimeError):
+    """The workload cannot be built here (a missing optional package); the message says why."""
+
+
+@dataclasses.dataclass
+class Workload:
+    name: str
+    preset: str
+    model: nn.Module  # on the CPU; each method moves its own deep copy to the device
+    batch: tuple  # already on the device
+    blocks: Callable[[nn.Module], list[nn.Module]]  # the blocks of a copy, for per-block checkpointing
+    items_per_step: int  # tokens or samples in one batch
+    unit: str  # "tokens" or "samples"
+    description: str
+
+
+class BasicBlock(nn.Module):
+    """ResNet's basic block: two 3x3 convolutions with BatchNorm, a projection shortcut when the
+    shape changes."""
+
+    def __init__(self, cin: int, cout: int, stride: int) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(cin, cout, 3, stride, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(cout)
+        self.conv2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False)
+        self.bn2 = nn.BatchNorm2d(cout)
+        self.shortcut = nn.Identity()
+        if stride != 1 or cin != cout:
+            self.shortcut = nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.relu(self.bn1(self.conv1(x)))
+        return F.relu(self.bn2(self.conv2(h)) + self.shortcut(x))
+
+
+class ResNet(nn.Module):
+    """A ResNet-style CNN: a 3x3 stem, stages of basic blocks (the first of each stage after the
+    first halves the resolution), global average pooling, a linear classifier, cross-entropy."""
+
+    def __init__(self, widths: tuple[int, ...], depths: tuple[int, ...], classes: int) -> None:
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, widths[0], 3, 1, 1, bias=False), nn.BatchNorm2d(widths[0]), nn.ReLU())
+        blocks, cin = [], widths[0]
+        for stage, (width, depth) in enumerate(zip(widths, depths)):
+            for i in range(depth):
+                blocks.append(BasicBlock(cin, width, 2 if stage > 0 and i == 0 else 1))
+                cin = width
+        self.blocks = nn.ModuleList(blocks)
+        self.head = nn.Linear(cin, classes)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        h = self.stem(x)
+        for block in self.blocks:
+            h = block(h)
+        return F.cross_entropy(self.head(h.mean((2, 3))), y)
+
+
+class HFCausalLM(nn.Module):
+    """A Hugging Face causal LM as ``forward(idx, targets) -> loss`` (labels are the inputs; the
+    model shifts them itself)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids=idx, labels=idx).loss
+
+
+# name -> preset -> keyword arguments of the builder below. "tiny" presets are for CPU runs and
+# tests; the others are shaped for a GPU.
+GPT_BATCH = {"tiny": 8, "small": 8, "gpt2-medium": 8}
+HF_PRESETS = {
+    "hf-gpt2": {
+        "tiny": dict(n_embd=64, n_layer=2, n_head=4, n_positions=64, vocab_size=256, batch=8),
+        "gpt2-medium": dict(n_embd=1024, n_layer=24, n_head=16, n_positions=1024, vocab_size=50257, batch=8),
+    },
+    "hf-llama": {
+        "tiny": dict(hidden_size=64, intermediate_size=176, num_hidden_layers=2, num_attention_heads=4,
+                     num_key_value_heads=2, vocab_size=256, max_position_embeddings=64, batch=8),
+        # Llama-shaped, ~0.4B parameters: GQA, SwiGLU, RoPE, RMSNorm; fits one H100 in fp32.
+        "medium": dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=16, num_attention_heads=16,
+                       num_key_value_heads=4, vocab_size=32000, max_position_embeddings=1024, batch=8),
+    },
+}  # fmt: skip
+CNN_PRESETS = {
+    "tiny": dict(widths=(16, 32), depths=(1, 1), classes=10, image=32, batch=8),
+    "resnet18": dict(widths=(64, 128, 256, 512), depths=(2, 2, 2, 2), classes=1000, image=224, batch=64),
+}
+SEQ2SEQ_PRESETS = {
+    "tiny": dict(vocab=128, emb=32, hidden=64, batch=4, src_len=12, tgt_len=6),
+    # Sizes of the forum thread's model: 256-d embeddings, 512-d GRU, long padded batches.
+    "thread": dict(vocab=8000, emb=256, hidden=512, batch=64, src_len=80, tgt_len=40),
+}
+
+WORKLOADS: dict[str, tuple[str, ...]] = {
+    "gpt": tuple(PRESETS),
+    "hf-gpt2": tuple(HF_PRESETS["hf-gpt2"]),
+    "hf-llama": tuple(HF_PRESETS["hf-llama"]),
+    "cnn": tuple(CNN_PRESETS),
+    "seq2seq": tuple(SEQ2SEQ_PRESETS),
+}
+
+
+def build(name: str, preset: str, device: str | torch.device, batch: int | None = None, seed: int = 0) -> Workload:
+    """The workload ``name`` at ``preset``; ``batch`` overrides the preset's batch size.
+
+    Raises ``ValueError`` for an unknown name or preset and ``WorkloadUnavailable`` when an optional
+    package it needs (``transformers``) is not installed.
+    """
+    if name not in WORKLOADS:
+        raise ValueError(f"unknown workload {name!r}; choose one of: {', '.join(WORKLOADS)}")
+    if preset not in WORKLOADS[name]:
+        raise ValueError(f"workload {name!r} has no preset {preset!r}; choose one of: {', '.join(WORKLOADS[name])}")
+    if batch is not None and batch < 1:
+        raise ValueError(f"batch must be >= 1, got {batch}")
+    torch.manual_seed(seed)
+    if name == "gpt":
+        return _gpt(preset, device, batch or GPT_BATCH[preset])
+    if name in HF_PRESETS:
+        return _hf(name, preset, device, batch)
+    if name == "cnn":
+        return _cnn(preset, device, batch)
+    return _seq2seq(preset, device, batch)
+
+
+def _gpt(preset: str, device, batch: int) -> Workload:
+    cfg = dataclasses.replace(PRESETS[preset], dropout=0.0)
+    model = GPT(cfg)
+    return Workload(
+        "gpt", preset, model, gpt_batch(cfg, batch, device), lambda m: list(m.blocks), batch * cfg.seq, "tokens",
+        f"GPT-style decoder (fxoffload.models.GPT): {cfg.layers} layers, dim {cfg.dim}, {cfg.heads} heads, "
+        f"seq {cfg.seq}, vocab {cfg.vocab}, batch {batch}",
+    )  # fmt: skip
+
+
+def _hf(name: str, preset: str, device, batch: int | None) -> Workload:
+    try:
+        import transformers
+    except ImportError as e:
+        raise WorkloadUnavailable(f"{name} needs the transformers package ({e}); pip install transformers") from e
+    kw = dict(HF_PRESETS[name][preset])
+    preset_batch = kw.pop("batch")
+    batch = batch or preset_batch
+    common = dict(use_cache=False, bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    if name == "hf-gpt2":
+        cfg = transformers.GPT2Config(**kw, **common, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+        inner = transformers.GPT2LMHeadModel(cfg)
+        seq, blocks = kw["n_positions"], (lambda m: list(m.model.transformer.h))
+        shape = f"{kw['n_layer']} layers, dim {kw['n_embd']}, {kw['n_head']} heads"
+    else:
+        cfg = transformers.LlamaConfig(**kw, **common, attention_dropout=0.0)
+        inner = transformers.LlamaForCausalLM(cfg)
+        seq, blocks = kw["max_position_embeddings"], (lambda m: list(m.model.model.layers))
+        shape = (f"{kw['num_hidden_layers']} layers, dim {kw['hidden_size']}, {kw['num_attention_heads']} heads "
+                 f"({kw['num_key_value_heads']} KV)")  # fmt: skip
+    idx = torch.randint(0, kw["vocab_size"], (batch, seq), device=device)
+    return Workload(
+        name, preset, HFCausalLM(inner), (idx, idx), blocks, batch * seq, "tokens",
+        f"transformers {transformers.__version__} {type(inner).__name__} from a config (random weights): "
+        f"{shape}, seq {seq}, vocab {kw['vocab_size']}, batch {batch}",
+    )
+
+
+def _cnn(preset: str, device, batch: int | None) -> Workload:
+    kw = CNN_PRESETS[preset]
+    batch = batch or kw["batch"]
+    model = ResNet(kw["widths"], kw["depths"], kw["classes"])
+    x = torch.randn(batch, 3, kw["image"], kw["image"], device=device)
+    y = torch.randint(0, kw["classes"], (batch,), device=device)
+    return Workload(
+        "cnn", preset, model, (x, y), lambda m: list(m.blocks), batch, "samples",
+        f"ResNet-style CNN: widths {kw['widths']}, blocks {kw['depths']}, {kw['image']}x{kw['image']} images, "
+        f"{kw['classes']} classes, batch {batch}",
+    )  # fmt: skip
+
+
+def _seq2seq(preset: str, device, batch: int | None) -> Workload:
+    kw = SEQ2SEQ_PRESETS[preset]
+    batch = batch or kw["batch"]
+    model = Seq2Seq(kw["vocab"], kw["emb"], kw["hidden"])
+    data = seq2seq_batch(batch, kw["src_len"], kw["tgt_len"], kw["vocab"], device)  # lengths stay on the CPU
+    return Workload(
+        "seq2seq", preset, model, data, lambda m: [m.encoder, m.cell], batch, "samples",
+        f"attention seq2seq (fxoffload.models.Seq2Seq): packed bidirectional GRU {kw['hidden']}, GRUCell decoder "
+        f"with additive attention, vocab {kw['vocab']}, src {kw['src_len']}, tgt {kw['tgt_len']}, batch {batch}",
+    )  # fmt: skip
