@@ -103,7 +103,7 @@ class Context:
     min_bytes: int  # fxoffload's min_bytes and the streamed offloader's threshold
     inner: str  # fxoffload's inner compiler
     amp: torch.dtype | None  # autocast dtype on the GPU, or None for fp32
-    auto_reports: list | None = None  # fxoffload policy="auto"'s reports, once it has run (for intree)
+    auto_reports: list | None = None  # fxoffload policy="auto"'s reports with inner="inductor" (for intree)
 
     @property
     def cuda(self) -> bool:
@@ -254,9 +254,11 @@ def _intree(model: nn.Module, batch: tuple, ctx: Context) -> Prepared:
     from torch._inductor import config as inductor_config
     from torch._inductor.custom_graph_pass import CustomGraphPass
 
-    reports = ctx.auto_reports
-    if reports is None:
-        reports = fxoffload.explain(copy.deepcopy(model), *batch, **ctx.fxoffload_options(policy="auto"))
+    reports = ctx.auto_reports  # set by an fxoffload-auto row with inner="inductor" that ran before
+    if reports is None:  # the names must come from Inductor's joint graph, so plan with inner="inductor"
+        options = ctx.fxoffload_options(policy="auto", inner="inductor")
+        with _autocast(ctx):
+            reports = fxoffload.explain(copy.deepcopy(model), *batch, **options)
         torch._dynamo.reset()
     chosen = [frozenset(r.name for r in report.offloaded) for report in reports]
     if not any(chosen):

@@ -58,7 +58,7 @@ def run_method(method: Method, workload: Workload, ctx: Context, steps: int, war
         reports = prepared.backend.reports
         row["predicted_before_MiB"] = max(r.predicted_peak_before for r in reports) / MiB
         row["predicted_after_MiB"] = max(r.predicted_peak_after for r in reports) / MiB
-        if method.kind == "fxoffload-auto":
+        if method.kind == "fxoffload-auto" and ctx.inner == "inductor":
             ctx.auto_reports = list(reports)
         budgets = [r for r in reports if r.memory_budget is not None]
         if budgets:

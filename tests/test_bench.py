@@ -1,16 +1,182 @@
-"""The benchmark harness keeps working (a CPU smoke run: tiny preset, one timed step)."""
+"""The benchmark harness keeps working: a CPU smoke run, and the pieces that can go wrong."""
 
+import copy
 import json
+import sys
 
-from bench.__main__ import main
+import pytest
+import torch
+
+from bench.__main__ import main, table
+from bench.methods import Context, Method, parse_methods
+from bench.runner import check_losses, copies_from_trace, run_method
+from bench.streamed import StreamedOffload
+from bench.workloads import WORKLOADS, Workload, WorkloadUnavailable, build
+from fxoffload.models import GPT, PRESETS, gpt_batch
 
 
-def test_bench_smoke(tmp_path, capsys):
-    out = tmp_path / "bench.json"
-    assert main(["--preset", "tiny", "--steps", "1", "--warmup", "0", "--batch", "2",
-                 "--methods", "eager,fxoffload-all", "--json", str(out)]) == 0  # fmt: skip
+@pytest.fixture
+def restore_threads():
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_bench_smoke(tmp_path, capsys, restore_threads):
+    """Tiny GPT, one timed step, fxoffload next to alternatives and torch's in-tree offloading."""
+    pytest.importorskip("matplotlib")
+    out, png = tmp_path / "bench.json", tmp_path / "bench.png"
+    methods = "eager,fxoffload-all,fxoffload-budget=0.5,save_on_cpu,streamed,checkpoint,intree"
+    argv = ["--preset", "tiny", "--steps", "1", "--warmup", "0", "--batch", "2", "--threads", "1",
+            "--inner", "aot_eager", "--methods", methods, "--json", str(out), "--png", str(png)]  # fmt: skip
+    assert main(argv) == 0
     data = json.loads(out.read_text())
-    assert [r["method"] for r in data["rows"]] == ["eager", "fxoffload-all"]
-    assert data["rows"][1]["offloaded_MiB"] > 0
-    assert "CPU" in data["conditions"]["device"]
-    assert "fxoffload-all" in capsys.readouterr().out
+    rows = {r["method"]: r for r in data["rows"]}
+    assert list(rows) == methods.split(",")
+    assert all(r["status"] == "ok" for r in rows.values()), [(r["method"], r["note"]) for r in data["rows"]]
+    # Every method computes the same first loss as eager.
+    assert all(r["loss_ok"] for r in rows.values())
+    assert all(abs(r["loss"] - rows["eager"]["loss"]) < 1e-4 for r in rows.values())
+    assert all(r["step_ms"] > 0 and r["throughput"] > 0 for r in rows.values())
+    # fxoffload rows carry its prediction; offloading lowers it; the budget row says whether it was met.
+    for name in ("fxoffload-all", "fxoffload-budget=0.5"):
+        assert rows[name]["offloaded_MiB"] > 0
+        assert rows[name]["predicted_after_MiB"] < rows[name]["predicted_before_MiB"]
+    assert "predicted budget" in rows["fxoffload-budget=0.5"]["note"]
+    assert rows["streamed"]["offloaded_MiB"] > 0 and "synchronous" in rows["streamed"]["note"]
+    # torch's pass found the tensors by the names fxoffload gave them, and offloaded some of them.
+    assert rows["intree"]["note"].startswith("tagged ")
+    tagged, planned = rows["intree"]["note"].split(" tensors")[0].removeprefix("tagged ").split(" of ")
+    assert int(tagged) == int(planned) > 0
+    assert rows["intree"]["offloaded_MiB"] > 0
+    assert "CPU" in data["conditions"]["device"] and data["conditions"]["gpu"] is False
+    assert data["conditions"]["command"].startswith("python -m bench --preset tiny")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    printed = capsys.readouterr().out
+    assert "[7/7] intree ..." in printed and "fxoffload-budget=0.5" in printed
+
+
+def test_parse_methods():
+    names = [m.name for m in parse_methods("eager,fxoffload-budget,inductor-amb=0.3", "0.8,0.5")]
+    assert names == ["eager", "fxoffload-budget=0.8", "fxoffload-budget=0.5", "inductor-amb=0.3"]
+    with pytest.raises(ValueError, match="unknown method 'fxoffload-some'; choose from: eager, inductor"):
+        parse_methods("fxoffload-some", "0.5")
+    with pytest.raises(ValueError, match=r"inductor-amb: 1.5 is out of range; use fractions in \(0, 1\]"):
+        parse_methods("inductor-amb=1.5", "")
+    with pytest.raises(ValueError, match="method 'eager' takes no value"):
+        parse_methods("eager=0.5", "")
+    with pytest.raises(ValueError, match="fxoffload-budget needs budgets"):
+        parse_methods("fxoffload-budget", "")
+
+
+def test_cli_rejects_bad_arguments(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["--workload", "cnn", "--preset", "gpt2-medium"])
+    assert e.value.code == 2
+    assert "workload 'cnn' has no preset 'gpt2-medium'; choose one of: tiny, resnet18" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name", sorted(WORKLOADS))
+def test_workloads_build_and_give_a_scalar_loss(name):
+    if name.startswith("hf-"):
+        pytest.importorskip("transformers")
+    w = build(name, "tiny", "cpu", batch=2)
+    loss = w.model(*w.batch)
+    assert loss.dim() == 0 and torch.isfinite(loss)
+    loss.backward()
+    blocks = w.blocks(w.model)
+    assert blocks and all(isinstance(b, torch.nn.Module) for b in blocks)
+    assert all(p.grad is not None for b in blocks for p in b.parameters())
+    assert w.items_per_step > 0 and w.unit in ("tokens", "samples")
+
+
+def test_hf_workload_without_transformers(monkeypatch, tmp_path, capsys):
+    monkeypatch.setitem(sys.modules, "transformers", None)  # import transformers raises ImportError
+    with pytest.raises(WorkloadUnavailable, match="hf-llama needs the transformers package"):
+        build("hf-llama", "tiny", "cpu")
+    out = tmp_path / "skip.json"
+    assert main(["--workload", "hf-gpt2", "--json", str(out)]) == 0
+    assert capsys.readouterr().out.startswith("skipped: hf-gpt2 needs the transformers package")
+    assert "transformers" in json.loads(out.read_text())["conditions"]["skipped"]
+
+
+def _grads(model, batch, offloader=None):
+    model.zero_grad(set_to_none=True)
+    if offloader is None:
+        loss = model(*batch)
+    else:
+        with offloader:
+            loss = model(*batch)
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def test_streamed_offloader_matches_eager_on_cpu():
+    torch.manual_seed(0)
+    model = GPT(PRESETS["tiny"]).eval()  # no dropout: the two runs draw no random numbers
+    batch = gpt_batch(PRESETS["tiny"], 2)
+    ref_loss, ref = _grads(copy.deepcopy(model), batch)
+    offloader = StreamedOffload(model, min_bytes=4096)
+    for _ in range(2):  # the second step reuses the host buffers of the first
+        loss, grads = _grads(model, batch, offloader)
+        offloader.after_backward()
+        assert torch.equal(loss, ref_loss)
+        assert all(torch.equal(grads[n], ref[n]) for n in ref)
+    assert offloader.synchronous and "synchronous" in offloader.mode
+    assert offloader.offloaded_bytes > 0
+    assert offloader.host_pool_bytes() == offloader.offloaded_bytes  # every buffer came back to the pool
+
+
+def test_streamed_offloader_skips_weights_and_small_tensors_and_dedupes():
+    torch.manual_seed(0)
+    weight = torch.nn.Parameter(torch.randn(256, 256) * 0.05)
+    model = torch.nn.Module()
+    model.weight = weight
+    x = torch.randn(64, 256, requires_grad=True)
+
+    def f():
+        h = x @ weight  # saves x (64 KiB) and the weight (never offloaded)
+        return h, (h * h).sum() + (h.exp() * 2).sum()  # the mul saves h twice; exp saves its output
+
+    expected = torch.autograd.grad(f()[1], [x, weight])
+    offloader = StreamedOffload(model, min_bytes=1024)
+    with offloader:
+        h, y = f()
+    assert offloader.offloaded_bytes == x.nbytes + h.nbytes + h.nbytes  # x, h once, exp(h)
+    y.backward()
+    offloader.after_backward()
+    assert torch.equal(x.grad, expected[0]) and torch.equal(weight.grad, expected[1])
+    with offloader:
+        small = (torch.randn(8, requires_grad=True) * 2).exp()
+    assert offloader.offloaded_bytes == 0 and small.requires_grad
+
+
+def test_method_without_blocks_is_skipped_with_a_reason():
+    w = build("gpt", "tiny", "cpu", batch=2)
+    no_blocks = Workload(**{**w.__dict__, "blocks": lambda m: []})
+    ctx = Context(torch.device("cpu"), 16384, "aot_eager", None)
+    row = run_method(Method("checkpoint"), no_blocks, ctx, steps=1, warmup=0, progress=lambda s: None)
+    assert row == {"method": "checkpoint", "status": "skipped", "note": "the workload lists no blocks to checkpoint"}
+
+
+def test_loss_check_and_table_flag_a_mismatch():
+    rows = [{"method": "eager", "status": "ok", "loss": 2.0}, {"method": "x", "status": "ok", "loss": 2.01},
+            {"method": "y", "status": "skipped", "note": "no GPU"}]  # fmt: skip
+    check_losses(rows, rtol=1e-3)
+    assert [r.get("loss_ok") for r in rows] == [True, False, None]
+    text = table(rows, "tokens")
+    assert "MISMATCH" in text and "no GPU" in text and "peak alloc" not in text
+
+
+def test_copies_from_trace():
+    trace = {"traceEvents": [
+        {"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy DtoH (Device -> Pinned)", "dur": 100.0, "args": {"bytes": 2_000_000}},
+        {"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy DtoH (Device -> Pinned)", "dur": 100.0, "args": {"bytes": 2_000_000}},
+        {"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy HtoD (Pinned -> Device)", "dur": 50.0, "args": {"bytes": 1_000_000}},
+        {"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy DtoD (Device -> Device)", "dur": 10.0, "args": {"bytes": 9_000_000}},
+        {"ph": "X", "cat": "kernel", "name": "gemm DtoH lookalike", "dur": 999.0, "args": {"bytes": 1}},
+    ]}  # fmt: skip
+    out = copies_from_trace(trace)
+    assert out["dtoh_GBps"] == pytest.approx(20.0) and out["dtoh_ms"] == pytest.approx(0.2)
+    assert out["htod_GBps"] == pytest.approx(20.0) and out["htod_MiB"] == pytest.approx(1e6 / 2**20)
+    assert copies_from_trace({"traceEvents": []})["dtoh_GBps"] == 0.0
