@@ -28,9 +28,9 @@ def measure(layers: int) -> dict:
     def timed_pass(fw, bw, *args, **kwargs):
         timings["fw_nodes"], timings["bw_nodes"] = len(fw.graph.nodes), len(bw.graph.nodes)
         start = time.perf_counter()
-        plan = original_pass(fw, bw, *args, **kwargs)  # includes the baseline memory model
+        result = original_pass(fw, bw, *args, **kwargs)  # includes the baseline memory model
         timings["pass_s"] = time.perf_counter() - start
-        return plan
+        return result
 
     def timed_simulate(*args, **kwargs):
         start = time.perf_counter()

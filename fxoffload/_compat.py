@@ -33,6 +33,7 @@ __all__ = [
     "storage_expired",
     "storage_use_count",
     "storage_weak_ref",
+    "tag_must_recompute",
 ]
 
 TORCH_PARTITIONERS: dict[str, Callable[..., tuple[fx.GraphModule, fx.GraphModule]]] = {
@@ -51,6 +52,19 @@ def call_partitioner(
     fn = TORCH_PARTITIONERS[name]
     accepted = inspect.signature(fn).parameters
     return fn(joint, joint_inputs, **{k: v for k, v in kwargs.items() if k in accepted})
+
+
+def tag_must_recompute(joint: fx.GraphModule, names: frozenset[str]) -> None:
+    """Ask torch's partitioners to recompute the joint graph's nodes ``names`` in the backward.
+
+    The same node tag selective activation checkpointing sets (``meta["recompute"]``); both the
+    min-cut and the default partitioner honour it.
+    """
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    for node in joint.graph.nodes:
+        if node.name in names:
+            node.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
 
 
 def inductor_mode_options(mode: str | None) -> dict[str, Any]:

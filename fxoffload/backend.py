@@ -15,7 +15,8 @@ from .cost import device_rates, node_start_times
 from .lifetimes import GraphLifetimes, analyze_saved_tensors
 from .memory import MemoryTimeline, simulate
 from .options import OffloadOptions
-from .plan import OffloadPlan, PlanCosts, fmt_bytes, plan_offloads
+from .plan import OffloadPlan, PlanCosts, fmt_bytes, plan_offloads, replan_after_recompute
+from .recompute import recompute_options
 from .report import OffloadReport
 from .rewrite import apply_plan, hoist_saved_views
 
@@ -84,19 +85,26 @@ class _OffloadPartitioner(_compat.CustomPartitionerFn):
     def __call__(
         self, joint: fx.GraphModule, joint_inputs: Any, **kwargs: Any
     ) -> tuple[fx.GraphModule, fx.GraphModule]:
-        fw, bw = _compat.call_partitioner(self.options.partitioner, joint, joint_inputs, **kwargs)
+        def partition(recompute: frozenset[str] = frozenset()) -> tuple[fx.GraphModule, fx.GraphModule]:
+            if recompute:
+                _compat.tag_must_recompute(joint, recompute)
+            return _compat.call_partitioner(self.options.partitioner, joint, joint_inputs, **kwargs)
+
+        fw, bw = partition()
         num_fwd_outputs = kwargs["num_fwd_outputs"]
         static = kwargs.get("static_lifetime_input_indices") or ()
         host_before = self.backend.host_bytes_planned
-        plan = offload_pass(
+        fw, bw, plan = offload_pass(
             fw, bw, num_fwd_outputs, static, self.options,
             host_bytes_available=self._host_left(),
             disabled_reason=self.disabled_reason,
+            repartition=partition,
         )  # fmt: skip
         with _graph_ids_lock:
             graph_id = next(_graph_ids)
         memory_before = plan.costs.baseline
-        memory_after = simulate(fw, bw, num_fwd_outputs, tuple(static)) if plan.offloaded else memory_before
+        changed = plan.offloaded or plan.recomputed
+        memory_after = simulate(fw, bw, num_fwd_outputs, tuple(static)) if changed else memory_before
         report = OffloadReport.from_plan(
             graph_id, plan, fw, bw, self.options.host_budget, host_before, memory_before, memory_after
         )
@@ -121,34 +129,65 @@ def offload_pass(
     *,
     host_bytes_available: int | None = None,
     disabled_reason: str = "",
-) -> OffloadPlan:
-    """The fxoffload pass on a partitioned pair: analyse, plan, rewrite in place. Returns the plan.
+    repartition: Callable[[frozenset[str]], tuple[fx.GraphModule, fx.GraphModule]] | None = None,
+) -> tuple[fx.GraphModule, fx.GraphModule, OffloadPlan]:
+    """The fxoffload pass on a partitioned pair: analyse, plan, rewrite. Returns the rewritten pair
+    and the plan.
 
-    The plan's ``costs.baseline`` is the predicted memory of the pair before the rewrite.
+    ``repartition(names)`` runs torch's partitioner again with the forward nodes ``names`` tagged
+    for recomputation; without it (a pair with no joint graph behind it) nothing is recomputed.
+    The pair is rewritten in place unless the plan recomputes something: then the returned pair is
+    the new partition. The plan's ``costs.baseline`` is the predicted memory before any change.
     """
     # 1. Lifetimes of the saved tensors (saved views first moved next to their bases, which changes
     #    no memory without offloading, so the baseline is taken after it).
-    hoist_saved_views(fw, num_fwd_outputs)
     static = tuple(static_input_indices)
-    lifetimes = analyze_saved_tensors(fw, bw, num_fwd_outputs, static)
-    # 2. Costs: compute time of every node and the host link, on the graph's device.
+    lifetimes = _lifetimes(fw, bw, num_fwd_outputs, static)
+    # 2. Costs: compute time of every node and the host link, on the graph's device; what could be
+    #    recomputed instead, and for how much.
     costs = plan_costs(fw, bw, lifetimes, options, simulate(fw, bw, num_fwd_outputs, static))
+    recompute, why_not = {}, {}
+    if repartition is not None and options.memory_budget is not None and options.partitioner == "min_cut":
+        recompute, why_not = recompute_options(fw, lifetimes, static, costs.rates, options.min_bytes)
+        for name, reason in why_not.items():
+            log.debug("fxoffload: cannot recompute %s: %s", name, reason)
     # 3. The plan: one decision and reason per saved tensor.
     plan = plan_offloads(
         lifetimes, options, host_bytes_available=host_bytes_available, disabled_reason=disabled_reason,
-        costs=costs,
+        costs=costs, recompute=recompute,
     )  # fmt: skip
+    # 4. Recomputation is torch's partitioner's job: tag, partition again, carry the offloads over.
+    if plan.recomputed:
+        assert repartition is not None
+        names = frozenset(d.saved.name for d in plan.recomputed)
+        try:
+            new_fw, new_bw = repartition(names)
+        except Exception as e:  # never fail a compile over an optimisation: plan without it
+            log.warning("fxoffload: partitioning again to recompute %s failed (%s); offloading only", sorted(names), e)
+            plan = plan_offloads(
+                lifetimes, options, host_bytes_available=host_bytes_available, costs=costs,
+            )  # fmt: skip
+        else:
+            fw, bw = new_fw, new_bw
+            lifetimes = _lifetimes(fw, bw, num_fwd_outputs, static)
+            new_costs = plan_costs(fw, bw, lifetimes, options, costs.baseline)
+            plan = replan_after_recompute(plan, lifetimes, new_costs, options)
     for d in plan.decisions:
         log.debug("fxoffload: %s %s (%s): %s", d.decision, d.saved.name, fmt_bytes(d.saved.nbytes), d.reason)
     if plan.note:
         log.info("fxoffload: %s", plan.note)
-    # 4. The rewrite.
+    # 5. The rewrite.
     apply_plan(fw, bw, plan, options.prefetch)
     log.info(
-        "fxoffload: offloading %d of %d saved tensors (%s)",
-        len(plan.offloaded), len(plan.decisions), fmt_bytes(plan.offloaded_bytes),
+        "fxoffload: offloading %d of %d saved tensors (%s), recomputing %d",
+        len(plan.offloaded), len(plan.decisions), fmt_bytes(plan.offloaded_bytes), len(plan.recomputed),
     )  # fmt: skip
-    return plan
+    return fw, bw, plan
+
+
+def _lifetimes(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs: int, static: tuple[int, ...]) -> GraphLifetimes:
+    hoist_saved_views(fw, num_fwd_outputs)
+    return analyze_saved_tensors(fw, bw, num_fwd_outputs, static)
 
 
 def plan_costs(

@@ -1,27 +1,30 @@
-"""Policies: decide, for every saved tensor, "offload" or "keep", and say why. Pure data in and out."""
+"""Policies: decide, for every saved tensor, "offload", "keep" or "recompute", and say why. Pure data."""
 
 from __future__ import annotations
 
 import dataclasses
 import warnings
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from .cost import DeviceRates
 from .lifetimes import GraphLifetimes, SavedTensor
 from .memory import MemoryTimeline
 from .options import OffloadOptions
+from .recompute import RecomputeOption
 from .schedule import HiddenSetChecker, TransferTiming, _MinTree, copy_seconds, schedule_transfers, windows
 
 OFFLOAD = "offload"
 KEEP = "keep"
+RECOMPUTE = "recompute"
 
 
 @dataclasses.dataclass(frozen=True)
 class Decision:
     saved: SavedTensor
-    decision: str  # OFFLOAD or KEEP
+    decision: str  # OFFLOAD, KEEP or RECOMPUTE
     reason: str
     timing: TransferTiming | None = None  # predicted copies, for offloaded tensors under the cost model
+    recompute: RecomputeOption | None = None  # how it is rebuilt in the backward, when recomputed
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,10 +45,23 @@ class OffloadPlan:
     stall: float = 0.0  # predicted seconds the compute stream waits for copies
     memory_budget: int | None = None  # the budget in bytes, when one was asked for
     costs: PlanCosts | None = None  # what the cost model predicted, when it was used
+    wait_at_once: frozenset[str] = frozenset()  # offloads whose copies are not hidden (budget)
+    # The cost model's view of the partition before recomputation (the recomputed tensors' rows
+    # refer to it); None when nothing is recomputed.
+    partition_costs: PlanCosts | None = None
 
     @property
     def offloaded(self) -> tuple[Decision, ...]:
         return tuple(d for d in self.decisions if d.decision == OFFLOAD)
+
+    @property
+    def recomputed(self) -> tuple[Decision, ...]:
+        return tuple(d for d in self.decisions if d.decision == RECOMPUTE)
+
+    @property
+    def recompute_seconds(self) -> float:
+        """Predicted compute added to the backward by recomputation."""
+        return sum(d.recompute.seconds for d in self.recomputed if d.recompute is not None)
 
     @property
     def offloaded_bytes(self) -> int:
@@ -92,12 +108,15 @@ def plan_offloads(
     host_bytes_available: int | None = None,
     disabled_reason: str = "",
     costs: PlanCosts | None = None,
+    recompute: Mapping[str, RecomputeOption] | None = None,
 ) -> OffloadPlan:
     """Decide every saved tensor of one graph pair.
 
     ``host_bytes_available`` is what is left of ``host_budget`` after the graphs planned before this
     one (None: unbounded). ``disabled_reason`` turns offloading off for the whole graph. ``costs``
-    switches on the cost model: without it, "auto" judges by node counts alone.
+    switches on the cost model: without it, "auto" judges by node counts alone. ``recompute`` lists
+    the tensors that could be recomputed instead (``recompute_options``); a ``memory_budget`` may
+    then choose recomputation where it is predicted cheaper than an un-hidden offload.
     """
     saved = lifetimes.saved
     if options.policy == "none":
@@ -161,27 +180,98 @@ def plan_offloads(
 
     budget = None
     extra: list[SavedTensor] = []
+    recomputed: dict[str, RecomputeOption] = {}
     if options.memory_budget is not None and costs is not None and costs.baseline is not None:
         budget = _budget_bytes(options.memory_budget, costs.baseline)
-        extra = _fit_budget(budget, chosen, left, costs, options, host_bytes_available, used)
+        fit = _fit_budget(
+            budget, saved, chosen, left, recompute or {}, costs, options, host_bytes_available, used
+        )
+        extra, recomputed = fit.offloads, fit.recomputes
         for t in extra:
             chosen.append(t)
-            reasons[t.name] = f"memory_budget {fmt_bytes(budget)}: offloaded although its copies stall"
+            reasons[t.name] = (
+                f"memory_budget {fmt_bytes(budget)}: offloaded although its copies stall "
+                f"(~{_ms(fit.stall_estimate[t.name])}, cheaper than recomputing it)"
+                if t.name in (recompute or {})
+                else f"memory_budget {fmt_bytes(budget)}: offloaded although its copies stall"
+            )
+        for name, option in recomputed.items():
+            alternative = (
+                f", cheaper than an offload stalling ~{_ms(fit.stall_estimate[name])}"
+                if name in fit.stall_estimate
+                else ""
+            )
+            reasons[name] = (
+                f"memory_budget {fmt_bytes(budget)}: recomputed in the backward by {option.op} from "
+                f"{', '.join(option.sources) or 'parameters'} (~{_ms(option.seconds)}{alternative})"
+            )
+        for name, users in _sources_of(recomputed).items():
+            reasons[name] = f"kept on the device: {', '.join(users)} recomputed from it; " + reasons.get(name, "")
 
-    timings: dict[str, TransferTiming] = {}
-    stall = 0.0
-    if costs is not None and chosen:
-        schedule = schedule_transfers(
-            chosen, costs.fw_starts, costs.bw_starts, costs.rates, options.max_inflight_reloads,
-            wait_at_once=frozenset(t.name for t in extra),
-        )  # fmt: skip
-        timings = schedule.by_name()
-        stall = schedule.stall
+    wait_at_once = frozenset(t.name for t in extra)
+    timings, stall = _schedule(chosen, costs, options, wait_at_once)
     names = {t.name for t in chosen}
     decisions = tuple(
-        Decision(t, OFFLOAD if t.name in names else KEEP, reasons[t.name], timings.get(t.name)) for t in saved
+        Decision(t, RECOMPUTE, reasons[t.name], recompute=recomputed[t.name])
+        if t.name in recomputed
+        else Decision(t, OFFLOAD if t.name in names else KEEP, reasons[t.name], timings.get(t.name))
+        for t in saved
     )
-    return OffloadPlan(decisions, options.policy, stall=stall, memory_budget=budget, costs=costs)
+    return OffloadPlan(
+        decisions, options.policy, stall=stall, memory_budget=budget, costs=costs, wait_at_once=wait_at_once
+    )
+
+
+def replan_after_recompute(
+    first: OffloadPlan, lifetimes: GraphLifetimes, costs: PlanCosts | None, options: OffloadOptions
+) -> OffloadPlan:
+    """The plan for the pair torch's partitioner made once ``first.recomputed`` were tagged.
+
+    The offload choices carry over by name; the transfers are scheduled again on the new graphs.
+    A tensor the partitioner saves now but did not before is kept; a tensor it still saves although
+    it was tagged is kept with that reason (the recompute did not happen).
+    """
+    before = {d.saved.name: d for d in first.decisions}
+    now = {t.name for t in lifetimes.saved}
+    chosen = [t for t in lifetimes.saved if t.name in before and before[t.name].decision == OFFLOAD]
+    timings, stall = _schedule(chosen, costs, options, first.wait_at_once)
+    decisions: list[Decision] = []
+    for t in lifetimes.saved:
+        d = before.get(t.name)
+        if d is None:
+            decisions.append(Decision(t, KEEP, "saved by torch's partitioner once the recomputed tensors were tagged"))
+        elif d.decision == OFFLOAD:
+            decisions.append(Decision(t, OFFLOAD, d.reason, timings.get(t.name)))
+        elif d.decision == RECOMPUTE:
+            decisions.append(Decision(t, KEEP, "tagged for recomputation, but torch's partitioner still saves it"))
+        else:
+            decisions.append(Decision(t, KEEP, d.reason))
+    for d in first.recomputed:
+        if d.saved.name not in now:
+            decisions.append(d)
+    return dataclasses.replace(
+        first, decisions=tuple(decisions), stall=stall, costs=costs, partition_costs=first.costs
+    )
+
+
+def _schedule(
+    chosen: Sequence[SavedTensor], costs: PlanCosts | None, options: OffloadOptions, wait_at_once: frozenset[str]
+) -> tuple[dict[str, TransferTiming], float]:
+    if costs is None or not chosen:
+        return {}, 0.0
+    schedule = schedule_transfers(
+        chosen, costs.fw_starts, costs.bw_starts, costs.rates, options.max_inflight_reloads,
+        wait_at_once=wait_at_once,
+    )  # fmt: skip
+    return schedule.by_name(), schedule.stall
+
+
+def _sources_of(recomputed: Mapping[str, RecomputeOption]) -> dict[str, list[str]]:
+    out: dict[str, list[str]] = {}
+    for name, option in recomputed.items():
+        for source in option.sources:
+            out.setdefault(source, []).append(name)
+    return out
 
 
 def _ms(seconds: float) -> str:
@@ -202,20 +292,33 @@ def _covers(interval: tuple[int, int], point: int) -> bool:
     return interval[0] <= point <= interval[1]
 
 
+@dataclasses.dataclass
+class _BudgetFit:
+    offloads: list[SavedTensor]
+    recomputes: dict[str, RecomputeOption]
+    stall_estimate: dict[str, float]  # predicted stall of an un-hidden offload, per candidate
+
+
 def _fit_budget(
     budget: int,
+    saved: Sequence[SavedTensor],
     chosen: Sequence[SavedTensor],
     left: Sequence[SavedTensor],
+    recompute: Mapping[str, RecomputeOption],
     costs: PlanCosts,
     options: OffloadOptions,
     host_bytes_available: int | None,
     host_used: int,
-) -> list[SavedTensor]:
-    """Un-hidden offloads, cheapest predicted stall per byte first, until the predicted peak fits.
+) -> _BudgetFit:
+    """Un-hidden offloads and recomputations, least predicted time per byte first, until the
+    predicted peak fits.
 
-    Rounds: a greedy pass on estimated intervals, then a check with the intervals the transfer
-    schedule really gives (copies queue on the link, waits and reloads move); repeat until the
-    check passes or nothing is left to offload.
+    Each candidate tensor may be offloaded (cost: its predicted stall, on its own) or recomputed
+    (cost: the op's compute time); both free the same interval, from its last forward use to just
+    before its first backward use. Nothing is recomputed from an offloaded tensor, and nothing
+    recomputed from is offloaded afterwards. Rounds: a greedy pass on estimated intervals, then a
+    check with the intervals the transfer schedule really gives (copies queue on the link, waits
+    and reloads move); repeat until the check passes or no candidate is left.
     """
     points = costs.baseline.points
     fw_points = sum(p.phase == "forward" for p in points)
@@ -225,8 +328,32 @@ def _fit_budget(
         fw_window, bw_window = windows(t, costs.fw_starts, costs.bw_starts)
         return max(0.0, d2h - fw_window) + max(0.0, h2d - bw_window)
 
-    pool = sorted(left, key=lambda t: (standalone_stall(t) / max(t.nbytes, 1), t.output_index))
+    stall_estimate = {t.name: standalone_stall(t) for t in left}
+    taken = {t.name for t in chosen}  # offloaded or recomputed
+    all_saved = {t.name: t for t in saved}
+    pool: list[tuple[float, int, int, SavedTensor, RecomputeOption | None]] = [
+        (stall_estimate[t.name] / max(t.nbytes, 1), t.output_index, 0, t, None) for t in left
+    ]
+    for name, option in recompute.items():
+        t = all_saved.get(name)
+        if t is None or name in taken:
+            continue
+        pool.append((option.seconds / max(t.nbytes, 1), t.output_index, 1, t, option))
+    pool.sort(key=lambda e: e[:3])
+    pinned: set[str] = set()  # recomputed from: stays on the device
     extra: list[SavedTensor] = []
+    recomputes: dict[str, RecomputeOption] = {}
+
+    def usable(entry) -> bool:
+        _, _, _, t, option = entry
+        if t.name in taken:
+            return False
+        if option is None:
+            return t.name not in pinned and (
+                host_bytes_available is None or host_used + t.nbytes <= host_bytes_available
+            )
+        return not any(s in taken for s in option.sources)
+
     while True:
         # The check: memory with the intervals of the real schedule of everything chosen so far.
         tree = _MinTree(len(points))  # holds -live bytes: its min is minus the peak
@@ -238,21 +365,32 @@ def _fit_budget(
         )  # fmt: skip
         for timing, t in zip(schedule.timings, [*chosen, *extra]):
             tree.add(timing.fw_wait_after + 1, fw_points + timing.bw_issue_after, float(t.nbytes))
+        for name in recomputes:
+            lo, hi = _estimated_interval(all_saved[name], fw_points)
+            tree.add(lo, hi, float(all_saved[name].nbytes))
         if -tree.min(0, len(points) - 1) <= budget:
             break
         # A greedy round on estimated intervals.
         added = False
         while -tree.min(0, len(points) - 1) > budget:
             peak_at = tree.argmin()
-            pick = next((t for t in pool if _covers(_estimated_interval(t, fw_points), peak_at)), None)
-            if pick is None or (host_bytes_available is not None and host_used + pick.nbytes > host_bytes_available):
+            pick = next(
+                (e for e in pool if _covers(_estimated_interval(e[3], fw_points), peak_at) and usable(e)), None
+            )
+            if pick is None:
                 break
             pool.remove(pick)
-            extra.append(pick)
+            _, _, _, t, option = pick
+            taken.add(t.name)
+            if option is None:
+                extra.append(t)
+                host_used += t.nbytes
+            else:
+                recomputes[t.name] = option
+                pinned.update(option.sources)
             added = True
-            host_used += pick.nbytes
-            lo, hi = _estimated_interval(pick, fw_points)
-            tree.add(lo, hi, float(pick.nbytes))
+            lo, hi = _estimated_interval(t, fw_points)
+            tree.add(lo, hi, float(t.nbytes))
         if not added:
             break
     reachable = int(-tree.min(0, len(points) - 1))
@@ -265,4 +403,4 @@ def _fit_budget(
         if options.strict:
             raise ValueError(message.replace("; applying that plan", " (strict=True)"))
         warnings.warn(message, RuntimeWarning, stacklevel=2)
-    return extra
+    return _BudgetFit(extra, recomputes, stall_estimate)

@@ -10,7 +10,7 @@ import torch.fx as fx
 from tabulate import tabulate
 
 from .memory import MemoryPoint, MemoryTimeline
-from .plan import OFFLOAD, OffloadPlan, PlanCosts, fmt_bytes
+from .plan import OFFLOAD, RECOMPUTE, OffloadPlan, PlanCosts, fmt_bytes
 from .schedule import copy_seconds, windows
 
 
@@ -22,7 +22,7 @@ class SavedRow:
     shape: tuple[int, ...]
     dtype: str
     nbytes: int
-    decision: str  # "offload" or "keep"
+    decision: str  # "offload", "keep" or "recompute"
     reason: str
     producer: str
     device: str
@@ -33,6 +33,8 @@ class SavedRow:
     h2d_ms: float = 0.0  # predicted host-to-device copy time
     fw_window_ms: float = 0.0  # predicted forward compute after its last use
     bw_window_ms: float = 0.0  # predicted backward compute before its first use
+    recompute_ms: float = 0.0  # predicted compute time of recomputing it in the backward
+    recomputed_from: str = ""  # the saved tensors it is recomputed from, comma-separated
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,6 +56,7 @@ class OffloadReport:
     predicted_stall_ms: float = 0.0  # compute-stream time predicted lost to waiting for copies
     memory_budget: int | None = None  # the memory_budget in bytes, when one was asked for
     device: str = ""  # the device the cost model priced, with its host link
+    predicted_recompute_ms: float = 0.0  # compute added to the backward by recomputation
 
     @classmethod
     def from_plan(
@@ -81,7 +84,8 @@ class OffloadReport:
                 fw_last_use=d.saved.fw_last_user,
                 bw_first_use=d.saved.bw_first_user,
                 idle_compute_nodes=d.saved.idle_compute_nodes,
-                **_timing_fields(d, costs),
+                **_timing_fields(d, plan.partition_costs if d.decision == RECOMPUTE else costs),
+                recomputed_from=", ".join(d.recompute.sources) if d.recompute is not None else "",
             )
             for d in plan.decisions
         )
@@ -89,7 +93,7 @@ class OffloadReport:
             graph_id, plan.policy, rows, plan.note, fw.code, bw.code,
             len(fw.graph.nodes), len(bw.graph.nodes),
             host_budget, host_bytes_before + plan.offloaded_bytes, memory_before, memory_after,
-            plan.stall * 1e3, plan.memory_budget, _device_line(costs),
+            plan.stall * 1e3, plan.memory_budget, _device_line(costs), plan.recompute_seconds * 1e3,
         )  # fmt: skip
 
     @property
@@ -101,6 +105,10 @@ class OffloadReport:
         return sum(r.nbytes for r in self.offloaded)
 
     @property
+    def recomputed(self) -> tuple[SavedRow, ...]:
+        return tuple(r for r in self.saved if r.decision == RECOMPUTE)
+
+    @property
     def saved_bytes(self) -> int:
         return sum(r.nbytes for r in self.saved)
 
@@ -109,7 +117,8 @@ class OffloadReport:
         rows = [
             (r.name, "x".join(map(str, r.shape)) or "scalar", r.dtype, f"{r.nbytes / 2**20:.3f}",
              r.producer, r.fw_last_use, r.bw_first_use or "-", r.idle_compute_nodes,
-             f"{r.d2h_ms:.3f}/{r.h2d_ms:.3f}", f"{r.fw_window_ms:.3f}/{r.bw_window_ms:.3f}", r.decision, r.reason)
+             f"recompute {r.recompute_ms:.3f}" if r.decision == RECOMPUTE else f"{r.d2h_ms:.3f}/{r.h2d_ms:.3f}",
+             f"{r.fw_window_ms:.3f}/{r.bw_window_ms:.3f}", r.decision, r.reason)
             for r in self.saved
         ]  # fmt: skip
         header = (
@@ -165,6 +174,11 @@ class OffloadReport:
             f"  offloaded: {len(self.offloaded)} of {len(self.saved)} saved tensors, "
             f"{fmt_bytes(self.offloaded_bytes)} of {fmt_bytes(self.saved_bytes)}"
         )
+        if self.recomputed:
+            lines.append(
+                f"  recomputed: {len(self.recomputed)} tensors, {fmt_bytes(sum(r.nbytes for r in self.recomputed))}, "
+                f"predicted {self.predicted_recompute_ms:.3f} ms of extra backward compute"
+            )
         budget = "unbounded" if self.host_budget is None else fmt_bytes(self.host_budget)
         lines.append(f"  host memory planned by this backend: {fmt_bytes(self.host_bytes_total)} (host_budget: {budget})")
         if self.note:
@@ -236,7 +250,11 @@ def _timing_fields(d, costs: PlanCosts | None) -> dict[str, float]:
         return {}
     d2h, h2d = copy_seconds(d.saved, costs.rates)
     fw_window, bw_window = windows(d.saved, costs.fw_starts, costs.bw_starts)
-    return {"d2h_ms": d2h * 1e3, "h2d_ms": h2d * 1e3, "fw_window_ms": fw_window * 1e3, "bw_window_ms": bw_window * 1e3}
+    recompute = d.recompute.seconds if d.recompute is not None else 0.0
+    return {
+        "d2h_ms": d2h * 1e3, "h2d_ms": h2d * 1e3, "fw_window_ms": fw_window * 1e3, "bw_window_ms": bw_window * 1e3,
+        "recompute_ms": recompute * 1e3,
+    }  # fmt: skip
 
 
 def _device_line(costs: PlanCosts | None) -> str:

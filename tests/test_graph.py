@@ -21,10 +21,10 @@ def _capture_graphs(model, args, **options):
     module = importlib.import_module("fxoffload.backend")  # the module; fxoffload.backend is the factory
     original = module.offload_pass
 
-    def spy(fw, bw, *a, **k):
-        plan = original(fw, bw, *a, **k)
+    def spy(*a, **k):
+        fw, bw, plan = original(*a, **k)
         graphs.append((fw, bw))
-        return plan
+        return fw, bw, plan
 
     module.offload_pass = spy
     try:

@@ -1,0 +1,118 @@
+"""Which saved tensors could be recomputed in the backward instead of kept: pure, reads the forward.
+
+A saved tensor ``t = op(a, b, ...)`` can be recomputed for the price of one ``op`` when every input
+is already available to the backward without extra memory: a parameter or buffer (static input), or
+another saved tensor that stays on the device. The planner weighs that price against an un-hidden
+offload for the same bytes; the decision itself is carried out by torch's partitioner (the forward
+node is tagged ``MUST_RECOMPUTE`` in the joint graph, as selective activation checkpointing does),
+not by a second partitioner of ours.
+
+Before (forward / backward)::
+
+    t = op(a, w)         |  t = placeholder
+    return (y, a, t)     |  g = use(t, ...)
+
+After, with ``t`` recomputed::
+
+    return (y, a)        |  t = op(a, w)
+                         |  g = use(t, ...)
+
+Rules: random ops are never recomputed (they would draw new numbers), nor ops with side effects or
+mutations, nor collectives, views, and getitems of multi-output ops (the whole op would rerun). The
+sources (``a``) must stay on the device: the planner never offloads a tensor something is
+recomputed from, since the recompute would need its reload early and the offload would save nothing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import operator
+from collections.abc import Sequence
+
+import torch
+import torch.fx as fx
+
+from .cost import DeviceRates, node_time
+from .lifetimes import GraphLifetimes, SavedTensor, is_compute, storage_root
+
+
+@dataclasses.dataclass(frozen=True)
+class RecomputeOption:
+    """How to rebuild one saved tensor in the backward, and what it costs."""
+
+    name: str  # the saved tensor (a forward node)
+    op: str  # the op that reruns
+    seconds: float  # predicted compute time of that op
+    sources: tuple[str, ...]  # saved tensors it reads, which must then stay on the device
+
+
+def recompute_options(
+    fw: fx.GraphModule,
+    lifetimes: GraphLifetimes,
+    static_input_indices: Sequence[int],
+    rates: DeviceRates,
+    min_bytes: int = 0,
+) -> tuple[dict[str, RecomputeOption], dict[str, str]]:
+    """The saved tensors that one op could rebuild from what the backward already has.
+
+    Returns the options by name, and for every other saved tensor the reason it cannot be.
+    """
+    nodes = {n.name: n for n in fw.graph.nodes}
+    placeholders = [n for n in fw.graph.nodes if n.op == "placeholder"]
+    static = {placeholders[i] for i in static_input_indices if i < len(placeholders)}
+    by_storage: dict[str, list[str]] = {}
+    for t in lifetimes.saved:
+        by_storage.setdefault(t.storage, []).append(t.name)
+    options: dict[str, RecomputeOption] = {}
+    reasons: dict[str, str] = {}
+    for t in lifetimes.saved:
+        node = nodes.get(t.name)
+        reason = _why_not(t, node, min_bytes)
+        sources: list[str] = []
+        if reason is None:
+            assert node is not None
+            for inp in node.all_input_nodes:
+                root = storage_root(inp)  # a view of a kept tensor is rebuilt for free
+                if root in static:
+                    continue
+                if root.name in by_storage:
+                    sources.extend(n for n in by_storage[root.name] if n not in sources)
+                    continue
+                reason = f"its input {inp.name} is not kept for the backward (recomputing would save it instead)"
+                break
+        if reason is None and not isinstance(node.meta.get("val"), torch.Tensor):
+            reason = "not a single tensor"
+        if reason is not None:
+            reasons[t.name] = reason
+            continue
+        options[t.name] = RecomputeOption(t.name, t.producer, node_time(node, rates), tuple(sources))
+    return options, reasons
+
+
+def _why_not(t: SavedTensor, node: fx.Node | None, min_bytes: int) -> str | None:
+    if node is None or node.op != "call_function":
+        return "not computed by the forward graph"
+    if t.is_static_input or t.is_graph_input:
+        return "a graph input"
+    if t.is_user_output:
+        return "returned to the caller: recomputing frees nothing"
+    if t.is_view or t.shares_storage_with:
+        return "shares its storage with another tensor: recomputing frees nothing"
+    if t.bw_first_use < 0:
+        return "not used by the backward graph"
+    if t.nbytes == 0 or t.nbytes < min_bytes:
+        return "below min_bytes"
+    if node.target is operator.getitem:
+        return "one output of a multi-output op (recomputing reruns the whole op)"
+    if not is_compute(node):
+        return "not a compute op"
+    target = node.target
+    if not isinstance(target, torch._ops.OpOverload):
+        return f"{target} is not an ATen operator"
+    if torch.Tag.nondeterministic_seeded in target.tags:
+        return "random op: recomputing would draw different numbers"
+    if target._schema.is_mutable or any(a.alias_info is not None for a in target._schema.arguments):
+        return "mutates or aliases its inputs"
+    if target.namespace not in ("aten", "prims"):
+        return f"{target.namespace}:: op (only aten and prims ops are recomputed)"
+    return None
