@@ -51,6 +51,7 @@ COLUMNS = (  # (row key, header, format); columns with no value in any row are l
     ("predicted_before_MiB", "predicted peak MiB (no offload)", "{:,.2f}"),
     ("predicted_after_MiB", "predicted peak MiB", "{:,.2f}"),
     ("offloaded_MiB", "offloaded MiB/step", "{:,.2f}"),
+    ("dtoh_MiB", "D2H MiB (trace)", "{:,.1f}"),
     ("dtoh_GBps", "D2H GB/s", "{:.1f}"),
     ("htod_GBps", "H2D GB/s", "{:.1f}"),
     ("note", "note", "{}"),

@@ -25,9 +25,10 @@ def plot(rows: list[dict[str, Any]], conditions: dict[str, Any], path: str) -> s
     if not points:
         return f"no measured row has both a step time and {key}; no PNG written"
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    for r in points:
+    for i, r in enumerate(points):  # labels staggered in height: points often share a peak
         ax.scatter(r["step_ms"], r[key], s=30, color="tab:blue" if r["method"].startswith("fxoffload") else "tab:gray")
-        ax.annotate(r["method"], (r["step_ms"], r[key]), textcoords="offset points", xytext=(4, 4), fontsize=8)
+        ax.annotate(r["method"], (r["step_ms"], r[key]), textcoords="offset points", xytext=(4, 4 + 10 * (i % 3)),
+                    fontsize=8)  # fmt: skip
     if not gpu:
         before = max((r.get("predicted_before_MiB") or 0) for r in points)
         if before:
