@@ -66,6 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
     ex.add_argument("--prefetch", type=int, default=None, help="compute nodes each copy overlaps with")
     ex.add_argument("--offload-cpu", action="store_true", help="offload CPU tensors (machines without a GPU)")
     ex.add_argument("--inner", default="inductor", choices=("inductor", "aot_eager"))
+    ex.add_argument("--calibrate", action="store_true", help="time the ops on the device instead of modelling them")
     ex.add_argument("--plot", metavar="FILE", help="write the memory picture (PNG or SVG; needs matplotlib)")
     ex.add_argument("--json", metavar="FILE", help="write the reports as JSON")
     return parser
@@ -80,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
         model, inputs = example(args.model, device)
     else:
         model, inputs = _load_factory(args.model)
-    options = {"policy": args.policy, "offload_cpu": args.offload_cpu, "inner": args.inner}
+    options = {"policy": args.policy, "offload_cpu": args.offload_cpu, "inner": args.inner, "calibrate": args.calibrate}
     for key in ("min_bytes", "host_budget", "prefetch", "bandwidth"):
         if getattr(args, key) is not None:
             options[key] = getattr(args, key)

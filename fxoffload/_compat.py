@@ -28,6 +28,7 @@ __all__ = [
     "call_partitioner",
     "compile_with_inductor",
     "detect_fake_mode",
+    "real_tensors",
     "inductor_mode_options",
     "size_hint",
     "storage_expired",
@@ -52,6 +53,15 @@ def call_partitioner(
     fn = TORCH_PARTITIONERS[name]
     accepted = inspect.signature(fn).parameters
     return fn(joint, joint_inputs, **{k: v for k, v in kwargs.items() if k in accepted})
+
+
+@contextlib.contextmanager
+def real_tensors() -> Iterator[None]:
+    """Real tensors inside a compile (the partitioner may run under the fake mode), without grad."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    with unset_fake_temporarily(), torch.no_grad():
+        yield
 
 
 def tag_must_recompute(joint: fx.GraphModule, names: frozenset[str]) -> None:

@@ -11,7 +11,7 @@ import torch
 import torch.fx as fx
 
 from . import _compat
-from .cost import device_rates, node_start_times
+from .cost import calibrate, device_rates, node_start_times
 from .lifetimes import GraphLifetimes, analyze_saved_tensors
 from .memory import MemoryTimeline, simulate
 from .options import OffloadOptions
@@ -203,7 +203,16 @@ def plan_costs(
     overrides = dict(options.bandwidth or ()) | dict(options.compute_rates or ())
     wants_measure = options.policy != "none" and bool(lifetimes.saved)
     rates = device_rates(device, overrides, measure=wants_measure)
-    return PlanCosts(rates, tuple(node_start_times(fw, rates)), tuple(node_start_times(bw, rates)), baseline)
+    fw_times = bw_times = None
+    if options.calibrate and wants_measure and (device.type != "cpu" or options.offload_cpu):
+        fw_times, bw_times = calibrate(fw, device), calibrate(bw, device)
+    return PlanCosts(
+        rates,
+        tuple(node_start_times(fw, rates, fw_times)),
+        tuple(node_start_times(bw, rates, bw_times)),
+        baseline,
+        calibrated=len(fw_times or ()) + len(bw_times or ()),
+    )
 
 
 def backend(**options: Any) -> OffloadBackend:

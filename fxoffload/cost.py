@@ -16,13 +16,14 @@ from __future__ import annotations
 import dataclasses
 import logging
 import operator
+import time
 from collections.abc import Mapping
 from typing import Any
 
 import torch
 import torch.fx as fx
 
-from ._compat import size_hint
+from ._compat import real_tensors, size_hint
 from .lifetimes import _tensor_bytes, is_view
 
 log = logging.getLogger(__name__)
@@ -68,22 +69,30 @@ def measure_link(device: torch.device, nbytes: int = 256 << 20) -> tuple[float, 
     """Host link bytes/s (d2h, h2d) of ``device``, timed with pinned memory, cached per device."""
     key = str(device)
     if key not in _measured_links:
-        host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-        dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
-        rates = []
-        for dst, src in ((host, dev), (dev, host)):
-            dst.copy_(src, non_blocking=True)  # warm-up
-            torch.cuda.synchronize(device)
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(3):
-                dst.copy_(src, non_blocking=True)
-            end.record()
-            end.synchronize()
-            rates.append(3 * nbytes / (start.elapsed_time(end) / 1e3))
-        _measured_links[key] = (rates[0], rates[1])
-        log.info("fxoffload: measured host link of %s: d2h %.1f GB/s, h2d %.1f GB/s", key, rates[0] / 1e9, rates[1] / 1e9)
+        with real_tensors():
+            _measured_links[key] = _time_link(device, nbytes)
+        log.info(
+            "fxoffload: measured host link of %s: d2h %.1f GB/s, h2d %.1f GB/s",
+            key, _measured_links[key][0] / 1e9, _measured_links[key][1] / 1e9,
+        )  # fmt: skip
     return _measured_links[key]
+
+
+def _time_link(device: torch.device, nbytes: int) -> tuple[float, float]:
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    rates = []
+    for dst, src in ((host, dev), (dev, host)):
+        dst.copy_(src, non_blocking=True)  # warm-up
+        torch.cuda.synchronize(device)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(3):
+            dst.copy_(src, non_blocking=True)
+        end.record()
+        end.synchronize()
+        rates.append(3 * nbytes / (start.elapsed_time(end) / 1e3))
+    return rates[0], rates[1]
 
 
 def device_rates(device: torch.device, overrides: Mapping[str, Any] | None = None, measure: bool = True) -> DeviceRates:
@@ -144,9 +153,92 @@ def node_time(node: fx.Node, rates: DeviceRates) -> float:
     return memory + rates.launch
 
 
-def node_start_times(gm: fx.GraphModule, rates: DeviceRates) -> list[float]:
-    """starts[i] = predicted time at which node i starts; starts[-1] = the end of the graph."""
+def node_start_times(
+    gm: fx.GraphModule, rates: DeviceRates, measured: Mapping[fx.Node, float] | None = None
+) -> list[float]:
+    """starts[i] = predicted time at which node i starts; starts[-1] = the end of the graph.
+
+    ``measured`` (from ``calibrate``) replaces the model's time of the nodes it has.
+    """
+    measured = measured or {}
     starts = [0.0]
     for node in gm.graph.nodes:
-        starts.append(starts[-1] + node_time(node, rates))
+        t = measured.get(node)
+        starts.append(starts[-1] + (node_time(node, rates) if t is None else t))
     return starts
+
+
+# Measured seconds per (op, argument signature, device), shared by every graph of the process.
+_timed_ops: dict[tuple[Any, ...], float | None] = {}
+
+
+def calibrate(gm: fx.GraphModule, device: torch.device, repeats: int = 3) -> dict[fx.Node, float]:
+    """Measured seconds of every compute node of ``gm`` that can be run on its own on ``device``.
+
+    Each distinct op and argument signature runs once to warm up, then ``repeats`` times; the median
+    counts (CUDA events on a GPU, the wall clock on a CPU). Inputs are random values of the traced
+    shapes, strides and dtypes (zeros for integer tensors, which index safely). A node that fails to
+    run alone is left out, and the model prices it.
+    """
+    out: dict[fx.Node, float] = {}
+    with real_tensors():
+        for node in gm.graph.nodes:
+            if node.op != "call_function" or node_time(node, CPU_RATES) == 0.0:
+                continue  # placeholders, views, getitems, our transfers: free
+            key = (node.target, _signature(node.args), _signature(node.kwargs), str(device))
+            if key not in _timed_ops:
+                _timed_ops[key] = _time_node(node, device, repeats)
+            if _timed_ops[key] is not None:
+                out[node] = _timed_ops[key]
+    log.info("fxoffload: calibrated %d of the compute nodes of a %d-node graph on %s", len(out), len(gm.graph.nodes), device)
+    return out
+
+
+def _signature(args: Any) -> Any:
+    def one(a: Any) -> Any:
+        val = a.meta.get("val") if isinstance(a, fx.Node) else a
+        if isinstance(val, torch.Tensor):
+            return (tuple(size_hint(s) for s in val.shape), tuple(size_hint(s) for s in val.stride()), val.dtype)
+        if isinstance(val, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+            return repr(val.node.hint) if val.node.has_hint() else "?"
+        return repr(val)
+
+    return repr(fx.node.map_aggregate(args, one))
+
+
+def _real(val: Any, device: torch.device) -> Any:
+    if isinstance(val, torch.Tensor):
+        shape = [size_hint(s) for s in val.shape]
+        stride = [size_hint(s) for s in val.stride()]
+        t = torch.empty_strided(shape, stride, dtype=val.dtype, device=device)
+        return t.normal_() if val.dtype.is_floating_point or val.dtype.is_complex else t.zero_()
+    if isinstance(val, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+        return size_hint(val) if isinstance(val, torch.SymInt) else type(val.node.hint)(val.node.hint)
+    return val
+
+
+def _time_node(node: fx.Node, device: torch.device, repeats: int) -> float | None:
+    def arg(a: Any) -> Any:
+        return _real(a.meta.get("val"), device) if isinstance(a, fx.Node) else a
+
+    try:
+        args = fx.node.map_aggregate(node.args, arg)
+        kwargs = fx.node.map_aggregate(node.kwargs, arg)
+        node.target(*args, **kwargs)  # warm-up (and the check that it runs alone)
+        times = []
+        for _ in range(repeats):
+            if device.type == "cuda":
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                node.target(*args, **kwargs)
+                end.record()
+                end.synchronize()
+                times.append(start.elapsed_time(end) / 1e3)
+            else:
+                begin = time.perf_counter()
+                node.target(*args, **kwargs)
+                times.append(time.perf_counter() - begin)
+    except Exception as e:  # not runnable alone (data-dependent inputs, a custom op, ...)
+        log.debug("fxoffload: cannot time %s alone (%s); using the model", node.format_node(), e)
+        return None
+    return sorted(times)[len(times) // 2]

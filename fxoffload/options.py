@@ -67,6 +67,10 @@ class OffloadOptions:
     # Device compute rates for the cost model: {"flops": FLOP/s, "memory_bandwidth": bytes/s};
     # None uses figures for the GPU model (fixed ones on CPU).
     compute_rates: Any = None
+    # Time every distinct compute op of a graph once on its device (random inputs of the traced
+    # shapes) and plan with the measured times instead of the FLOP/bandwidth model. Slower planning;
+    # timings vary, so plans may differ between runs and ranks.
+    calibrate: bool = False
     # At most this many reloads are issued ahead of their first use at any time.
     max_inflight_reloads: int = 8
     # Upper bound on host bytes holding offloaded tensors, summed over the graphs this backend
@@ -108,6 +112,8 @@ class OffloadOptions:
             self.max_inflight_reloads < 1
         ):
             raise ValueError(f"fxoffload: max_inflight_reloads must be an int >= 1, got {self.max_inflight_reloads!r}")
+        if not isinstance(self.calibrate, bool):
+            raise ValueError(f"fxoffload: calibrate must be True or False, got {self.calibrate!r}")
         if not isinstance(self.offload_cpu, bool):
             raise ValueError(f"fxoffload: offload_cpu must be True or False, got {self.offload_cpu!r}")
         if self.inner == "aot_eager" and self.mode != "default":

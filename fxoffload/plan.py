@@ -35,6 +35,7 @@ class PlanCosts:
     fw_starts: tuple[float, ...]  # predicted start time of every forward node, then its end
     bw_starts: tuple[float, ...]
     baseline: MemoryTimeline | None = None  # predicted memory without offloading, for memory_budget
+    calibrated: int = 0  # nodes whose time was measured (option calibrate) rather than modelled
 
 
 @dataclasses.dataclass(frozen=True)

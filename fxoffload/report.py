@@ -261,7 +261,10 @@ def _device_line(costs: PlanCosts | None) -> str:
     if costs is None:
         return ""
     r = costs.rates
-    return f"{r.name}: link {r.d2h / 1e9:.1f} GB/s out, {r.h2d / 1e9:.1f} GB/s in"
+    line = f"{r.name}: link {r.d2h / 1e9:.1f} GB/s out, {r.h2d / 1e9:.1f} GB/s in"
+    if costs.calibrated:
+        line += f"; {costs.calibrated} compute nodes timed (calibrate=True)"
+    return line
 
 
 def _original_positions(timeline: MemoryTimeline) -> list[float]:

@@ -170,3 +170,25 @@ def test_random_ops_are_never_recomputed():
         assert name not in options and "random op" in reasons[name]
     (report,) = backend.reports
     assert not {r.name for r in report.recomputed} & set(rand)
+
+
+def test_calibrate_times_the_ops_and_plans_with_them():
+    from fxoffload import cost
+
+    analytic, _, _ = _plan(bandwidth="4GB")
+    cost._timed_ops.clear()
+    calibrated, got, (model, batch) = _plan(bandwidth="4GB", calibrate=True)
+    assert "compute nodes timed (calibrate=True)" in calibrated.summary()
+    timed = [t for t in cost._timed_ops.values() if t is not None]
+    assert len(timed) > 10 and all(t > 0 for t in timed)
+    # Measured CPU times are not the model's 1e13 FLOP/s: the compute windows change.
+    a = {r.name: r.fw_window_ms for r in analytic.saved}
+    assert any(abs(r.fw_window_ms - a[r.name]) > 1e-6 for r in calibrated.saved if r.name in a)
+    assert_same(got, train_step(model, batch), rtol=1e-4, atol=1e-5)
+
+
+def test_calibrate_must_be_a_bool():
+    from fxoffload import OffloadOptions
+
+    with pytest.raises(ValueError, match="calibrate must be True or False"):
+        OffloadOptions.from_dict({"calibrate": "yes"})
