@@ -2,7 +2,8 @@
 
     python -m bench --workload gpt --preset tiny --steps 2                  # CPU smoke run
     python -m bench --workload gpt --preset gpt2-medium --png gpt2m.png     # on a GPU
-    python -m bench --workload hf-llama --preset medium --methods eager,fxoffload-budget,checkpoint --budgets 0.7,0.5
+    python -m bench --workload hf-llama --preset medium --methods eager,fxoffload-budget,checkpoint \
+        --budgets 0.7,0.5
 
 Workloads (presets): gpt (tiny, small, gpt2-medium), hf-gpt2 (tiny, gpt2-medium), hf-llama (tiny,
 medium), cnn (tiny, resnet18), seq2seq (tiny, thread). The hf-* ones need `transformers`.
@@ -71,7 +72,9 @@ def table(rows: list[dict[str, Any]], unit: str) -> str:
                 line.append("" if value is None else fmt.format(value))
         body.append(line)
     headers = [f"{unit}/s" if key == "throughput" else header for key, header, _ in used]
-    return tabulate(body, headers=headers, disable_numparse=True, maxcolwidths=[None] * (len(used) - 1) + [60])
+    return tabulate(
+        body, headers=headers, disable_numparse=True, maxcolwidths=[None] * (len(used) - 1) + [60]
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -87,12 +90,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=10, help="timed steps per method (median reported)")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps after the first (compile) step")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--min-bytes", default=None, help="fxoffload's and the streamed offloader's threshold "
-                        "(default: 1MiB on a GPU, 16KiB on a CPU)")  # fmt: skip
-    parser.add_argument("--inner", default="inductor", choices=("inductor", "aot_eager"),
-                        help="fxoffload's inner compiler (aot_eager: faster compile, eager kernels)")  # fmt: skip
-    parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads for CPU ops "
-                        "(default: torch's own; 1 is steadier on a shared machine)")  # fmt: skip
+    parser.add_argument(
+        "--min-bytes",
+        default=None,
+        help="fxoffload's and the streamed offloader's threshold (default: 1MiB on a GPU, 16KiB on a CPU)",
+    )
+    parser.add_argument(
+        "--inner",
+        default="inductor",
+        choices=("inductor", "aot_eager"),
+        help="fxoffload's inner compiler (aot_eager: faster compile, eager kernels)",
+    )
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch.set_num_threads for CPU ops (default: torch's own; 1 is steadier on a shared machine)",
+    )
     parser.add_argument("--amp", default="none", choices=("none", "bf16"), help="autocast on the GPU")
     parser.add_argument("--json", default=None, help="write conditions and rows to this file")
     parser.add_argument("--png", default=None, help="draw peak memory against step time to this file")
@@ -122,7 +136,9 @@ def main(argv: list[str] | None = None) -> int:
 
     conditions = {
         "date": datetime.date.today().isoformat(),
-        "device": torch.cuda.get_device_name() if cuda else f"CPU ({os.cpu_count()} cores; figures are CPU-only)",
+        "device": torch.cuda.get_device_name()
+        if cuda
+        else f"CPU ({os.cpu_count()} cores; figures are CPU-only)",
         "gpu": cuda,
         "torch": torch.__version__,
         "cuda": torch.version.cuda if cuda else None,
@@ -140,7 +156,9 @@ def main(argv: list[str] | None = None) -> int:
         "step": "forward + backward + zero_grad, no optimizer",
         "command": _command(argv),
     }
-    print(f"# {conditions['date']}  {conditions['device']}  torch {conditions['torch']}  {conditions['dtype']}")
+    print(
+        f"# {conditions['date']}  {conditions['device']}  torch {conditions['torch']}  {conditions['dtype']}"
+    )
     print(f"# {workload.description}", flush=True)
     rows = []
     for i, method in enumerate(methods, 1):

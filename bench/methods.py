@@ -4,9 +4,11 @@ A method that cannot run on this device or torch raises ``Skip`` with the reason
 shows; nothing is dropped silently. Names on the command line:
 
     eager, inductor, fxoffload-auto, fxoffload-all,
-    fxoffload-budget[=F]      fxoffload with memory_budget=F (fraction of its predicted peak without offloading)
+    fxoffload-budget[=F]      fxoffload with memory_budget=F (a fraction of its predicted peak without
+                              offloading)
     save_on_cpu               eager under torch.autograd.graph.save_on_cpu(pin_memory=True on a GPU)
-    streamed                  eager, saved-tensor hooks + side stream (TRL's when importable, else bench/streamed.py)
+    streamed                  eager, saved-tensor hooks + side stream (TRL's when importable, else
+                              bench/streamed.py)
     checkpoint                eager, torch.utils.checkpoint around every block
     inductor-amb[=F]          Inductor with torch._functorch.config.activation_memory_budget=F during compile
     intree                    Inductor with torch's in-tree activation offloading, on the tensors fxoffload
@@ -37,11 +39,19 @@ from .streamed import StreamedOffload, trl_context
 log = logging.getLogger(__name__)
 
 KINDS = (
-    "eager", "inductor", "fxoffload-auto", "fxoffload-all", "fxoffload-budget",
-    "save_on_cpu", "streamed", "checkpoint", "inductor-amb", "intree",
-)  # fmt: skip
+    "eager",
+    "inductor",
+    "fxoffload-auto",
+    "fxoffload-all",
+    "fxoffload-budget",
+    "save_on_cpu",
+    "streamed",
+    "checkpoint",
+    "inductor-amb",
+    "intree",
+)
 SWEPT = ("fxoffload-budget", "inductor-amb")
-DEFAULT = "eager,inductor,fxoffload-auto,fxoffload-all,fxoffload-budget,save_on_cpu,streamed,checkpoint,inductor-amb,intree"
+DEFAULT = ",".join(KINDS)
 
 
 class Skip(Exception):
@@ -126,7 +136,9 @@ class Prepared:
     late_note: Callable[[], str] | None = None  # a note that can only be written after the compile
 
 
-def prepare(method: Method, model: nn.Module, batch: tuple, blocks: list[nn.Module], ctx: Context) -> Prepared:
+def prepare(
+    method: Method, model: nn.Module, batch: tuple, blocks: list[nn.Module], ctx: Context
+) -> Prepared:
     """Build ``method``'s step on ``model`` (the method's own copy, on the device)."""
     kind = method.kind
     if kind == "eager":
@@ -140,13 +152,17 @@ def prepare(method: Method, model: nn.Module, batch: tuple, blocks: list[nn.Modu
         backend = fxoffload.backend(**ctx.fxoffload_options(**options))
         note = "offload_cpu=True: CPU copies, no memory saved" if not ctx.cuda else ""
         return Prepared(
-            _step(torch.compile(model, backend=backend), batch, ctx), note, backend,
+            _step(torch.compile(model, backend=backend), batch, ctx),
+            note,
+            backend,
             lambda: sum(r.offloaded_bytes for r in backend.reports),
-        )  # fmt: skip
+        )
     if kind == "save_on_cpu":
         pin = ctx.cuda
-        hooks = lambda: torch.autograd.graph.save_on_cpu(pin_memory=pin)  # noqa: E731
-        note = "" if pin else "CPU: saved tensors copied to other CPU tensors, pin_memory off (no accelerator)"
+        hooks = lambda: torch.autograd.graph.save_on_cpu(pin_memory=pin)
+        note = (
+            "" if pin else "CPU: saved tensors copied to other CPU tensors, pin_memory off (no accelerator)"
+        )
         return Prepared(_step(model, batch, ctx, around_forward=hooks), note)
     if kind == "streamed":
         return _streamed(model, batch, ctx)
@@ -155,11 +171,13 @@ def prepare(method: Method, model: nn.Module, batch: tuple, blocks: list[nn.Modu
             raise Skip("the workload lists no blocks to checkpoint")
         for block in blocks:
             _checkpoint_forward(block)
-        return Prepared(_step(model, batch, ctx), f"torch.utils.checkpoint around each of {len(blocks)} blocks")
+        return Prepared(
+            _step(model, batch, ctx), f"torch.utils.checkpoint around each of {len(blocks)} blocks"
+        )
     if kind == "inductor-amb":
         from torch._functorch import config as functorch_config
 
-        patch = lambda: functorch_config.patch(activation_memory_budget=method.budget)  # noqa: E731
+        patch = lambda: functorch_config.patch(activation_memory_budget=method.budget)
         return Prepared(_step(torch.compile(model, backend="inductor"), batch, ctx, around_call=patch))
     if kind == "intree":
         return _intree(model, batch, ctx)
@@ -209,7 +227,9 @@ def _checkpoint_forward(block: nn.Module) -> None:
 def _streamed(model: nn.Module, batch: tuple, ctx: Context) -> Prepared:
     trl = trl_context(model)
     if trl is not None:
-        return Prepared(_step(model, batch, ctx, around_forward=lambda: trl), "TRL get_act_offloading_ctx_manager")
+        return Prepared(
+            _step(model, batch, ctx, around_forward=lambda: trl), "TRL get_act_offloading_ctx_manager"
+        )
     offloader = StreamedOffload(model, min_bytes=ctx.min_bytes)
     inner = _step(model, batch, ctx, around_forward=lambda: offloader)
 
@@ -238,7 +258,7 @@ def intree_unavailable() -> str | None:
         if not hasattr(inductor_config, name):
             return f"torch {torch.__version__} has no torch._inductor.config.{name}"
         if getattr(inductor_config, name) is not None:
-            return f"torch._inductor.config.{name} is already set by the caller; the tagging pass would replace it"
+            return f"torch._inductor.config.{name} is set by the caller; the tagging pass would replace it"
     return None
 
 
@@ -302,7 +322,11 @@ def _intree(model: nn.Module, batch: tuple, ctx: Context) -> Prepared:
     if ctx.cuda:  # the asynchronous variant (side stream, waits sunk, reloads prefetched) where it exists
         functorch_patch.update(activation_offload_separate_stream=True, activation_reload_prefetch=True)
     functorch_patch = {k: v for k, v in functorch_patch.items() if hasattr(functorch_config, k)}
-    inductor_patch = {"joint_custom_post_pass": tag, "post_grad_custom_pre_pass": counter, "fx_graph_cache": False}
+    inductor_patch = {
+        "joint_custom_post_pass": tag,
+        "post_grad_custom_pre_pass": counter,
+        "fx_graph_cache": False,
+    }
 
     @contextlib.contextmanager
     def patched():
@@ -316,11 +340,16 @@ def _intree(model: nn.Module, batch: tuple, ctx: Context) -> Prepared:
 
     def note() -> str:
         where = "" if ctx.cuda else "; CPU: device_put to the CPU of a CPU tensor moves nothing"
-        return (f"tagged {sum(tag.tagged)} of {planned} tensors fxoffload-auto chose; torch's pass offloaded "
-                f"{counter.count} (it refuses views, getitems, non-contiguous){where}")  # fmt: skip
+        return (
+            f"tagged {sum(tag.tagged)} of {planned} tensors fxoffload-auto chose; torch's pass offloaded "
+            f"{counter.count} (it refuses views, getitems, non-contiguous){where}"
+        )
 
     return Prepared(
-        step, offloaded_bytes=lambda: counter.nbytes, close=lambda: pool.__exit__(None, None, None), late_note=note
+        step,
+        offloaded_bytes=lambda: counter.nbytes,
+        close=lambda: pool.__exit__(None, None, None),
+        late_note=note,
     )
 
 

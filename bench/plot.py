@@ -26,18 +26,37 @@ def plot(rows: list[dict[str, Any]], conditions: dict[str, Any], path: str) -> s
         return f"no measured row has both a step time and {key}; no PNG written"
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for i, r in enumerate(points):  # labels staggered in height: points often share a peak
-        ax.scatter(r["step_ms"], r[key], s=30, color="tab:blue" if r["method"].startswith("fxoffload") else "tab:gray")
-        ax.annotate(r["method"], (r["step_ms"], r[key]), textcoords="offset points", xytext=(4, 4 + 10 * (i % 3)),
-                    fontsize=8)  # fmt: skip
+        ax.scatter(
+            r["step_ms"],
+            r[key],
+            s=30,
+            color="tab:blue" if r["method"].startswith("fxoffload") else "tab:gray",
+        )
+        ax.annotate(
+            r["method"],
+            (r["step_ms"], r[key]),
+            textcoords="offset points",
+            xytext=(4, 4 + 10 * (i % 3)),
+            fontsize=8,
+        )
     if not gpu:
         before = max((r.get("predicted_before_MiB") or 0) for r in points)
         if before:
             ax.axhline(before, color="tab:gray", linestyle="--", linewidth=1)
-            ax.annotate("predicted peak without offloading", (ax.get_xlim()[0], before), fontsize=8,
-                        textcoords="offset points", xytext=(4, -10))  # fmt: skip
+            ax.annotate(
+                "predicted peak without offloading",
+                (ax.get_xlim()[0], before),
+                fontsize=8,
+                textcoords="offset points",
+                xytext=(4, -10),
+            )
     ax.set_xlabel("median step time (ms)" + ("" if gpu else ", CPU"))
     ax.set_ylabel("peak allocated (MiB)" if gpu else "predicted peak device memory (MiB)")
-    what = "measured on " + conditions.get("device", "?") if gpu else "CPU only: memory is fxoffload's prediction"
+    what = (
+        "measured on " + conditions.get("device", "?")
+        if gpu
+        else "CPU only: memory is fxoffload's prediction"
+    )
     ax.set_title(f"{conditions.get('workload')} {conditions.get('preset')}: {what}", fontsize=9)
     ax.grid(alpha=0.3)
     fig.tight_layout()

@@ -30,8 +30,15 @@ from .workloads import Workload
 MiB = 2**20
 
 
-def run_method(method: Method, workload: Workload, ctx: Context, steps: int, warmup: int, seed: int = 0,
-               progress: Callable[[str], None] = print) -> dict[str, Any]:  # fmt: skip
+def run_method(
+    method: Method,
+    workload: Workload,
+    ctx: Context,
+    steps: int,
+    warmup: int,
+    seed: int = 0,
+    progress: Callable[[str], None] = print,
+) -> dict[str, Any]:
     """One row of the table: measured figures, or ``status`` "skipped"/"failed" with the reason."""
     row: dict[str, Any] = {"method": method.name, "status": "ok", "note": ""}
     _fresh_state(ctx)
@@ -60,6 +67,11 @@ def run_method(method: Method, workload: Workload, ctx: Context, steps: int, war
         row["predicted_after_MiB"] = max(r.predicted_peak_after for r in reports) / MiB
         if method.kind == "fxoffload-auto" and ctx.inner == "inductor":
             ctx.auto_reports = list(reports)
+        recomputed = sum(len(getattr(r, "recomputed", ())) for r in reports)
+        if recomputed:
+            row["note"] = _join(
+                row["note"], f"recomputes {recomputed} saved tensors instead of offloading them"
+            )
         budgets = [r for r in reports if r.memory_budget is not None]
         if budgets:
             met = all(r.predicted_peak_after <= r.memory_budget for r in budgets)
@@ -105,7 +117,10 @@ def _measure(row, prepared, workload: Workload, ctx: Context, steps, warmup, see
         row["offloaded_MiB"] = offloaded / MiB
     if ctx.cuda:
         row.update(measure_copies(prepared.step))
-    progress(f"    first step {row['first_step_s']:.2f} s, median step {row['step_ms']:.2f} ms, loss {row['loss']:.6f}")
+    progress(
+        f"    first step {row['first_step_s']:.2f} s, median step {row['step_ms']:.2f} ms, "
+        f"loss {row['loss']:.6f}"
+    )
 
 
 def measure_copies(step: Callable[[], Any]) -> dict[str, float]:
@@ -132,9 +147,10 @@ def copies_from_trace(trace: dict[str, Any]) -> dict[str, float]:
     out: dict[str, float] = {}
     for direction in ("DtoH", "HtoD"):
         events = [
-            e for e in trace.get("traceEvents", [])
+            e
+            for e in trace.get("traceEvents", [])
             if e.get("cat") == "gpu_memcpy" and direction in e.get("name", "") and e.get("ph") == "X"
-        ]  # fmt: skip
+        ]
         nbytes = sum(int(e.get("args", {}).get("bytes", 0)) for e in events)
         seconds = sum(float(e.get("dur", 0)) for e in events) / 1e6
         key = direction.lower()

@@ -61,7 +61,9 @@ class StreamedOffload:
         devices = {t.device for t in (*model.parameters(), *model.buffers())}
         self.device = devices.pop() if len(devices) == 1 else torch.device("cpu")
         self.synchronous = self.device.type != "cuda"
-        self.mode = "synchronous copies on the CPU (no stream)" if self.synchronous else "side stream, pinned pool"
+        self.mode = (
+            "synchronous copies on the CPU (no stream)" if self.synchronous else "side stream, pinned pool"
+        )
         self._stream = None if self.synchronous else torch.cuda.Stream(self.device)
         self._pool: dict[tuple, list[tuple[torch.Tensor, object]]] = {}
         self._packed: list[_Offloaded] = []  # this step's offloaded tensors, in pack order

@@ -59,7 +59,9 @@ class ResNet(nn.Module):
 
     def __init__(self, widths: tuple[int, ...], depths: tuple[int, ...], classes: int) -> None:
         super().__init__()
-        self.stem = nn.Sequential(nn.Conv2d(3, widths[0], 3, 1, 1, bias=False), nn.BatchNorm2d(widths[0]), nn.ReLU())
+        self.stem = nn.Sequential(
+            nn.Conv2d(3, widths[0], 3, 1, 1, bias=False), nn.BatchNorm2d(widths[0]), nn.ReLU()
+        )
         blocks, cin = [], widths[0]
         for stage, (width, depth) in enumerate(zip(widths, depths)):
             for i in range(depth):
@@ -96,13 +98,29 @@ HF_PRESETS = {
         "gpt2-medium": dict(n_embd=1024, n_layer=24, n_head=16, n_positions=1024, vocab_size=50257, batch=8),
     },
     "hf-llama": {
-        "tiny": dict(hidden_size=64, intermediate_size=176, num_hidden_layers=2, num_attention_heads=4,
-                     num_key_value_heads=2, vocab_size=256, max_position_embeddings=64, batch=8),
+        "tiny": dict(
+            hidden_size=64,
+            intermediate_size=176,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            vocab_size=256,
+            max_position_embeddings=64,
+            batch=8,
+        ),
         # Llama-shaped, ~0.4B parameters: GQA, SwiGLU, RoPE, RMSNorm; fits one H100 in fp32.
-        "medium": dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=16, num_attention_heads=16,
-                       num_key_value_heads=4, vocab_size=32000, max_position_embeddings=1024, batch=8),
+        "medium": dict(
+            hidden_size=1024,
+            intermediate_size=2816,
+            num_hidden_layers=16,
+            num_attention_heads=16,
+            num_key_value_heads=4,
+            vocab_size=32000,
+            max_position_embeddings=1024,
+            batch=8,
+        ),
     },
-}  # fmt: skip
+}
 CNN_PRESETS = {
     "tiny": dict(widths=(16, 32), depths=(1, 1), classes=10, image=32, batch=8),
     "resnet18": dict(widths=(64, 128, 256, 512), depths=(2, 2, 2, 2), classes=1000, image=224, batch=64),
@@ -122,7 +140,9 @@ WORKLOADS: dict[str, tuple[str, ...]] = {
 }
 
 
-def build(name: str, preset: str, device: str | torch.device, batch: int | None = None, seed: int = 0) -> Workload:
+def build(
+    name: str, preset: str, device: str | torch.device, batch: int | None = None, seed: int = 0
+) -> Workload:
     """The workload ``name`` at ``preset``; ``batch`` overrides the preset's batch size.
 
     Raises ``ValueError`` for an unknown name or preset and ``WorkloadUnavailable`` when an optional
@@ -131,7 +151,9 @@ def build(name: str, preset: str, device: str | torch.device, batch: int | None 
     if name not in WORKLOADS:
         raise ValueError(f"unknown workload {name!r}; choose one of: {', '.join(WORKLOADS)}")
     if preset not in WORKLOADS[name]:
-        raise ValueError(f"workload {name!r} has no preset {preset!r}; choose one of: {', '.join(WORKLOADS[name])}")
+        raise ValueError(
+            f"workload {name!r} has no preset {preset!r}; choose one of: {', '.join(WORKLOADS[name])}"
+        )
     if batch is not None and batch < 1:
         raise ValueError(f"batch must be >= 1, got {batch}")
     torch.manual_seed(seed)
@@ -148,17 +170,25 @@ def _gpt(preset: str, device, batch: int) -> Workload:
     cfg = dataclasses.replace(PRESETS[preset], dropout=0.0)
     model = GPT(cfg)
     return Workload(
-        "gpt", preset, model, gpt_batch(cfg, batch, device), lambda m: list(m.blocks), batch * cfg.seq, "tokens",
+        "gpt",
+        preset,
+        model,
+        gpt_batch(cfg, batch, device),
+        lambda m: list(m.blocks),
+        batch * cfg.seq,
+        "tokens",
         f"GPT-style decoder (fxoffload.models.GPT): {cfg.layers} layers, dim {cfg.dim}, {cfg.heads} heads, "
         f"seq {cfg.seq}, vocab {cfg.vocab}, batch {batch}",
-    )  # fmt: skip
+    )
 
 
 def _hf(name: str, preset: str, device, batch: int | None) -> Workload:
     try:
         import transformers
     except ImportError as e:
-        raise WorkloadUnavailable(f"{name} needs the transformers package ({e}); pip install transformers") from e
+        raise WorkloadUnavailable(
+            f"{name} needs the transformers package ({e}); pip install transformers"
+        ) from e
     kw = dict(HF_PRESETS[name][preset])
     preset_batch = kw.pop("batch")
     batch = batch or preset_batch
@@ -172,11 +202,19 @@ def _hf(name: str, preset: str, device, batch: int | None) -> Workload:
         cfg = transformers.LlamaConfig(**kw, **common, attention_dropout=0.0)
         inner = transformers.LlamaForCausalLM(cfg)
         seq, blocks = kw["max_position_embeddings"], (lambda m: list(m.model.model.layers))
-        shape = (f"{kw['num_hidden_layers']} layers, dim {kw['hidden_size']}, {kw['num_attention_heads']} heads "
-                 f"({kw['num_key_value_heads']} KV)")  # fmt: skip
+        shape = (
+            f"{kw['num_hidden_layers']} layers, dim {kw['hidden_size']}, {kw['num_attention_heads']} heads "
+            f"({kw['num_key_value_heads']} KV)"
+        )
     idx = torch.randint(0, kw["vocab_size"], (batch, seq), device=device)
     return Workload(
-        name, preset, HFCausalLM(inner), (idx, idx), blocks, batch * seq, "tokens",
+        name,
+        preset,
+        HFCausalLM(inner),
+        (idx, idx),
+        blocks,
+        batch * seq,
+        "tokens",
         f"transformers {transformers.__version__} {type(inner).__name__} from a config (random weights): "
         f"{shape}, seq {seq}, vocab {kw['vocab_size']}, batch {batch}",
     )
@@ -189,10 +227,17 @@ def _cnn(preset: str, device, batch: int | None) -> Workload:
     x = torch.randn(batch, 3, kw["image"], kw["image"], device=device)
     y = torch.randint(0, kw["classes"], (batch,), device=device)
     return Workload(
-        "cnn", preset, model, (x, y), lambda m: list(m.blocks), batch, "samples",
-        f"ResNet-style CNN: widths {kw['widths']}, blocks {kw['depths']}, {kw['image']}x{kw['image']} images, "
+        "cnn",
+        preset,
+        model,
+        (x, y),
+        lambda m: list(m.blocks),
+        batch,
+        "samples",
+        f"ResNet-style CNN: widths {kw['widths']}, blocks {kw['depths']}, "
+        f"{kw['image']}x{kw['image']} images, "
         f"{kw['classes']} classes, batch {batch}",
-    )  # fmt: skip
+    )
 
 
 def _seq2seq(preset: str, device, batch: int | None) -> Workload:
@@ -201,7 +246,14 @@ def _seq2seq(preset: str, device, batch: int | None) -> Workload:
     model = Seq2Seq(kw["vocab"], kw["emb"], kw["hidden"])
     data = seq2seq_batch(batch, kw["src_len"], kw["tgt_len"], kw["vocab"], device)  # lengths stay on the CPU
     return Workload(
-        "seq2seq", preset, model, data, lambda m: [m.encoder, m.cell], batch, "samples",
-        f"attention seq2seq (fxoffload.models.Seq2Seq): packed bidirectional GRU {kw['hidden']}, GRUCell decoder "
-        f"with additive attention, vocab {kw['vocab']}, src {kw['src_len']}, tgt {kw['tgt_len']}, batch {batch}",
-    )  # fmt: skip
+        "seq2seq",
+        preset,
+        model,
+        data,
+        lambda m: [m.encoder, m.cell],
+        batch,
+        "samples",
+        f"attention seq2seq (fxoffload.models.Seq2Seq): packed bidirectional GRU {kw['hidden']}, "
+        f"GRUCell decoder with additive attention, vocab {kw['vocab']}, src {kw['src_len']}, "
+        f"tgt {kw['tgt_len']}, batch {batch}",
+    )

@@ -73,7 +73,9 @@ def test_cli_rejects_bad_arguments(capsys):
     with pytest.raises(SystemExit) as e:
         main(["--workload", "cnn", "--preset", "gpt2-medium"])
     assert e.value.code == 2
-    assert "workload 'cnn' has no preset 'gpt2-medium'; choose one of: tiny, resnet18" in capsys.readouterr().err
+    assert (
+        "workload 'cnn' has no preset 'gpt2-medium'; choose one of: tiny, resnet18" in capsys.readouterr().err
+    )
 
 
 @pytest.mark.parametrize("name", sorted(WORKLOADS))
@@ -156,7 +158,11 @@ def test_method_without_blocks_is_skipped_with_a_reason():
     no_blocks = Workload(**{**w.__dict__, "blocks": lambda m: []})
     ctx = Context(torch.device("cpu"), 16384, "aot_eager", None)
     row = run_method(Method("checkpoint"), no_blocks, ctx, steps=1, warmup=0, progress=lambda s: None)
-    assert row == {"method": "checkpoint", "status": "skipped", "note": "the workload lists no blocks to checkpoint"}
+    assert row == {
+        "method": "checkpoint",
+        "status": "skipped",
+        "note": "the workload lists no blocks to checkpoint",
+    }
 
 
 def test_loss_check_and_table_flag_a_mismatch():
