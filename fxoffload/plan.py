@@ -234,13 +234,20 @@ def replan_after_recompute(
     """
     before = {d.saved.name: d for d in first.decisions}
     now = {t.name for t in lifetimes.saved}
-    chosen = [t for t in lifetimes.saved if t.name in before and before[t.name].decision == OFFLOAD]
+    # The new pair may save an offloaded tensor differently (say, also through a view): check again.
+    lost = {t.name: why for t in lifetimes.saved if (why := ineligible_reason(t, options)) is not None}
+    chosen = [
+        t for t in lifetimes.saved
+        if t.name in before and before[t.name].decision == OFFLOAD and t.name not in lost
+    ]  # fmt: skip
     timings, stall = _schedule(chosen, costs, options, first.wait_at_once)
     decisions: list[Decision] = []
     for t in lifetimes.saved:
         d = before.get(t.name)
         if d is None:
             decisions.append(Decision(t, KEEP, "saved by torch's partitioner once the recomputed tensors were tagged"))
+        elif d.decision == OFFLOAD and t.name in lost:
+            decisions.append(Decision(t, KEEP, f"after partitioning again for recomputation: {lost[t.name]}"))
         elif d.decision == OFFLOAD:
             decisions.append(Decision(t, OFFLOAD, d.reason, timings.get(t.name)))
         elif d.decision == RECOMPUTE:
