@@ -50,8 +50,8 @@ class HostPoolStats:
     """What the host buffer pool holds now."""
 
     buffers: int  # buffers allocated by the pool, free or in use
-    # Bytes of those buffers. A bucket grows only when all its buffers are in use, so this is also the
-    # high-water mark of host memory in use at once (per size).
+    # Bytes of those buffers (sizes rounded up to their class). The pool allocates only when nothing
+    # free fits and then keeps at most twice the most bytes it ever had in use at once.
     bytes_allocated: int
     bytes_in_use: int  # bytes of buffers that some tensor still references now
     pinned_bytes: int  # bytes of those buffers that are page-locked (only with an accelerator)
@@ -59,29 +59,67 @@ class HostPoolStats:
 
 
 class HostBufferPool:
-    """Host buffers reused across steps, one bucket per exact byte size.
+    """Host buffers reused across steps, bucketed by size class.
 
     A buffer is free when nothing but the pool references its storage (use count 1),
     so a buffer still held by autograd (``retain_graph=True``, a second backward) is never handed out
     twice. Pinned allocations cost milliseconds and can synchronise; steps repeat the same sizes, so
     after the first step no allocation happens at all.
+
+    Sizes are rounded up to quarter-octave classes (at most 25% more than asked), and a request may
+    take a free buffer up to twice its size, so tensors whose sizes vary (dynamic shapes: another
+    sequence length every step) reuse the buffers of earlier steps. A new allocation happens only
+    when nothing free fits; then free buffers are dropped, least recently used first, until the pool
+    holds at most twice the largest number of bytes it ever had in use at once: the pool is bounded
+    by what the steps need, not by how many sizes they had.
     """
+
+    # A pool may hold this many times the most bytes it ever had in use at once.
+    MAX_POOL_OVER_PEAK = 2
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._buckets: dict[tuple[int, bool], list[torch.UntypedStorage]] = {}
+        self._buckets: dict[tuple[int, bool], list[_PooledBuffer]] = {}
         self._pin_failed = False
+        self._tick = 0  # acquisitions so far: the clock of least-recently-used eviction
+        self._peak_in_use = 0
 
     def acquire(self, nbytes: int, pin: bool) -> torch.UntypedStorage:
+        """A storage of at least ``nbytes`` bytes (pinned if asked and possible) that no tensor uses."""
         pin = pin and not self._pin_failed
+        size = size_class(nbytes)
         with self._lock:
-            bucket = self._buckets.setdefault((nbytes, pin), [])
-            for storage in bucket:
-                if _use_count(storage) == 1:
-                    return storage
-            storage, pinned = self._allocate(nbytes, pin)
-            self._buckets.setdefault((nbytes, pinned), []).append(storage)
+            self._tick += 1
+            for cls in sorted(c for c, p in self._buckets if p == pin and size <= c <= 2 * size):
+                for buffer in self._buckets[(cls, pin)]:
+                    if _use_count(buffer.storage) == 1:
+                        buffer.last_used = self._tick
+                        return buffer.storage
+            self._make_room(size)
+            storage, pinned = self._allocate(size, pin)
+            self._buckets.setdefault((size, pinned), []).append(_PooledBuffer(storage, self._tick))
             return storage
+
+    def _make_room(self, size: int) -> None:
+        """Before allocating ``size`` bytes: drop free buffers beyond the pool's bound."""
+        in_use = self._bytes_in_use() + size
+        self._peak_in_use = max(self._peak_in_use, in_use)
+        limit = self.MAX_POOL_OVER_PEAK * self._peak_in_use
+        total = size + sum(b.storage.nbytes() for bucket in self._buckets.values() for b in bucket)
+        if total <= limit:
+            return
+        free = sorted(
+            ((b.last_used, key, b) for key, bucket in self._buckets.items() for b in bucket
+             if _use_count(b.storage) == 1),
+            key=lambda f: f[0],
+        )  # fmt: skip
+        for _, key, buffer in free:
+            if total <= limit:
+                break
+            total -= buffer.storage.nbytes()
+            self._buckets[key].remove(buffer)
+            if not self._buckets[key]:
+                del self._buckets[key]
 
     def _allocate(self, nbytes: int, pin: bool) -> tuple[torch.UntypedStorage, bool]:
         # Whether a buffer is pinned is known here and kept in its bucket's key: asking the storage
@@ -101,18 +139,19 @@ class HostBufferPool:
 
     def _bytes_in_use(self) -> int:
         return sum(
-            s.nbytes() for bucket in self._buckets.values() for s in bucket if _use_count(s) > 1
-        )
+            b.storage.nbytes() for bucket in self._buckets.values() for b in bucket
+            if _use_count(b.storage) > 1
+        )  # fmt: skip
 
     def stats(self) -> HostPoolStats:
         with self._lock:
-            storages = [s for bucket in self._buckets.values() for s in bucket]
-            pinned = [s for (_, is_pinned), bucket in self._buckets.items() if is_pinned for s in bucket]
+            buffers = [b for bucket in self._buckets.values() for b in bucket]
+            pinned = [b for (_, is_pinned), bucket in self._buckets.items() if is_pinned for b in bucket]
             return HostPoolStats(
-                buffers=len(storages),
-                bytes_allocated=sum(s.nbytes() for s in storages),
+                buffers=len(buffers),
+                bytes_allocated=sum(b.storage.nbytes() for b in buffers),
                 bytes_in_use=self._bytes_in_use(),
-                pinned_bytes=sum(s.nbytes() for s in pinned),
+                pinned_bytes=sum(b.storage.nbytes() for b in pinned),
                 pin_failed=self._pin_failed,
             )
 
@@ -120,6 +159,21 @@ class HostBufferPool:
         """Drop the free buffers (buffers still in use stay alive through their tensors)."""
         with self._lock:
             self._buckets.clear()
+            self._peak_in_use = 0
+
+
+@dataclasses.dataclass
+class _PooledBuffer:
+    storage: torch.UntypedStorage
+    last_used: int  # the pool's acquisition count when it was last handed out
+
+
+def size_class(nbytes: int) -> int:
+    """``nbytes`` rounded up to a quarter-octave size class (at most 25% more, powers of two exact)."""
+    if nbytes <= 8:
+        return nbytes
+    step = 1 << max(0, (nbytes - 1).bit_length() - 3)
+    return -(-nbytes // step) * step
 
 
 def _use_count(storage: torch.UntypedStorage) -> int:
