@@ -153,12 +153,15 @@ def _rates(name: str, value: Any, keys: tuple[str, ...], both: bool = False) -> 
     """A hashable, validated mapping of positive rates (a bare number sets every key when ``both``)."""
     if value is None:
         return None
-    if isinstance(value, tuple):
-        value = dict(value)
+    if isinstance(value, tuple) and all(isinstance(kv, tuple) and len(kv) == 2 for kv in value):
+        value = dict(value)  # the frozen form this function returns
     if both and isinstance(value, (int, float, str)) and not isinstance(value, bool):
         value = dict.fromkeys(keys, value)
     if not isinstance(value, Mapping) or not value or set(value) - set(keys):
-        raise ValueError(f"fxoffload: {name} must be a mapping with keys among {', '.join(keys)}, got {value!r}")
+        number = "a positive number per second or " if both else ""
+        raise ValueError(
+            f"fxoffload: {name} must be {number}a mapping with keys among {', '.join(keys)}, got {value!r}"
+        )
     out = []
     for key in keys:
         if key not in value:
@@ -166,8 +169,11 @@ def _rates(name: str, value: Any, keys: tuple[str, ...], both: bool = False) -> 
         rate = value[key]
         if isinstance(rate, str):
             rate = parse_bytes(rate, f"{name}[{key!r}]")
-        if isinstance(rate, bool) or not isinstance(rate, (int, float)) or rate <= 0:
-            raise ValueError(f"fxoffload: {name}[{key!r}] must be a positive number per second, got {rate!r}")
+        # NaN fails every comparison, so it would pass a plain ``rate <= 0`` check.
+        if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not 0 < rate < float("inf"):
+            raise ValueError(
+                f"fxoffload: {name}[{key!r}] must be a positive, finite number per second, got {rate!r}"
+            )
         out.append((key, float(rate)))
     return tuple(out)
 

@@ -23,7 +23,7 @@ from fxoffload.options import OffloadOptions
         ({"prefetch": -2}, r"prefetch must be None \(cost model\) or an int >= 0"),
         ({"prefetch": "4"}, r"prefetch must be None \(cost model\) or an int >= 0"),
         ({"memory_budget": 1.5}, r"memory_budget=1.5: a float is a fraction of the predicted peak"),
-        ({"bandwidth": {"up": 1}}, r"bandwidth must be a mapping with keys among d2h, h2d"),
+        ({"bandwidth": {"up": 1}}, r"bandwidth must be a positive number per second or a mapping with keys among d2h, h2d"),
         ({"max_inflight_reloads": 0}, r"max_inflight_reloads must be an int >= 1"),
         ({"offload_cpu": "yes"}, r"offload_cpu must be True or False"),
         ({"mode": "fastest"}, r"mode='fastest' is not valid; choose one of: 'default', 'reduce-overhead'"),
@@ -33,6 +33,94 @@ from fxoffload.options import OffloadOptions
 def test_bad_options_raise_value_error_naming_valid_choices(options, message):
     with pytest.raises(ValueError, match=message):
         fxoffload.backend(**options)
+
+
+# Every option: a wrong type and, where numbers are allowed, a negative or non-finite one. Each message
+# names the option and what it accepts.
+NAN, INF = float("nan"), float("inf")
+BAD_VALUES = [
+    ({"policy": 1}, r"policy=1 is not valid; choose one of: 'auto', 'all', 'none'"),
+    ({"policy": None}, r"policy=None is not valid; choose one of"),
+    ({"min_bytes": 1.5}, r"min_bytes must be an int number of bytes or a size string, got float"),
+    ({"min_bytes": None}, r"min_bytes must be an int number of bytes or a size string, got NoneType"),
+    ({"min_bytes": True}, r"min_bytes must be a number of bytes or a size string, got True"),
+    ({"min_bytes": ""}, r"cannot parse min_bytes=''; use an int or a size such as"),
+    ({"min_bytes": "-5MB"}, r"cannot parse min_bytes='-5MB'.*units: b, kb, mb"),
+    ({"min_bytes": "1.5.3GB"}, r"cannot parse min_bytes='1.5.3GB'"),
+    ({"min_bytes": "3 furlongs"}, r"cannot parse min_bytes='3 furlongs'.*kib, mib, gib, tib"),
+    ({"host_budget": -1}, r"host_budget must be >= 0 bytes, got -1"),
+    ({"host_budget": "lots"}, r"cannot parse host_budget='lots'"),
+    ({"host_budget": [1]}, r"host_budget must be an int number of bytes or a size string, got list"),
+    ({"prefetch": True}, r"prefetch must be None \(cost model\) or an int >= 0 \(graph nodes\), got True"),
+    ({"prefetch": 2.0}, r"prefetch must be None \(cost model\) or an int >= 0"),
+    ({"memory_budget": 0.0}, r"memory_budget=0.0: a float is a fraction .* must be in \(0, 1\]"),
+    ({"memory_budget": -0.5}, r"memory_budget=-0.5: a float is a fraction"),
+    ({"memory_budget": NAN}, r"memory_budget=nan: a float is a fraction"),
+    ({"memory_budget": -1}, r"memory_budget must be >= 0 bytes, got -1"),
+    ({"memory_budget": "half"}, r"cannot parse memory_budget='half'"),
+    ({"memory_budget": [1]}, r"memory_budget must be an int number of bytes or a size string, got list"),
+    ({"strict": "yes"}, r"strict must be True or False, got 'yes'"),
+    ({"strict": 1}, r"strict must be True or False, got 1"),
+    ({"bandwidth": -1}, r"bandwidth\['d2h'\] must be a positive, finite number per second, got -1"),
+    ({"bandwidth": 0}, r"bandwidth\['d2h'\] must be a positive, finite number per second, got 0"),
+    ({"bandwidth": NAN}, r"bandwidth\['d2h'\] must be a positive, finite number per second, got nan"),
+    ({"bandwidth": INF}, r"bandwidth\['d2h'\] must be a positive, finite number per second, got inf"),
+    ({"bandwidth": "fast"}, r"cannot parse bandwidth\['d2h'\]='fast'"),
+    ({"bandwidth": {"h2d": "-1GB"}}, r"cannot parse bandwidth\['h2d'\]='-1GB'"),
+    ({"bandwidth": {}}, r"bandwidth must be a positive number per second or a mapping with keys among d2h, h2d"),
+    ({"bandwidth": [1, 2]}, r"bandwidth must be a positive number per second or a mapping .* got \[1, 2\]"),
+    ({"bandwidth": (1, 2)}, r"bandwidth must be a positive number per second or a mapping .* got \(1, 2\)"),
+    ({"bandwidth": True}, r"bandwidth must be a positive number per second or a mapping .* got True"),
+    ({"compute_rates": 5}, r"compute_rates must be a mapping with keys among flops, memory_bandwidth, got 5"),
+    ({"compute_rates": {"flop": 1}}, r"compute_rates must be a mapping with keys among flops, memory_bandwidth"),
+    ({"compute_rates": {"flops": -1}}, r"compute_rates\['flops'\] must be a positive, finite number per second"),
+    ({"compute_rates": {"flops": NAN}}, r"compute_rates\['flops'\] must be a positive, finite number .* got nan"),
+    ({"compute_rates": {"memory_bandwidth": "x"}}, r"cannot parse compute_rates\['memory_bandwidth'\]='x'"),
+    ({"max_inflight_reloads": -1}, r"max_inflight_reloads must be an int >= 1, got -1"),
+    ({"max_inflight_reloads": "8"}, r"max_inflight_reloads must be an int >= 1, got '8'"),
+    ({"max_inflight_reloads": True}, r"max_inflight_reloads must be an int >= 1, got True"),
+    ({"max_inflight_reloads": 2.5}, r"max_inflight_reloads must be an int >= 1, got 2.5"),
+    ({"calibrate": "yes"}, r"calibrate must be True or False, got 'yes'"),
+    ({"offload_cpu": 1}, r"offload_cpu must be True or False, got 1"),
+    ({"offload_cpu": None}, r"offload_cpu must be True or False, got None"),
+    ({"inner": None}, r"inner=None is not valid; choose one of: 'inductor', 'aot_eager'"),
+    ({"partitioner": 3}, r"partitioner=3 is not valid; choose one of: 'min_cut', 'default'"),
+    ({"mode": "reduce_overhead"}, r"mode='reduce_overhead' is not valid; choose one of: 'default', 'reduce-overhead', "
+                                  r"'max-autotune', 'max-autotune-no-cudagraphs'"),
+    ({"mode": 0}, r"mode=0 is not valid; choose one of"),
+    ({"inner": "aot_eager", "mode": "max-autotune"}, r"mode='max-autotune' applies to inner='inductor' only"),
+    ({"polcy": "all", "min_byte": 1}, r"unknown option\(s\) 'min_byte', 'polcy'; valid options are: policy, min_bytes"),
+]
+
+
+def test_every_option_is_checked():
+    """BAD_VALUES covers every field of OffloadOptions (a new option needs its bad values here)."""
+    import dataclasses
+
+    covered = {key for options, _ in BAD_VALUES for key in options}
+    assert {f.name for f in dataclasses.fields(OffloadOptions)} <= covered
+
+
+@pytest.mark.parametrize("options, message", BAD_VALUES, ids=lambda v: repr(v)[:40] if isinstance(v, dict) else "")
+def test_bad_values_raise_value_error_naming_what_is_allowed(options, message):
+    with pytest.raises(ValueError, match=message):
+        fxoffload.backend(**options)
+    with pytest.raises(ValueError, match=message):  # the same check through the options dict
+        OffloadOptions.from_dict(options)
+
+
+def test_bad_mode_through_torch_compile_names_the_choices():
+    f = torch.compile(lambda x: x.sin().sum(), backend="fxoffload", mode="fastest")
+    with pytest.raises(Exception, match=r"mode='fastest' is not valid; choose one of: 'default'"):
+        f(torch.randn(3, requires_grad=True))
+
+
+def test_valid_rates_are_accepted_in_every_form():
+    a = OffloadOptions.from_dict({"bandwidth": 25e9, "compute_rates": {"flops": 1e14, "memory_bandwidth": "2TB"}})
+    assert a.bandwidth == (("d2h", 25e9), ("h2d", 25e9))
+    assert a.compute_rates == (("flops", 1e14), ("memory_bandwidth", 2e12))
+    assert OffloadOptions.from_dict({"bandwidth": {"h2d": "16GB"}}).bandwidth == (("h2d", 16e9),)
+    assert a.replace(policy="all").bandwidth == a.bandwidth  # the frozen form validates again
 
 
 def test_sizes_parse():
