@@ -1,7 +1,10 @@
 """Offloaded storages are really released, host buffers are pooled, and lifetimes stay right."""
 
+import warnings
+
 import pytest
 import torch
+import torch.fx as fx
 
 import fxoffload
 from fxoffload import ops
@@ -127,3 +130,162 @@ def test_pinned_allocation_failure_falls_back_to_pageable(monkeypatch):
         storage = pool.acquire(1024, pin=True)
     stats = pool.stats()
     assert stats.pin_failed and stats.pinned_bytes == 0 and stats.bytes_allocated == 1024
+
+
+def test_pinned_failure_warns_once_and_keeps_working(monkeypatch):
+    pool = ops.HostBufferPool()
+    real_empty = torch.empty
+    calls = {"pinned": 0}
+
+    def failing_empty(*args, **kwargs):
+        if kwargs.get("pin_memory"):
+            calls["pinned"] += 1
+            raise RuntimeError("cudaHostAlloc: out of memory")
+        return real_empty(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "empty", failing_empty)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        held = [_take(pool, n, pin=True) for n in (1024, 4096, 4096, 1 << 20)]
+    assert [str(w.message) for w in caught if "pageable" in str(w.message)] == [
+        str(caught[0].message)
+    ], "exactly one warning"
+    assert calls["pinned"] == 1, "after the first failure the pool stops trying to pin"
+    stats = pool.stats()
+    assert stats.pin_failed and stats.pinned_bytes == 0 and stats.buffers == 4
+    assert sum(t.untyped_storage().nbytes() for t in held) == stats.bytes_allocated
+
+
+def _take(pool, nbytes, pin=False):
+    """A pool buffer held by a tensor, as the offload op holds it (the pool's own handle does not count)."""
+    return torch.empty(0, dtype=torch.uint8).set_(pool.acquire(nbytes, pin=pin))
+
+
+def test_pool_size_classes_and_reuse():
+    assert [ops.size_class(n) for n in (1, 8, 1024, 1025, 1280, 1281, 3000, 4096, 5000)] == [
+        1, 8, 1024, 1280, 1280, 1536, 3072, 4096, 5120,
+    ]
+    for n in range(9, 5000, 7):
+        assert n <= ops.size_class(n) <= 1.25 * n
+    pool = ops.HostBufferPool()
+    big = _take(pool, 1 << 20)
+    second = _take(pool, 1 << 20)  # the first is in use: a second buffer
+    assert big.untyped_storage().data_ptr() != second.untyped_storage().data_ptr()
+    del big, second
+    # A free buffer up to twice the request serves it; a larger one does not.
+    assert _take(pool, 600_000).untyped_storage().nbytes() == 1 << 20
+    assert _take(pool, 400_000).untyped_storage().nbytes() == ops.size_class(400_000)
+    assert pool.stats().buffers == 3
+
+
+def test_pool_drops_least_recently_used_free_buffers_past_twice_the_peak():
+    pool = ops.HostBufferPool()
+    for n in (40000, 50000, 60000, 70000, 81000):  # ascending: nothing earlier fits the next one
+        held = _take(pool, n)
+        assert pool.stats().bytes_in_use == ops.size_class(n)
+        del held
+    stats = pool.stats()
+    assert stats.bytes_in_use == 0
+    assert stats.bytes_allocated <= 2 * ops.size_class(81000), stats
+    assert stats.buffers < 5, "the oldest free buffers were dropped"
+    held = _take(pool, 81000)  # the newest buffer survived and is reused
+    assert pool.stats().buffers == stats.buffers
+    assert held.untyped_storage().nbytes() == ops.size_class(81000)
+
+
+def test_host_budget_is_shared_by_the_graphs_of_one_backend():
+    """A graph break makes two graphs; the second gets what the first left of host_budget."""
+    from .test_parity import GraphBreak
+
+    torch.manual_seed(0)
+    model, x = GraphBreak(), (torch.randn(16, 64),)
+    full = cpu_backend(inner="aot_eager")
+    train_step(model, x, full)
+    first, second = (r.offloaded_bytes for r in full.reports)
+    torch._dynamo.reset()
+    budget = first + second // 2
+    bounded = cpu_backend(inner="aot_eager", host_budget=budget)
+    got = train_step(model, x, bounded)
+    a, b = bounded.reports
+    assert a.offloaded_bytes == first and 0 < b.offloaded_bytes <= second // 2
+    assert b.host_bytes_total == a.offloaded_bytes + b.offloaded_bytes <= budget
+    kept = [r for r in b.saved if "host_budget reached" in r.reason]
+    assert kept and all(r.decision == "keep" for r in kept)
+    expected = train_step(model, x)
+    torch.testing.assert_close(got[0], expected[0])
+    for name in expected[1]:
+        torch.testing.assert_close(got[1][name], expected[1][name])
+
+
+# --- saved tensors on two devices ----------------------------------------------------------------
+
+
+def _two_device_graphs(devices, n=256):
+    """A partitioned pair by hand: one chain per device, each saving a tanh for the backward. The
+    values are fake tensors, so "cuda:0" and "cuda:1" need no GPU."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    aten = torch.ops.aten
+    mode = FakeTensorMode()
+
+    def call(graph, op, *args):
+        node = graph.call_function(op, args)
+        with mode:
+            node.meta["val"] = op(*[a.meta["val"] if isinstance(a, fx.Node) else a for a in args])
+        return node
+
+    def placeholder(graph, name, val):
+        node = graph.placeholder(name)
+        node.meta["val"] = val
+        return node
+
+    fw, bw = fx.Graph(), fx.Graph()
+    saved, losses = [], []
+    for i, device in enumerate(devices):
+        with mode:
+            x = placeholder(fw, f"x{i}", torch.empty(n, n, device=device))
+        h = call(fw, aten.tanh.default, x)
+        y = h
+        for _ in range(3):  # forward compute after the last use: a window for the copy out
+            y = call(fw, aten.mm.default, y, y)
+        losses.append(call(fw, aten.sum.default, y))
+        saved.append(h)
+    fw.output(tuple(losses + saved))
+    restored = [placeholder(bw, h.name, h.meta["val"]) for h in saved]
+    with mode:
+        tangents = [placeholder(bw, f"tangents_{i + 1}", torch.empty((), device=d)) for i, d in enumerate(devices)]
+    grads = []
+    for h, t in zip(restored, tangents):
+        y = call(bw, aten.mul.Tensor, h, t)
+        for _ in range(3):
+            y = call(bw, aten.mm.default, y, y)
+        grads.append(y)
+    bw.output(tuple(grads))
+    return fx.GraphModule(torch.nn.Module(), fw), fx.GraphModule(torch.nn.Module(), bw), len(devices)
+
+
+@pytest.mark.parametrize("devices", [("cuda:0", "cuda:1"), ("cuda:1", "cuda:0"), ("cpu", "cuda:1")])
+def test_each_reload_targets_the_device_of_its_saved_tensor(devices):
+    from fxoffload.backend import offload_pass
+    from fxoffload.options import OffloadOptions
+
+    fw, bw, num_outputs = _two_device_graphs(devices)
+    original = {n.name: n.meta["val"].device for n in bw.graph.nodes if n.op == "placeholder"}
+    options = OffloadOptions.from_dict({
+        "policy": "all", "min_bytes": 0, "offload_cpu": True,
+        "bandwidth": 25e9, "compute_rates": {"flops": 1e14, "memory_bandwidth": 2e12},
+    })  # fmt: skip
+    fw, bw, plan = offload_pass(fw, bw, num_outputs, (), options)
+    assert len(plan.offloaded) == 2
+    reloads = [n for n in bw.graph.nodes if n.target is ops.reload]
+    assert len(reloads) == 2
+    for reload in reloads:
+        host, device = reload.args[0], reload.args[1]
+        assert host.op == "placeholder" and host.name.endswith("_host")
+        assert host.meta["val"].device.type == "cpu"
+        assert device == original[host.name.removesuffix("_host")]
+        (wait,) = [u for u in reload.users if u.target is ops.wait]
+        assert wait.meta["val"].device == device
+        # Everything that used the saved tensor now reads the reloaded copy, on the same device.
+        assert all(u.meta["val"].device == device for u in wait.users if u.op != "output")
+    assert {r.args[1] for r in reloads} == {torch.device(d) for d in devices}
