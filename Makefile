@@ -22,8 +22,9 @@ test: $(STAMP)
 # several GB, but runs on a CPU). Not part of CI for that download's sake.
 test-torch211:
 	test -x .venv-211/bin/python || $(PYTHON) -m venv .venv-211
-	.venv-211/bin/python -m pip install -q torch==2.11.0 tabulate==0.10.0 pytest==9.2.0 numpy==2.4.6 matplotlib==3.11.2
-	.venv-211/bin/python -m pip install -q --no-deps -e .
+	grep -v '^torch==' constraints.txt > .venv-211/constraints.txt
+	.venv-211/bin/python -m pip install -q torch==2.11.0
+	.venv-211/bin/python -m pip install -q -c .venv-211/constraints.txt -e '.[test]'
 	.venv-211/bin/python -m pytest -q
 
 bench-smoke: $(STAMP)
