@@ -30,6 +30,7 @@ __all__ = [
     "detect_fake_mode",
     "real_tensors",
     "inductor_mode_options",
+    "must_save",
     "size_hint",
     "storage_expired",
     "storage_use_count",
@@ -75,6 +76,14 @@ def tag_must_recompute(joint: fx.GraphModule, names: frozenset[str]) -> None:
     for node in joint.graph.nodes:
         if node.name in names:
             node.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
+
+
+def must_save(node: fx.Node) -> bool:
+    """True when the node carries a ``MUST_SAVE`` tag: a selective activation checkpointing policy
+    said so, or torch's partitioner forces it (collectives, effectful ops, backward mutations)."""
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    return node.meta.get("recompute") is CheckpointPolicy.MUST_SAVE
 
 
 def inductor_mode_options(mode: str | None) -> dict[str, Any]:

@@ -17,9 +17,12 @@ After, with ``t`` recomputed::
     return (y, a)        |  t = op(a, w)
                          |  g = use(t, ...)
 
-Rules: random ops are never recomputed (they would draw new numbers), nor ops with side effects or
-mutations, nor collectives, views, and getitems of multi-output ops (the whole op would rerun). The
-sources (``a``) must stay on the device: the planner never offloads a tensor something is
+Rules: random ops are never recomputed (they would draw new numbers), nor nodes tagged ``MUST_SAVE``
+(by a selective activation checkpointing policy, or by torch's partitioner), nor ops with side effects or
+mutations, nor collectives, views, and getitems of multi-output ops (the whole op would rerun), nor
+ops reading a graph input that the forward mutates in place (a buffer update: the backward would
+read the new value). The sources (``a``) stay on the device or are recomputed in turn (a chain,
+which torch's partitioner reruns in order): the planner never offloads a tensor something is
 recomputed from, since the recompute would need its reload early and the offload would save nothing.
 """
 
@@ -32,6 +35,7 @@ from collections.abc import Sequence
 import torch
 import torch.fx as fx
 
+from ._compat import must_save
 from .cost import DeviceRates, node_time
 from .lifetimes import GraphLifetimes, SavedTensor, is_compute, storage_root
 
@@ -60,6 +64,7 @@ def recompute_options(
     nodes = {n.name: n for n in fw.graph.nodes}
     placeholders = [n for n in fw.graph.nodes if n.op == "placeholder"]
     static = {placeholders[i] for i in static_input_indices if i < len(placeholders)}
+    mutated = _mutated_inputs(fw)
     by_storage: dict[str, list[str]] = {}
     for t in lifetimes.saved:
         by_storage.setdefault(t.storage, []).append(t.name)
@@ -73,6 +78,12 @@ def recompute_options(
             assert node is not None
             for inp in node.all_input_nodes:
                 root = storage_root(inp)  # a view of a kept tensor is rebuilt for free
+                if root in mutated:
+                    reason = (
+                        f"its input {inp.name} is a graph input the forward mutates in place "
+                        "(recomputing in the backward would read the new value)"
+                    )
+                    break
                 if root in static:
                     continue
                 if root.name in by_storage:
@@ -89,6 +100,24 @@ def recompute_options(
     return options, reasons
 
 
+def _mutated_inputs(fw: fx.GraphModule) -> set[fx.Node]:
+    """Forward placeholders written in place by the forward graph (a buffer update kept in the graph
+    as ``copy_(primals_3, new)``): by the time the backward runs they hold the new value."""
+    out: set[fx.Node] = set()
+    for node in fw.graph.nodes:
+        schema = getattr(node.target, "_schema", None) if node.op == "call_function" else None
+        if schema is None or not schema.is_mutable:
+            continue
+        for i, arg in enumerate(schema.arguments):
+            if arg.alias_info is None or not arg.alias_info.is_write:
+                continue
+            value = node.kwargs.get(arg.name) if arg.kwarg_only or i >= len(node.args) else node.args[i]
+            for v in value if isinstance(value, (list, tuple)) else (value,):
+                if isinstance(v, fx.Node) and (root := storage_root(v)).op == "placeholder":
+                    out.add(root)
+    return out
+
+
 def _why_not(t: SavedTensor, node: fx.Node | None, min_bytes: int) -> str | None:
     if node is None or node.op != "call_function":
         return "not computed by the forward graph"
@@ -102,6 +131,8 @@ def _why_not(t: SavedTensor, node: fx.Node | None, min_bytes: int) -> str | None
         return "not used by the backward graph"
     if t.nbytes == 0 or t.nbytes < min_bytes:
         return "below min_bytes"
+    if must_save(node):
+        return "tagged MUST_SAVE (a selective activation checkpointing policy or torch's partitioner)"
     if node.target is operator.getitem:
         return "one output of a multi-output op (recomputing reruns the whole op)"
     if not is_compute(node):
