@@ -207,7 +207,11 @@ def plan_offloads(
                 f"{', '.join(option.sources) or 'parameters'} (~{_ms(option.seconds)}{alternative})"
             )
         for name, users in _sources_of(recomputed).items():
-            reasons[name] = f"kept on the device: {', '.join(users)} recomputed from it; " + reasons.get(name, "")
+            if name in recomputed:  # a chain: rebuilt first, then what is recomputed from it
+                reasons[name] += f"; then {', '.join(users)} recomputed from it"
+            else:
+                kept = f"kept on the device: {', '.join(users)} recomputed from it; "
+                reasons[name] = kept + reasons.get(name, "")
 
     wait_at_once = frozenset(t.name for t in extra)
     timings, stall = _schedule(chosen, costs, options, wait_at_once)
@@ -324,9 +328,10 @@ def _fit_budget(
     Each candidate tensor may be offloaded (cost: its predicted stall, on its own) or recomputed
     (cost: the op's compute time); both free the same interval, from its last forward use to just
     before its first backward use. Nothing is recomputed from an offloaded tensor, and nothing
-    recomputed from is offloaded afterwards. Rounds: a greedy pass on estimated intervals, then a
-    check with the intervals the transfer schedule really gives (copies queue on the link, waits
-    and reloads move); repeat until the check passes or no candidate is left.
+    recomputed from is offloaded afterwards; a source may be recomputed too (a chain). Rounds: a
+    greedy pass on estimated intervals, then a check with the intervals the transfer schedule really
+    gives (copies queue on the link, waits and reloads move); repeat until the check passes or no
+    candidate is left.
     """
     points = costs.baseline.points
     fw_points = sum(p.phase == "forward" for p in points)
@@ -360,7 +365,8 @@ def _fit_budget(
             return t.name not in pinned and (
                 host_bytes_available is None or host_used + t.nbytes <= host_bytes_available
             )
-        return not any(s in taken for s in option.sources)
+        # A source may be recomputed too (a chain, in either order of picking), never offloaded.
+        return not any(s in taken and s not in recomputes for s in option.sources)
 
     while True:
         # The check: memory with the intervals of the real schedule of everything chosen so far.

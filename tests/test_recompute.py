@@ -1,0 +1,356 @@
+"""Recomputation under memory_budget, on adversarial models: results never change, and the plan
+respects what must not be recomputed (mutated inputs, MUST_SAVE tags, random ops).
+
+The options force recomputation: a 0.01 GB/s link makes every un-hidden offload stall for
+milliseconds, while a recomputed op costs microseconds at the fixed compute rates.
+"""
+
+import copy
+import functools
+import importlib
+import re
+import warnings
+
+import pytest
+import torch
+import torch._inductor.config as inductor_config
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+from fxoffload.memory import simulate
+from fxoffload.report import OffloadReport
+
+from .conftest import assert_same, cpu_backend, train_step
+
+INNERS = ["aot_eager", "inductor"]
+FORCE = {
+    "bandwidth": "0.01GB",
+    "memory_budget": 0.4,
+    "min_bytes": 0,
+    "policy": "auto",
+    "compute_rates": {"flops": 1e13, "memory_bandwidth": 1e12},
+}
+D, N = 32, 1024  # small weights, large batch: activations dominate the peak
+backend_module = importlib.import_module("fxoffload.backend")
+
+
+@pytest.fixture(autouse=True)
+def _eager_random():
+    with inductor_config.patch(fallback_random=True):
+        yield
+
+
+def _backend(inner="aot_eager", **options):
+    return cpu_backend(inner=inner, **{**FORCE, **options})
+
+
+def _run(model, args, backend, **kwargs):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # an unreachable budget is not what these test
+        return train_step(model, args, backend, **kwargs)
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(D, 4 * D, bias=False)
+        self.b = nn.Linear(4 * D, D, bias=False)
+
+    def forward(self, x):
+        return x + self.b(torch.sin(self.a(x)))
+
+
+class Stack(nn.Module):
+    """Three blocks; ``mode`` wraps the middle one in checkpoint ("ckpt") or in selective
+    checkpointing that must save matmuls ("sac")."""
+
+    def __init__(self, mode="none"):
+        super().__init__()
+        self.blocks = nn.ModuleList(Block() for _ in range(3))
+        self.mode = mode
+
+    def forward(self, x):
+        for i, block in enumerate(self.blocks):
+            if i == 1 and self.mode == "ckpt":
+                x = checkpoint(block, x, use_reentrant=False)
+            elif i == 1 and self.mode == "sac":
+                context = functools.partial(create_selective_checkpoint_contexts, _save_matmuls)
+                x = checkpoint(block, x, use_reentrant=False, context_fn=context)
+            else:
+                x = block(x)
+        return (x.sin() * x).mean()
+
+
+def _save_matmuls(ctx, op, *args, **kwargs):
+    if op == torch.ops.aten.mm.default:
+        return CheckpointPolicy.MUST_SAVE
+    return CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _saved_names(code):
+    return set(re.findall(r"\w+", code.rsplit("return", 1)[-1]))
+
+
+@pytest.mark.parametrize("inner", INNERS)
+@pytest.mark.parametrize("mode", ["none", "ckpt"])
+def test_recomputing_keeps_results_with_and_without_checkpoint(mode, inner):
+    torch.manual_seed(0)
+    model, x = Stack(mode), (torch.randn(N, D),)
+    backend = _backend(inner)
+    got = _run(model, x, backend)
+    (report,) = backend.reports
+    assert report.recomputed, report.table()
+    assert_same(got, train_step(model, x), rtol=1e-4, atol=1e-6)
+    if inner == "inductor":
+        assert_same(got, train_step(model, x, "inductor"), rtol=1e-5, atol=1e-7)
+    for r in report.recomputed:
+        assert r.name not in _saved_names(report.fw_code), f"{r.name} is still saved"
+        assert re.search(rf"\b{r.name} = ", report.bw_code), f"{r.name} is not rebuilt in the backward"
+
+
+def test_a_must_save_tag_of_selective_checkpointing_is_respected():
+    """The policy says matmuls MUST_SAVE; overriding its tag with MUST_RECOMPUTE recomputed one."""
+    torch.manual_seed(0)
+    model, x = Stack("sac"), (torch.randn(N, D),)
+    tagged = []
+
+    def spy(fw, *args, **kwargs):
+        tagged.extend(n.name for n in fw.graph.nodes if n.meta.get("recompute") is CheckpointPolicy.MUST_SAVE)
+        return original(fw, *args, **kwargs)
+
+    original = backend_module.recompute_options
+    backend = _backend()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(backend_module, "recompute_options", spy)
+        got = _run(model, x, backend)
+    (report,) = backend.reports
+    assert tagged and report.recomputed, report.table()
+    assert not {r.name for r in report.recomputed} & set(tagged), report.table()
+    assert_same(got, train_step(model, x), rtol=1e-4, atol=1e-6)
+
+
+class MutatedBias(nn.Module):
+    """``addmm`` reads a buffer that the forward then updates in place. Its backward does not need
+    the bias, so eager autograd is fine; recomputed in the backward, it would read the new bias."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(D, 4 * D) / 6)
+        self.w2 = nn.Parameter(torch.randn(4 * D, 4 * D) / 12)
+        self.w3 = nn.Parameter(torch.randn(4 * D, 4 * D) / 12)
+        self.register_buffer("bias", torch.randn(4 * D))
+
+    def forward(self, x):
+        h = x @ self.w
+        y = torch.addmm(self.bias, h, self.w2)
+        self.bias.mul_(0.5)
+        z = y.sin()
+        for _ in range(3):
+            z = torch.tanh(z @ self.w3)
+        return z.mean() + h.mean()
+
+
+@pytest.mark.parametrize("inner", INNERS)
+def test_an_op_reading_a_buffer_the_forward_mutates_is_not_recomputed(inner, caplog):
+    torch.manual_seed(0)
+    model, x = MutatedBias(), (torch.randn(N, D),)
+    backend = _backend(inner)
+    with caplog.at_level("DEBUG", logger="fxoffload"):
+        got = _run(model, x, backend)
+    assert_same(got, train_step(model, x), rtol=1e-4, atol=1e-6)
+    (report,) = backend.reports
+    assert "addmm" not in {r.name for r in report.recomputed}, report.table()
+    assert any(
+        "cannot recompute addmm: its input" in m and "mutates in place" in m for m in caplog.messages
+    ), caplog.messages
+
+
+def test_a_chain_of_recomputations_reads_as_one():
+    """sin is recomputed from mm, which is recomputed too: mm's row must not say it stays on the device."""
+    torch.manual_seed(0)
+    model, x = Stack(), (torch.randn(N, D),)
+    backend = _backend()
+    got = _run(model, x, backend)
+    (report,) = backend.reports
+    rows = {r.name: r for r in report.saved}
+    sources = {r.name: r.recomputed_from.split(", ") for r in report.recomputed}
+    chained = [r for r in report.recomputed if any(rows[s].decision == "recompute" for s in sources[r.name])]
+    assert chained, report.table()
+    for r in chained:
+        for s in sources[r.name]:
+            source = rows[s]
+            assert source.decision in ("recompute", "keep"), source
+            if source.decision == "recompute":
+                assert "kept on the device" not in source.reason
+                assert f"then {r.name} recomputed from it" in source.reason
+    assert_same(got, train_step(model, x), rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("inner", INNERS)
+def test_a_failing_second_partition_falls_back_to_offloads(inner, caplog):
+    torch.manual_seed(0)
+    model, x = Stack(), (torch.randn(N, D),)
+    calls = []
+    original = backend_module._compat.call_partitioner
+
+    def second_fails(*args, **kwargs):
+        calls.append(args[0])
+        if len(calls) > 1:
+            raise RuntimeError("min-cut exploded")
+        return original(*args, **kwargs)
+
+    backend = _backend(inner)
+    with pytest.MonkeyPatch.context() as mp, caplog.at_level("WARNING", logger="fxoffload"):
+        mp.setattr(backend_module._compat, "call_partitioner", second_fails)
+        got = _run(model, x, backend)
+    assert len(calls) == 2
+    (report,) = backend.reports
+    assert not report.recomputed and report.offloaded, report.table()
+    assert report.predicted_recompute_ms == 0
+    (message,) = [m for m in caplog.messages if "partitioning again" in m]
+    assert "failed (min-cut exploded); offloading only" in message
+    assert_same(got, train_step(model, x), rtol=1e-4, atol=1e-6)
+
+
+def test_the_report_describes_the_final_graphs_and_round_trips():
+    torch.manual_seed(0)
+    model, x = Stack(), (torch.randn(N, D),)
+    pairs = []
+    original = backend_module.offload_pass
+
+    def spy(*args, **kwargs):
+        out = original(*args, **kwargs)
+        pairs.append((out[0], out[1], args[2]))
+        return out
+
+    backend = _backend()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(backend_module, "offload_pass", spy)
+        _run(model, x, backend)
+    (report,) = backend.reports
+    ((fw, bw, num_fwd_outputs),) = pairs
+    assert report.recomputed, report.table()
+    assert report.predicted_peak_after == simulate(fw, bw, num_fwd_outputs).peak_bytes
+    assert report.predicted_peak_after < report.predicted_peak_before
+    assert report.predicted_recompute_ms == pytest.approx(sum(r.recompute_ms for r in report.recomputed))
+    back = OffloadReport.from_json(report.to_json())
+    assert back == report and back.recomputed == report.recomputed
+    assert all(r.recompute_ms > 0 and r.recomputed_from for r in back.recomputed)
+
+
+@pytest.mark.parametrize("inner", INNERS)
+def test_dynamic_shapes_with_a_budget(inner):
+    torch.manual_seed(0)
+    model = Stack()
+    compiled_model = copy.deepcopy(model)
+    backend = _backend(inner)
+    fn = torch.compile(compiled_model, backend=backend, dynamic=True)
+    for n in (N, N - 256):
+        x = torch.randn(n, D)
+        compiled_model.zero_grad(set_to_none=True)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)
+            fn(x).backward()
+        eager = copy.deepcopy(model)
+        eager(x).backward()
+        for p, q in zip(compiled_model.parameters(), eager.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6)
+    (report,) = backend.reports  # one graph for both sizes
+    assert report.recomputed, report.table()
+
+
+def test_autograd_grad_with_respect_to_the_input():
+    torch.manual_seed(0)
+    model, x = Stack(), torch.randn(N, D)
+    backend = _backend()
+    xc, xe = x.clone().requires_grad_(), x.clone().requires_grad_()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        (got,) = torch.autograd.grad(torch.compile(model, backend=backend)(xc), xc)
+    (expected,) = torch.autograd.grad(model(xe), xe)
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-8)
+    assert backend.reports[0].recomputed
+
+
+class Dropped(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(D, 4 * D) / 6)
+        self.w2 = nn.Parameter(torch.randn(4 * D, D) / 6)
+
+    def forward(self, x):
+        h = F.dropout(x @ self.w, 0.3, True)
+        g = h.sin() @ self.w2
+        return (g.sin() * F.dropout(g, 0.2, True)).mean()
+
+
+class Normed(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(D, 4 * D, bias=False)
+        self.bn = nn.BatchNorm1d(4 * D)
+        self.b = nn.Linear(4 * D, D, bias=False)
+
+    def forward(self, x):
+        return self.b(self.bn(self.a(x)).sin()).sin().mean()
+
+
+@pytest.mark.parametrize("inner", INNERS)
+def test_dropout_is_not_recomputed_and_masks_match(inner):
+    torch.manual_seed(0)
+    model, x = Dropped(), (torch.randn(N, D),)
+    backend = _backend(inner)
+    got = _run(model, x, backend)
+    (report,) = backend.reports
+    assert report.recomputed, report.table()
+    random = ("rand", "bernoulli", "native_dropout", "rand_like", "uniform")
+    assert not [r for r in report.recomputed if r.producer in random]
+    assert_same(got, train_step(model, x), rtol=1e-4, atol=1e-6)
+
+
+def test_batchnorm_buffers_and_results_with_recomputation():
+    torch.manual_seed(0)
+    model, x = Normed(), torch.randn(N, D)
+    compiled_model, eager = copy.deepcopy(model), copy.deepcopy(model)
+    backend = _backend()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        torch.compile(compiled_model, backend=backend)(x).backward()
+    eager(x).backward()
+    assert backend.reports[0].recomputed, backend.reports[0].table()
+    for (name, a), b in zip(compiled_model.state_dict().items(), eager.state_dict().values()):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6, msg=name)
+    for (name, p), q in zip(compiled_model.named_parameters(), eager.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("inner", INNERS)
+def test_calibrate_with_dynamic_shapes_leaves_no_state_behind(inner):
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+    from fxoffload import cost
+
+    torch.manual_seed(0)
+    model, x = Stack(), torch.randn(N, D)
+    cost._timed_ops.clear()
+    backend = _backend(inner, calibrate=True)
+    compiled_model = copy.deepcopy(model)
+    torch.manual_seed(1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        loss = torch.compile(compiled_model, backend=backend, dynamic=True)(x)
+    after = torch.rand(4)
+    torch.manual_seed(1)
+    assert torch.equal(after, torch.rand(4)), "compiling drew from the global generator"
+    assert torch.is_grad_enabled() and loss.requires_grad
+    assert not _get_current_dispatch_mode_stack()
+    assert not isinstance(loss, torch._subclasses.FakeTensor)
+    loss.backward()
+    eager = copy.deepcopy(model)
+    eager(x).backward()
+    for p, q in zip(compiled_model.parameters(), eager.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6)
+    (report,) = backend.reports
+    assert "compute nodes timed (calibrate=True)" in report.device
+    assert report.recomputed, report.table()
