@@ -84,8 +84,15 @@ class HostBufferPool:
         self._tick = 0  # acquisitions so far: the clock of least-recently-used eviction
         self._peak_in_use = 0
 
-    def acquire(self, nbytes: int, pin: bool) -> torch.UntypedStorage:
-        """A storage of at least ``nbytes`` bytes (pinned if asked and possible) that no tensor uses."""
+    def acquire(self, nbytes: int, pin: bool) -> torch.Tensor:
+        """``nbytes`` uint8 bytes at the start of a buffer (pinned if asked and possible) that no
+        tensor used; the buffer may be larger. The buffer stays taken while the returned tensor, or
+        any tensor made on its storage, is alive.
+
+        The claim is made under the lock: handing out the pool's own storage handle would leave the
+        buffer looking free (use count 1) until the caller wrapped it, and another thread could take
+        it in between.
+        """
         pin = pin and not self._pin_failed
         size = size_class(nbytes)
         with self._lock:
@@ -94,11 +101,11 @@ class HostBufferPool:
                 for buffer in self._buckets[(cls, pin)]:
                     if _use_count(buffer.storage) == 1:
                         buffer.last_used = self._tick
-                        return buffer.storage
+                        return _claim(buffer.storage, nbytes)
             self._make_room(size)
             storage, pinned = self._allocate(size, pin)
             self._buckets.setdefault((size, pinned), []).append(_PooledBuffer(storage, self._tick))
-            return storage
+            return _claim(storage, nbytes)
 
     def _make_room(self, size: int) -> None:
         """Before allocating ``size`` bytes: drop free buffers beyond the pool's bound."""
@@ -156,7 +163,8 @@ class HostBufferPool:
             )
 
     def clear(self) -> None:
-        """Drop the free buffers (buffers still in use stay alive through their tensors)."""
+        """Forget every buffer: free ones are freed now, buffers in use stay alive through their
+        tensors only (``stats`` no longer counts them) and are freed, not reused, when those go."""
         with self._lock:
             self._buckets.clear()
             self._peak_in_use = 0
@@ -176,6 +184,10 @@ def size_class(nbytes: int) -> int:
     return -(-nbytes // step) * step
 
 
+def _claim(storage: torch.UntypedStorage, nbytes: int) -> torch.Tensor:
+    return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage, 0, (nbytes,))
+
+
 def _use_count(storage: torch.UntypedStorage) -> int:
     # The pool's own reference is the only one when this is 1. The temporary Python handle made by
     # ``storage._cdata`` access does not add a strong reference.
@@ -191,7 +203,8 @@ def host_pool_stats() -> HostPoolStats:
 
 
 def release_host_memory() -> None:
-    """Free the pooled host buffers that no tensor references any more."""
+    """Free the pooled host buffers that no tensor references any more; the pool forgets the others,
+    which are freed when their last tensor goes."""
     HOST_POOL.clear()
 
 
@@ -295,8 +308,8 @@ _lib.define("wait(Tensor(a) dest, Tensor keepalive, Tensor[] after) -> Tensor(a)
 def _offload_impl(src: torch.Tensor, after: Sequence[torch.Tensor]) -> torch.Tensor:
     # src is dense and non-overlapping (the planner refuses anything else), so its storage bytes are
     # copied as they are and the host tensor keeps its size and stride: reload restores the layout.
-    storage = HOST_POOL.acquire(_dense_nbytes(src), pin=src.device.type != "cpu")
-    host = _layout_like(storage, src)
+    claim = HOST_POOL.acquire(_dense_nbytes(src), pin=src.device.type != "cpu")
+    host = _layout_like(claim.untyped_storage(), src)  # the first bytes of a buffer maybe larger
     _track(src)
     if src.device.type == "cpu":
         host.copy_(src)

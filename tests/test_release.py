@@ -158,7 +158,129 @@ def test_pinned_failure_warns_once_and_keeps_working(monkeypatch):
 
 def _take(pool, nbytes, pin=False):
     """A pool buffer held by a tensor, as the offload op holds it (the pool's own handle does not count)."""
-    return torch.empty(0, dtype=torch.uint8).set_(pool.acquire(nbytes, pin=pin))
+    return pool.acquire(nbytes, pin=pin)
+
+
+def _ptr(t):
+    return t.untyped_storage().data_ptr()
+
+
+def test_acquire_claims_the_buffer_before_returning():
+    """Two acquisitions with nothing wrapped in between get two buffers: the claim is made under the
+    pool's lock, so another thread cannot take a buffer between acquire and its first tensor."""
+    pool = ops.HostBufferPool()
+    a, b = pool.acquire(1000, pin=False), pool.acquire(1000, pin=False)
+    assert _ptr(a) != _ptr(b)
+    assert a.shape == (1000,) and a.dtype == torch.uint8 and a.untyped_storage().nbytes() == ops.size_class(1000)
+    assert pool.stats().bytes_in_use == 2 * ops.size_class(1000)
+    del a
+    assert pool.stats().bytes_in_use == ops.size_class(1000)
+
+
+def test_acquire_from_many_threads_never_shares_a_buffer():
+    import threading
+
+    pool, threads, barrier, errors = ops.HostBufferPool(), 8, threading.Barrier(8), []
+
+    def work(k):
+        for _ in range(50):
+            mine = pool.acquire(4096, pin=False)
+            mine.fill_(k)
+            barrier.wait()  # every thread holds one buffer now
+            if not bool((mine == k).all()):
+                errors.append(k)
+            barrier.wait()
+            del mine
+            barrier.wait()  # every buffer is free again before the next round
+
+    workers = [threading.Thread(target=work, args=(k,)) for k in range(threads)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+    assert errors == []
+    assert pool.stats().buffers == threads and pool.stats().bytes_in_use == 0
+
+
+def test_release_host_memory_frees_free_buffers_and_never_hands_out_held_ones():
+    pool = ops.HostBufferPool()
+    held = _take(pool, 4096)
+    held.fill_(7)
+    free = _take(pool, 8192)
+    del free
+    assert pool.stats().buffers == 2
+    pool.clear()
+    stats = pool.stats()
+    assert (stats.buffers, stats.bytes_allocated, stats.bytes_in_use) == (0, 0, 0)
+    again = _take(pool, 4096)
+    assert _ptr(again) != _ptr(held)  # the held buffer is not the pool's to give any more
+    again.fill_(1)
+    assert bool((held == 7).all())
+    # The module-level function clears the pool the ops use.
+    ops.HOST_POOL.acquire(1 << 16, pin=False)  # taken and dropped at once: a free buffer
+    assert fxoffload.host_pool_stats().bytes_allocated >= 1 << 16
+    fxoffload.release_host_memory()
+    assert fxoffload.host_pool_stats().buffers == 0
+
+
+def test_eviction_never_drops_a_buffer_in_use():
+    pool = ops.HostBufferPool()
+    held = _take(pool, 40000)  # the least recently used buffer, but in use
+    for n in (50000, 60000, 70000, 81000, 100000):  # each allocation goes past twice the peak
+        del_me = _take(pool, n)
+        assert pool.stats().bytes_in_use == ops.size_class(40000) + ops.size_class(n)
+        del del_me
+    ptr, buffers = _ptr(held), pool.stats().buffers
+    assert buffers < 6, "free buffers were dropped"
+    del held
+    assert _ptr(_take(pool, 40000)) == ptr, "the buffer in use stayed in the pool and is reused"
+    assert pool.stats().buffers == buffers
+
+
+def test_pinned_and_pageable_buffers_are_never_mixed(monkeypatch):
+    pool = ops.HostBufferPool()
+    # No accelerator here: pinned buffers are plain ones that the pool records as pinned.
+    monkeypatch.setattr(pool, "_allocate", lambda n, pin: (torch.empty(n, dtype=torch.uint8).untyped_storage(), pin))
+    pinned = _take(pool, 4096, pin=True)
+    pinned_ptr = _ptr(pinned)
+    del pinned
+    pageable = _take(pool, 4096, pin=False)
+    assert _ptr(pageable) != pinned_ptr, "a pageable request took the free pinned buffer"
+    pageable_ptr = _ptr(pageable)
+    del pageable
+    assert _ptr(_take(pool, 4096, pin=True)) == pinned_ptr
+    assert _ptr(_take(pool, 4096, pin=False)) == pageable_ptr
+    stats = pool.stats()
+    assert (stats.buffers, stats.pinned_bytes, stats.bytes_allocated) == (2, 4096, 8192)
+
+
+def test_offload_into_a_larger_pooled_buffer_views_only_its_bytes():
+    fxoffload.release_host_memory()
+    big = ops.HOST_POOL.acquire(1 << 16, pin=False)
+    big.fill_(255)
+    big_ptr = _ptr(big)
+    del big
+    src = torch.randn(40, 16, 20).permute(2, 0, 1)  # 51200 bytes, dense, not contiguous
+    assert ops.size_class(src.nbytes) <= 1 << 16 <= 2 * ops.size_class(src.nbytes)
+    host = ops.wait(ops.offload(src, []), src, [])
+    assert _ptr(host) == big_ptr and host.untyped_storage().nbytes() == 1 << 16
+    assert host.storage_offset() == 0 and host.shape == src.shape and host.stride() == src.stride()
+    assert torch.equal(host, src)
+    raw = torch.empty(0, dtype=torch.uint8).set_(host.untyped_storage())
+    assert bool((raw[src.nbytes :] == 255).all()), "bytes past the tensor were written"
+    back = ops.wait(ops.reload(host, src.device, []), host, [])
+    assert back.stride() == src.stride() and torch.equal(back, src)
+    assert back.untyped_storage().nbytes() == src.nbytes
+
+
+def test_reload_copies_into_a_tensor_of_its_own():
+    """The backward must not read the pooled host buffer, which is reused once the host copy goes."""
+    src = torch.randn(64, 32)
+    host = ops.wait(ops.offload(src, []), src, [])
+    back = ops.wait(ops.reload(host, src.device, []), host, [])
+    assert _ptr(back) != _ptr(host) and _ptr(back) != _ptr(src)
+    host.zero_()
+    assert torch.equal(back, src)
 
 
 def test_pool_size_classes_and_reuse():
