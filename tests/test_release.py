@@ -171,7 +171,8 @@ def test_acquire_claims_the_buffer_before_returning():
     pool = ops.HostBufferPool()
     a, b = pool.acquire(1000, pin=False), pool.acquire(1000, pin=False)
     assert _ptr(a) != _ptr(b)
-    assert a.shape == (1000,) and a.dtype == torch.uint8 and a.untyped_storage().nbytes() == ops.size_class(1000)
+    assert a.shape == (1000,) and a.dtype == torch.uint8
+    assert a.untyped_storage().nbytes() == ops.size_class(1000)
     assert pool.stats().bytes_in_use == 2 * ops.size_class(1000)
     del a
     assert pool.stats().bytes_in_use == ops.size_class(1000)
@@ -240,7 +241,8 @@ def test_eviction_never_drops_a_buffer_in_use():
 def test_pinned_and_pageable_buffers_are_never_mixed(monkeypatch):
     pool = ops.HostBufferPool()
     # No accelerator here: pinned buffers are plain ones that the pool records as pinned.
-    monkeypatch.setattr(pool, "_allocate", lambda n, pin: (torch.empty(n, dtype=torch.uint8).untyped_storage(), pin))
+    plain = lambda n, pin: (torch.empty(n, dtype=torch.uint8).untyped_storage(), pin)  # noqa: E731
+    monkeypatch.setattr(pool, "_allocate", plain)
     pinned = _take(pool, 4096, pin=True)
     pinned_ptr = _ptr(pinned)
     del pinned
