@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -16,7 +17,7 @@ from .lifetimes import GraphLifetimes, analyze_saved_tensors
 from .memory import MemoryTimeline, simulate
 from .options import OffloadOptions
 from .plan import OffloadPlan, PlanCosts, fmt_bytes, plan_offloads, replan_after_recompute
-from .recompute import recompute_options
+from .recompute import recompute_options, recompute_sources
 from .report import OffloadReport
 from .rewrite import apply_plan, hoist_saved_views
 
@@ -151,12 +152,17 @@ def offload_pass(
         recompute, why_not = recompute_options(fw, lifetimes, static, costs.rates, options.min_bytes)
         for name, reason in why_not.items():
             log.debug("fxoffload: cannot recompute %s: %s", name, reason)
-    # 3. The plan: one decision and reason per saved tensor.
-    plan = plan_offloads(
-        lifetimes, options, host_bytes_available=host_bytes_available, disabled_reason=disabled_reason,
-        costs=costs, recompute=recompute,
-    )  # fmt: skip
-    # 4. Recomputation is torch's partitioner's job: tag, partition again, carry the offloads over.
+    # 3. The plan: one decision and reason per saved tensor. With recomputation in it, it is a first
+    #    estimate (its warnings are held back): the plan of the new pair has the last word.
+    with warnings.catch_warnings(record=True) as held:
+        warnings.simplefilter("always")
+        plan = plan_offloads(
+            lifetimes, options, host_bytes_available=host_bytes_available, disabled_reason=disabled_reason,
+            costs=costs, recompute=recompute,
+        )  # fmt: skip
+    if not plan.recomputed:
+        _reissue(held)
+    # 4. Recomputation is torch's partitioner's job: tag, partition again, plan the new pair.
     if plan.recomputed:
         assert repartition is not None
         names = frozenset(d.saved.name for d in plan.recomputed)
@@ -168,21 +174,59 @@ def offload_pass(
                 lifetimes, options, host_bytes_available=host_bytes_available, costs=costs,
             )  # fmt: skip
         else:
-            fw, bw = new_fw, new_bw
-            lifetimes = _lifetimes(fw, bw, num_fwd_outputs, static)
-            new_costs = plan_costs(fw, bw, lifetimes, options, costs.baseline)
-            plan = replan_after_recompute(plan, lifetimes, new_costs, options)
+            new_lifetimes = _lifetimes(new_fw, new_bw, num_fwd_outputs, static)
+            new_costs = plan_costs(
+                new_fw, new_bw, new_lifetimes, options, simulate(new_fw, new_bw, num_fwd_outputs, static)
+            )
+            sources = recompute_sources(new_bw, names, frozenset(t.name for t in new_lifetimes.saved))
+            with_recompute = replan_after_recompute(
+                plan, new_lifetimes, new_costs, options, sources, host_bytes_available=host_bytes_available
+            )
+            _rewrite(new_fw, new_bw, with_recompute, options)
+            peak = simulate(new_fw, new_bw, num_fwd_outputs, static).peak_bytes
+            budget = with_recompute.memory_budget
+            if budget is None or peak <= budget:
+                return new_fw, new_bw, with_recompute
+            # The fit works on predicted intervals; the new partition is the truth. An offload-only
+            # plan of the first pair may still fit where this one does not: keep the lower peak.
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                try:
+                    offload_only = plan_offloads(
+                        lifetimes, options, host_bytes_available=host_bytes_available, costs=costs,
+                    )  # fmt: skip
+                except ValueError:  # strict=True and unreachable without recomputation
+                    return new_fw, new_bw, with_recompute
+            _rewrite(fw, bw, offload_only, options)
+            peak_offload_only = simulate(fw, bw, num_fwd_outputs, static).peak_bytes
+            if peak_offload_only >= peak:
+                return new_fw, new_bw, with_recompute
+            log.info(
+                "fxoffload: the plan with recomputation peaks at %s, over the budget %s; offloading only peaks at %s",
+                fmt_bytes(peak), fmt_bytes(budget), fmt_bytes(peak_offload_only),
+            )  # fmt: skip
+            _reissue(caught)
+            return fw, bw, offload_only
+    # 5. The rewrite.
+    _rewrite(fw, bw, plan, options)
+    return fw, bw, plan
+
+
+def _reissue(caught: list[warnings.WarningMessage]) -> None:
+    for w in caught:
+        warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+
+
+def _rewrite(fw: fx.GraphModule, bw: fx.GraphModule, plan: OffloadPlan, options: OffloadOptions) -> None:
     for d in plan.decisions:
         log.debug("fxoffload: %s %s (%s): %s", d.decision, d.saved.name, fmt_bytes(d.saved.nbytes), d.reason)
     if plan.note:
         log.info("fxoffload: %s", plan.note)
-    # 5. The rewrite.
     apply_plan(fw, bw, plan, options.prefetch)
     log.info(
         "fxoffload: offloading %d of %d saved tensors (%s), recomputing %d",
         len(plan.offloaded), len(plan.decisions), fmt_bytes(plan.offloaded_bytes), len(plan.recomputed),
     )  # fmt: skip
-    return fw, bw, plan
 
 
 def _lifetimes(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs: int, static: tuple[int, ...]) -> GraphLifetimes:

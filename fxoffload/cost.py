@@ -181,7 +181,8 @@ def calibrate(gm: fx.GraphModule, device: torch.device, repeats: int = 3) -> dic
     run alone is left out, and the model prices it.
     """
     out: dict[fx.Node, float] = {}
-    with real_tensors():
+    # Random inputs from a forked generator: calibrating leaves the caller's random state alone.
+    with real_tensors(), torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         for node in gm.graph.nodes:
             if node.op != "call_function" or node_time(node, CPU_RATES) == 0.0:
                 continue  # placeholders, views, getitems, our transfers: free

@@ -110,6 +110,7 @@ def plan_offloads(
     disabled_reason: str = "",
     costs: PlanCosts | None = None,
     recompute: Mapping[str, RecomputeOption] | None = None,
+    keep: Mapping[str, str] | None = None,
 ) -> OffloadPlan:
     """Decide every saved tensor of one graph pair.
 
@@ -117,7 +118,8 @@ def plan_offloads(
     one (None: unbounded). ``disabled_reason`` turns offloading off for the whole graph. ``costs``
     switches on the cost model: without it, "auto" judges by node counts alone. ``recompute`` lists
     the tensors that could be recomputed instead (``recompute_options``); a ``memory_budget`` may
-    then choose recomputation where it is predicted cheaper than an un-hidden offload.
+    then choose recomputation where it is predicted cheaper than an un-hidden offload. ``keep``
+    names tensors that must stay on the device, with the reason.
     """
     saved = lifetimes.saved
     if options.policy == "none":
@@ -133,7 +135,7 @@ def plan_offloads(
     eligible: list[SavedTensor] = []
     window = max(1, options.prefetch or 0) if costs is None else 0
     for t in saved:
-        reason = ineligible_reason(t, options)
+        reason = (keep or {}).get(t.name) or ineligible_reason(t, options)
         if reason is None and costs is None and options.policy == "auto" and (
             t.fw_compute_after < window or t.bw_compute_before < window
         ):
@@ -228,41 +230,49 @@ def plan_offloads(
 
 
 def replan_after_recompute(
-    first: OffloadPlan, lifetimes: GraphLifetimes, costs: PlanCosts | None, options: OffloadOptions
+    first: OffloadPlan,
+    lifetimes: GraphLifetimes,
+    costs: PlanCosts,
+    options: OffloadOptions,
+    sources: Mapping[str, tuple[str, ...]],
+    *,
+    host_bytes_available: int | None = None,
 ) -> OffloadPlan:
     """The plan for the pair torch's partitioner made once ``first.recomputed`` were tagged.
 
-    The offload choices carry over by name; the transfers are scheduled again on the new graphs.
-    A tensor the partitioner saves now but did not before is kept; a tensor it still saves although
-    it was tagged is kept with that reason (the recompute did not happen).
+    A whole plan of the new pair (``costs.baseline`` is its memory), under the same budget in bytes:
+    the recomputation changed which tensors are saved and when, so the offloads are chosen again,
+    except for the tensors a recomputed one is rebuilt from (``sources``: recomputed name -> saved
+    tensors of the new pair it reads), which stay on the device. A tensor the partitioner still saves
+    although it was tagged is kept with that reason. The returned plan's ``costs.baseline`` is the
+    memory before any change (``first``'s).
     """
-    before = {d.saved.name: d for d in first.decisions}
+    assert first.costs is not None
     now = {t.name for t in lifetimes.saved}
-    # The new pair may save an offloaded tensor differently (say, also through a view): check again.
-    lost = {t.name: why for t in lifetimes.saved if (why := ineligible_reason(t, options)) is not None}
-    chosen = [
-        t for t in lifetimes.saved
-        if t.name in before and before[t.name].decision == OFFLOAD and t.name not in lost
-    ]  # fmt: skip
-    timings, stall = _schedule(chosen, costs, options, first.wait_at_once)
-    decisions: list[Decision] = []
-    for t in lifetimes.saved:
-        d = before.get(t.name)
-        if d is None:
-            decisions.append(Decision(t, KEEP, "saved by torch's partitioner once the recomputed tensors were tagged"))
-        elif d.decision == OFFLOAD and t.name in lost:
-            decisions.append(Decision(t, KEEP, f"after partitioning again for recomputation: {lost[t.name]}"))
-        elif d.decision == OFFLOAD:
-            decisions.append(Decision(t, OFFLOAD, d.reason, timings.get(t.name)))
-        elif d.decision == RECOMPUTE:
-            decisions.append(Decision(t, KEEP, "tagged for recomputation, but torch's partitioner still saves it"))
-        else:
-            decisions.append(Decision(t, KEEP, d.reason))
+    readers: dict[str, list[str]] = {}
+    for name, reads in sorted(sources.items()):
+        for source in reads:
+            readers.setdefault(source, []).append(name)
+    keep = {source: f"kept on the device: {', '.join(names)} recomputed from it" for source, names in readers.items()}
+    for d in first.recomputed:
+        if d.saved.name in now:
+            keep[d.saved.name] = "tagged for recomputation, but torch's partitioner still saves it"
+    if first.memory_budget is not None:
+        options = options.replace(memory_budget=first.memory_budget)
+    second = plan_offloads(lifetimes, options, host_bytes_available=host_bytes_available, costs=costs, keep=keep)
+    recomputed = []
     for d in first.recomputed:
         if d.saved.name not in now:
-            decisions.append(d)
+            option = d.recompute
+            if option is not None:  # name the sources the new pair really reads
+                option = dataclasses.replace(option, sources=tuple(sources.get(d.saved.name, ())))
+            recomputed.append(dataclasses.replace(d, recompute=option))
     return dataclasses.replace(
-        first, decisions=tuple(decisions), stall=stall, costs=costs, partition_costs=first.costs
+        second,
+        decisions=second.decisions + tuple(recomputed),
+        costs=dataclasses.replace(costs, baseline=first.costs.baseline),
+        memory_budget=first.memory_budget,
+        partition_costs=first.costs,
     )
 
 

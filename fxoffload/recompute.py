@@ -147,3 +147,28 @@ def _why_not(t: SavedTensor, node: fx.Node | None, min_bytes: int) -> str | None
     if target.namespace not in ("aten", "prims"):
         return f"{target.namespace}:: op (only aten and prims ops are recomputed)"
     return None
+
+
+def recompute_sources(bw: fx.GraphModule, names: frozenset[str], saved: frozenset[str]) -> dict[str, tuple[str, ...]]:
+    """For each recomputed forward node in ``bw`` (by name), the saved tensors its recomputation
+    reads: the backward's placeholders among its ancestors (through views and other recomputed ops).
+    """
+    out: dict[str, tuple[str, ...]] = {}
+    for node in bw.graph.nodes:
+        if node.name not in names:
+            continue
+        found: list[str] = []
+        seen: set[fx.Node] = set()
+        stack = list(node.all_input_nodes)
+        while stack:
+            inp = stack.pop()
+            if inp in seen:
+                continue
+            seen.add(inp)
+            if inp.op == "placeholder":
+                if inp.name in saved and inp.name not in found:
+                    found.append(inp.name)
+            else:
+                stack.extend(inp.all_input_nodes)
+        out[node.name] = tuple(sorted(found))
+    return out
