@@ -79,12 +79,13 @@ class HostBufferPool:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._buckets: dict[tuple[int, bool], list[_PooledBuffer]] = {}
+        # (size class, pinned, device the buffer serves) -> buffers
+        self._buckets: dict[tuple[int, bool, str], list[_PooledBuffer]] = {}
         self._pin_failed = False
         self._tick = 0  # acquisitions so far: the clock of least-recently-used eviction
         self._peak_in_use = 0
 
-    def acquire(self, nbytes: int, pin: bool) -> torch.Tensor:
+    def acquire(self, nbytes: int, pin: bool, device: torch.device | str | None = None) -> torch.Tensor:
         """``nbytes`` uint8 bytes at the start of a buffer (pinned if asked and possible) that no
         tensor used; the buffer may be larger. The buffer stays taken while the returned tensor, or
         any tensor made on its storage, is alive.
@@ -92,19 +93,25 @@ class HostBufferPool:
         The claim is made under the lock: handing out the pool's own storage handle would leave the
         buffer looking free (use count 1) until the caller wrapped it, and another thread could take
         it in between.
+
+        Buffers serve one ``device`` each: a buffer becomes free on the host as soon as its last
+        tensor goes, while a reload's copy out of it may still run on that device's transfer stream.
+        Reused for the same device, the next copy into it queues behind on the same stream; another
+        device's stream would not wait for it.
         """
         pin = pin and not self._pin_failed
         size = size_class(nbytes)
+        dev = str(device) if device is not None else ""
         with self._lock:
             self._tick += 1
-            for cls in sorted(c for c, p in self._buckets if p == pin and size <= c <= 2 * size):
-                for buffer in self._buckets[(cls, pin)]:
+            for cls in sorted(c for c, p, d in self._buckets if p == pin and d == dev and size <= c <= 2 * size):
+                for buffer in self._buckets[(cls, pin, dev)]:
                     if _use_count(buffer.storage) == 1:
                         buffer.last_used = self._tick
                         return _claim(buffer.storage, nbytes)
             self._make_room(size)
             storage, pinned = self._allocate(size, pin)
-            self._buckets.setdefault((size, pinned), []).append(_PooledBuffer(storage, self._tick))
+            self._buckets.setdefault((size, pinned, dev), []).append(_PooledBuffer(storage, self._tick))
             return _claim(storage, nbytes)
 
     def _make_room(self, size: int) -> None:
@@ -153,7 +160,7 @@ class HostBufferPool:
     def stats(self) -> HostPoolStats:
         with self._lock:
             buffers = [b for bucket in self._buckets.values() for b in bucket]
-            pinned = [b for (_, is_pinned), bucket in self._buckets.items() if is_pinned for b in bucket]
+            pinned = [b for (_, is_pinned, _), bucket in self._buckets.items() if is_pinned for b in bucket]
             return HostPoolStats(
                 buffers=len(buffers),
                 bytes_allocated=sum(b.storage.nbytes() for b in buffers),
@@ -308,7 +315,7 @@ _lib.define("wait(Tensor(a) dest, Tensor keepalive, Tensor[] after) -> Tensor(a)
 def _offload_impl(src: torch.Tensor, after: Sequence[torch.Tensor]) -> torch.Tensor:
     # src is dense and non-overlapping (the planner refuses anything else), so its storage bytes are
     # copied as they are and the host tensor keeps its size and stride: reload restores the layout.
-    claim = HOST_POOL.acquire(_dense_nbytes(src), pin=src.device.type != "cpu")
+    claim = HOST_POOL.acquire(_dense_nbytes(src), pin=src.device.type != "cpu", device=src.device)
     host = _layout_like(claim.untyped_storage(), src)  # the first bytes of a buffer maybe larger
     _track(src)
     if src.device.type == "cpu":

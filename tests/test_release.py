@@ -178,6 +178,20 @@ def test_acquire_claims_the_buffer_before_returning():
     assert pool.stats().bytes_in_use == ops.size_class(1000)
 
 
+def test_a_free_buffer_serves_only_the_device_it_served():
+    """A reload's copy out of a buffer may still run on its device's transfer stream when the buffer
+    turns free on the host; another device's stream would not wait for it, so no sharing."""
+    pool = ops.HostBufferPool()
+    first = pool.acquire(4096, pin=False, device="cuda:0")
+    ptr = _ptr(first)
+    del first  # free on the host
+    other = pool.acquire(4096, pin=False, device="cuda:1")
+    assert _ptr(other) != ptr
+    same = pool.acquire(4096, pin=False, device="cuda:0")
+    assert _ptr(same) == ptr
+    assert pool.stats().buffers == 2
+
+
 def test_acquire_from_many_threads_never_shares_a_buffer():
     import threading
 
@@ -258,7 +272,7 @@ def test_pinned_and_pageable_buffers_are_never_mixed(monkeypatch):
 
 def test_offload_into_a_larger_pooled_buffer_views_only_its_bytes():
     fxoffload.release_host_memory()
-    big = ops.HOST_POOL.acquire(1 << 16, pin=False)
+    big = ops.HOST_POOL.acquire(1 << 16, pin=False, device="cpu")  # the device the offload below serves
     big.fill_(255)
     big_ptr = _ptr(big)
     del big
