@@ -12,6 +12,7 @@ torch for is reported in its own column and left out of "pass ms".
 from __future__ import annotations
 
 import argparse
+import gc
 import importlib
 import time
 
@@ -56,6 +57,7 @@ def measure(layers: int, bandwidth: str = "2GB") -> dict:
     backend_module.offload_pass, backend_module.simulate = timed_pass, timed_simulate
     try:
         torch._dynamo.reset()
+        gc.collect()  # the previous size's garbage, so that its collection does not land in this run
         cfg = GPTConfig(layers=layers, dim=64, seq=64, heads=4, dropout=0.0)
         model = GPT(cfg)
         reports = fxoffload.explain(model, *gpt_batch(cfg, 2), offload_cpu=True, min_bytes=0, inner="aot_eager",

@@ -197,6 +197,8 @@ def offload_pass(
                     )  # fmt: skip
                 except ValueError:  # strict=True and unreachable without recomputation
                     return new_fw, new_bw, with_recompute
+            if offload_only.fit_peak is not None and offload_only.fit_peak >= peak:
+                return new_fw, new_bw, with_recompute  # not worth a second rewrite
             _rewrite(fw, bw, offload_only, options)
             peak_offload_only = simulate(fw, bw, num_fwd_outputs, static).peak_bytes
             if peak_offload_only >= peak:

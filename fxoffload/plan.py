@@ -50,6 +50,8 @@ class OffloadPlan:
     # The cost model's view of the partition before recomputation (the recomputed tensors' rows
     # refer to it); None when nothing is recomputed.
     partition_costs: PlanCosts | None = None
+    # The budget fit's own estimate of the peak with this plan (None without memory_budget).
+    fit_peak: int | None = None
 
     @property
     def offloaded(self) -> tuple[Decision, ...]:
@@ -184,12 +186,13 @@ def plan_offloads(
     budget = None
     extra: list[SavedTensor] = []
     recomputed: dict[str, RecomputeOption] = {}
+    fit_peak = None
     if options.memory_budget is not None and costs is not None and costs.baseline is not None:
         budget = _budget_bytes(options.memory_budget, costs.baseline)
         fit = _fit_budget(
             budget, saved, chosen, left, recompute or {}, costs, options, host_bytes_available, used
         )
-        extra, recomputed = fit.offloads, fit.recomputes
+        extra, recomputed, fit_peak = fit.offloads, fit.recomputes, fit.peak
         for t in extra:
             chosen.append(t)
             reasons[t.name] = (
@@ -225,8 +228,9 @@ def plan_offloads(
         for t in saved
     )
     return OffloadPlan(
-        decisions, options.policy, stall=stall, memory_budget=budget, costs=costs, wait_at_once=wait_at_once
-    )
+        decisions, options.policy, stall=stall, memory_budget=budget, costs=costs, wait_at_once=wait_at_once,
+        fit_peak=fit_peak,
+    )  # fmt: skip
 
 
 def replan_after_recompute(
@@ -319,6 +323,7 @@ class _BudgetFit:
     offloads: list[SavedTensor]
     recomputes: dict[str, RecomputeOption]
     stall_estimate: dict[str, float]  # predicted stall of an un-hidden offload, per candidate
+    peak: int  # the fit's estimate of the peak with its choices
 
 
 def _fit_budget(
@@ -380,9 +385,7 @@ def _fit_budget(
 
     while True:
         # The check: memory with the intervals of the real schedule of everything chosen so far.
-        tree = _MinTree(len(points))  # holds -live bytes: its min is minus the peak
-        for i, p in enumerate(points):
-            tree.set(i, -float(p.total))
+        tree = _MinTree.of([-float(p.total) for p in points])  # -live bytes: its min is minus the peak
         schedule = schedule_transfers(
             [*chosen, *extra], costs.fw_starts, costs.bw_starts, costs.rates, options.max_inflight_reloads,
             wait_at_once=frozenset(t.name for t in extra),
@@ -427,4 +430,4 @@ def _fit_budget(
         if options.strict:
             raise ValueError(message.replace("; applying that plan", " (strict=True)"))
         warnings.warn(message, RuntimeWarning, stacklevel=2)
-    return _BudgetFit(extra, recomputes, stall_estimate)
+    return _BudgetFit(extra, recomputes, stall_estimate, reachable)

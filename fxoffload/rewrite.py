@@ -75,7 +75,9 @@ def hoist_saved_views(fw: fx.GraphModule, num_fwd_outputs: int) -> None:
     graph = fw.graph
     outputs = graph.output_node().args[0]
     saved_views = [o for o in outputs[num_fwd_outputs:] if isinstance(o, fx.Node) and is_view(o)]
-    index = {n: i for i, n in enumerate(graph.nodes)}
+    # Positions, kept up to date without renumbering the graph after each move (that made this
+    # quadratic): a moved view takes a position just after its latest input.
+    index: dict[fx.Node, float] = {n: float(i) for i, n in enumerate(graph.nodes)}
     moved = False
     for view_node in saved_views:
         chain = []
@@ -87,7 +89,7 @@ def hoist_saved_views(fw: fx.GraphModule, num_fwd_outputs: int) -> None:
             latest = max(view.all_input_nodes, key=index.__getitem__)
             if index[latest] + 1 < index[view]:
                 latest.append(view)
-                index = {n: i for i, n in enumerate(graph.nodes)}
+                index[view] = index[latest] + 1e-3
                 moved = True
     if moved:
         graph.lint()

@@ -180,6 +180,23 @@ class _MinTree:
         self.add(lo, hi, value, 2 * k + 1, m + 1, r)
         self.low[k] = min(self.low[2 * k], self.low[2 * k + 1])
 
+    @classmethod
+    def of(cls, values: Sequence[float]) -> _MinTree:
+        """A tree holding ``values``, built bottom-up in O(n)."""
+        tree = cls(len(values))
+        if values:
+            tree._build(values, 1, 0, tree.n - 1)
+        return tree
+
+    def _build(self, values: Sequence[float], k: int, l: int, r: int) -> None:
+        if l == r:
+            self.low[k] = values[l]
+            return
+        m = (l + r) // 2
+        self._build(values, 2 * k, l, m)
+        self._build(values, 2 * k + 1, m + 1, r)
+        self.low[k] = min(self.low[2 * k], self.low[2 * k + 1])
+
     def set(self, i: int, value: float, k: int = 1, l: int = 0, r: int | None = None) -> None:
         r = self.n - 1 if r is None else r
         if l == r:

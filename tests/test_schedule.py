@@ -63,3 +63,24 @@ def test_schedule_is_deterministic():
     cands = [saved(f"t{i}", nbytes=1_000_000, fw_last_use=i, bw_first_use=9 - i, output_index=i) for i in range(8)]
     forward = schedule_transfers(cands, fw, fw, RATES).by_name()
     assert forward == schedule_transfers(list(reversed(cands)), fw, fw, RATES).by_name()
+
+
+def test_min_tree_matches_a_list():
+    """The segment tree behind the budget fit: built in O(n), range add, range min, argmin."""
+    from fxoffload.schedule import _MinTree
+
+    rng = random.Random(0)
+    for n in (1, 2, 7, 64, 100):
+        values = [rng.uniform(-10, 10) for _ in range(n)]
+        tree = _MinTree.of(values)
+        for _ in range(50):
+            lo = rng.randrange(n)
+            hi = rng.randrange(lo, n)
+            delta = rng.uniform(-5, 5)
+            tree.add(lo, hi, delta)
+            for i in range(lo, hi + 1):
+                values[i] += delta
+            a = rng.randrange(n)
+            b = rng.randrange(a, n)
+            assert abs(tree.min(a, b) - min(values[a : b + 1])) < 1e-9
+            assert values[tree.argmin()] == min(values)
