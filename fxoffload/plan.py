@@ -314,6 +314,24 @@ def _estimated_interval(t: SavedTensor, fw_points: int) -> tuple[int, int]:
     return t.fw_last_use + 1, fw_points + max(t.bw_first_use, 0) - 1
 
 
+def _recompute_ends(
+    recomputes: Mapping[str, RecomputeOption], saved: Mapping[str, SavedTensor], fw_points: int
+) -> dict[str, int]:
+    """The last point each recomputed tensor is off the device: just before its first backward
+    use, or before a tensor recomputed from it is rebuilt, whichever comes first."""
+    ends = {name: _estimated_interval(saved[name], fw_points)[1] for name in recomputes}
+    for _ in range(len(recomputes)):  # chains are short; stop as soon as nothing moves
+        changed = False
+        for name, option in recomputes.items():
+            for source in option.sources:
+                if source in ends and ends[name] - 1 < ends[source]:
+                    ends[source] = ends[name] - 1
+                    changed = True
+        if not changed:
+            break
+    return ends
+
+
 def _covers(interval: tuple[int, int], point: int) -> bool:
     return interval[0] <= point <= interval[1]
 
@@ -392,9 +410,9 @@ def _fit_budget(
         )  # fmt: skip
         for timing, t in zip(schedule.timings, [*chosen, *extra]):
             tree.add(timing.fw_wait_after + 1, fw_points + timing.bw_issue_after, float(t.nbytes))
-        for name in recomputes:
-            lo, hi = _estimated_interval(all_saved[name], fw_points)
-            tree.add(lo, hi, float(all_saved[name].nbytes))
+        applied = _recompute_ends(recomputes, all_saved, fw_points)
+        for name, hi in applied.items():
+            tree.add(_estimated_interval(all_saved[name], fw_points)[0], hi, float(all_saved[name].nbytes))
         if -tree.min(0, len(points) - 1) <= budget:
             break
         # A greedy round on estimated intervals.
@@ -412,12 +430,21 @@ def _fit_budget(
             if option is None:
                 extra.append(t)
                 host_used += t.nbytes
+                lo, hi = _estimated_interval(t, fw_points)
+                tree.add(lo, hi, float(t.nbytes))
             else:
                 recomputes[t.name] = option
                 pinned.update(option.sources)
+                # A chain holds its links at once: a recomputed source is live again from the
+                # moment a tensor recomputed from it is rebuilt.
+                ends = _recompute_ends(recomputes, all_saved, fw_points)
+                lo = _estimated_interval(t, fw_points)[0]
+                tree.add(lo, ends[t.name], float(t.nbytes))
+                for name, end in ends.items():
+                    if name != t.name and end < applied[name]:
+                        tree.add(end + 1, applied[name], -float(all_saved[name].nbytes))
+                applied = ends
             added = True
-            lo, hi = _estimated_interval(t, fw_points)
-            tree.add(lo, hi, float(t.nbytes))
         if not added:
             break
     reachable = int(-tree.min(0, len(points) - 1))

@@ -116,3 +116,28 @@ def lambda_module(seq):
 def test_saved_tensor_records_are_frozen():
     with pytest.raises(dataclasses.FrozenInstanceError):
         saved().nbytes = 1
+
+
+def test_a_recompute_chain_holds_its_source_from_when_the_next_link_is_rebuilt():
+    """sin = sin(mm), both recomputed: mm is off the device until just before sin is rebuilt (sin's
+    first use comes first), not until its own first use; a link with no recomputed reader keeps
+    its own interval."""
+    from fxoffload.plan import _estimated_interval, _recompute_ends
+    from fxoffload.recompute import RecomputeOption
+
+    fw_points = 20
+    mm = saved("mm", fw_last_use=5, bw_first_use=15)
+    sin = saved("sin", fw_last_use=6, bw_first_use=4)
+    other = saved("other", fw_last_use=6, bw_first_use=9)
+    options = {
+        "mm": RecomputeOption("mm", "mm", 1e-5, ()),
+        "sin": RecomputeOption("sin", "sin", 1e-6, ("mm",)),
+        "other": RecomputeOption("other", "relu", 1e-6, ("kept",)),
+    }
+    ends = _recompute_ends(options, {t.name: t for t in (mm, sin, other)}, fw_points)
+    assert ends["sin"] == _estimated_interval(sin, fw_points)[1] == fw_points + 4 - 1
+    assert ends["mm"] == ends["sin"] - 1
+    assert ends["other"] == _estimated_interval(other, fw_points)[1]
+    # Without its reader recomputed, mm keeps its own interval.
+    alone = _recompute_ends({"mm": options["mm"]}, {"mm": mm}, fw_points)
+    assert alone["mm"] == fw_points + 15 - 1
