@@ -162,56 +162,54 @@ def offload_pass(
         )  # fmt: skip
     if not plan.recomputed:
         _reissue(held)
+        # 5. The rewrite.
+        _rewrite(fw, bw, plan, options)
+        return fw, bw, plan
+
+    def offload_only() -> OffloadPlan:
+        return plan_offloads(lifetimes, options, host_bytes_available=host_bytes_available, costs=costs)
+
     # 4. Recomputation is torch's partitioner's job: tag, partition again, plan the new pair.
-    if plan.recomputed:
-        assert repartition is not None
-        names = frozenset(d.saved.name for d in plan.recomputed)
+    assert repartition is not None
+    names = frozenset(d.saved.name for d in plan.recomputed)
+    try:
+        new_fw, new_bw = repartition(names)
+    except Exception as e:  # never fail a compile over an optimisation: plan without it
+        log.warning("fxoffload: partitioning again to recompute %s failed (%s); offloading only", sorted(names), e)
+        plan = offload_only()
+        _rewrite(fw, bw, plan, options)
+        return fw, bw, plan
+    new_lifetimes = _lifetimes(new_fw, new_bw, num_fwd_outputs, static)
+    new_costs = plan_costs(new_fw, new_bw, new_lifetimes, options, simulate(new_fw, new_bw, num_fwd_outputs, static))
+    sources = recompute_sources(new_bw, names, frozenset(t.name for t in new_lifetimes.saved))
+    with_recompute = replan_after_recompute(
+        plan, new_lifetimes, new_costs, options, sources, host_bytes_available=host_bytes_available
+    )
+    _rewrite(new_fw, new_bw, with_recompute, options)
+    peak = simulate(new_fw, new_bw, num_fwd_outputs, static).peak_bytes
+    budget = with_recompute.memory_budget
+    if budget is None or peak <= budget:
+        return new_fw, new_bw, with_recompute
+    # The fit works on predicted intervals; the new partition is the truth. An offload-only plan of
+    # the first pair may still fit where this one does not: keep the lower peak.
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
         try:
-            new_fw, new_bw = repartition(names)
-        except Exception as e:  # never fail a compile over an optimisation: plan without it
-            log.warning("fxoffload: partitioning again to recompute %s failed (%s); offloading only", sorted(names), e)
-            plan = plan_offloads(
-                lifetimes, options, host_bytes_available=host_bytes_available, costs=costs,
-            )  # fmt: skip
-        else:
-            new_lifetimes = _lifetimes(new_fw, new_bw, num_fwd_outputs, static)
-            new_costs = plan_costs(
-                new_fw, new_bw, new_lifetimes, options, simulate(new_fw, new_bw, num_fwd_outputs, static)
-            )
-            sources = recompute_sources(new_bw, names, frozenset(t.name for t in new_lifetimes.saved))
-            with_recompute = replan_after_recompute(
-                plan, new_lifetimes, new_costs, options, sources, host_bytes_available=host_bytes_available
-            )
-            _rewrite(new_fw, new_bw, with_recompute, options)
-            peak = simulate(new_fw, new_bw, num_fwd_outputs, static).peak_bytes
-            budget = with_recompute.memory_budget
-            if budget is None or peak <= budget:
-                return new_fw, new_bw, with_recompute
-            # The fit works on predicted intervals; the new partition is the truth. An offload-only
-            # plan of the first pair may still fit where this one does not: keep the lower peak.
-            with warnings.catch_warnings(record=True) as caught:
-                warnings.simplefilter("always")
-                try:
-                    offload_only = plan_offloads(
-                        lifetimes, options, host_bytes_available=host_bytes_available, costs=costs,
-                    )  # fmt: skip
-                except ValueError:  # strict=True and unreachable without recomputation
-                    return new_fw, new_bw, with_recompute
-            if offload_only.fit_peak is not None and offload_only.fit_peak >= peak:
-                return new_fw, new_bw, with_recompute  # not worth a second rewrite
-            _rewrite(fw, bw, offload_only, options)
-            peak_offload_only = simulate(fw, bw, num_fwd_outputs, static).peak_bytes
-            if peak_offload_only >= peak:
-                return new_fw, new_bw, with_recompute
-            log.info(
-                "fxoffload: the plan with recomputation peaks at %s, over the budget %s; offloading only peaks at %s",
-                fmt_bytes(peak), fmt_bytes(budget), fmt_bytes(peak_offload_only),
-            )  # fmt: skip
-            _reissue(caught)
-            return fw, bw, offload_only
-    # 5. The rewrite.
-    _rewrite(fw, bw, plan, options)
-    return fw, bw, plan
+            alternative = offload_only()
+        except ValueError:  # strict=True and unreachable without recomputation
+            return new_fw, new_bw, with_recompute
+    if alternative.fit_peak is not None and alternative.fit_peak >= peak:
+        return new_fw, new_bw, with_recompute  # not worth a second rewrite
+    _rewrite(fw, bw, alternative, options)
+    peak_offload_only = simulate(fw, bw, num_fwd_outputs, static).peak_bytes
+    if peak_offload_only >= peak:
+        return new_fw, new_bw, with_recompute
+    log.info(
+        "fxoffload: the plan with recomputation peaks at %s, over the budget %s; offloading only peaks at %s",
+        fmt_bytes(peak), fmt_bytes(budget), fmt_bytes(peak_offload_only),
+    )  # fmt: skip
+    _reissue(caught)
+    return fw, bw, alternative
 
 
 def _reissue(caught: list[warnings.WarningMessage]) -> None:

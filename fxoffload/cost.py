@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import operator
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -24,7 +23,7 @@ import torch
 import torch.fx as fx
 
 from ._compat import real_tensors, size_hint
-from .lifetimes import _tensor_bytes, is_view
+from .lifetimes import _tensor_bytes, is_compute
 
 log = logging.getLogger(__name__)
 
@@ -140,9 +139,7 @@ def _io_bytes(node: fx.Node) -> int:
 
 def node_time(node: fx.Node, rates: DeviceRates) -> float:
     """Predicted seconds of compute for one node (0 for placeholders, views and our transfers)."""
-    if node.op != "call_function" or node.target is operator.getitem or is_view(node):
-        return 0.0
-    if str(node.target).startswith("fxoffload."):
+    if not is_compute(node):
         return 0.0
     memory = _io_bytes(node) / rates.memory_bandwidth
     flops = _flops(node)
@@ -184,7 +181,7 @@ def calibrate(gm: fx.GraphModule, device: torch.device, repeats: int = 3) -> dic
     # Random inputs from a forked generator: calibrating leaves the caller's random state alone.
     with real_tensors(), torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         for node in gm.graph.nodes:
-            if node.op != "call_function" or node_time(node, CPU_RATES) == 0.0:
+            if not is_compute(node):
                 continue  # placeholders, views, getitems, our transfers: free
             key = (node.target, _signature(node.args), _signature(node.kwargs), str(device))
             if key not in _timed_ops:

@@ -85,6 +85,13 @@ def is_compute(node: fx.Node) -> bool:
     return not str(node.target).startswith("fxoffload.")
 
 
+def static_inputs(gm: fx.GraphModule, static_input_indices: Sequence[int]) -> set[fx.Node]:
+    """The placeholders of ``gm`` at ``static_input_indices``: parameters, buffers, other inputs
+    whose storage outlives the step."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    return {placeholders[i] for i in static_input_indices if i < len(placeholders)}
+
+
 def storage_root(node: fx.Node) -> fx.Node:
     while is_view(node):
         node = node.args[0]  # type: ignore[assignment]
@@ -142,8 +149,7 @@ def analyze_saved_tensors(
     fw_compute_prefix = _compute_prefix(fw_nodes)
     bw_compute_prefix = _compute_prefix(bw_nodes)
 
-    placeholders = [n for n in fw_nodes if n.op == "placeholder"]
-    static = {placeholders[i] for i in static_input_indices if i < len(placeholders)}
+    static = static_inputs(fw, static_input_indices)
     output = fw.graph.output_node()
     outputs = list(output.args[0])
     user_output_storages = {

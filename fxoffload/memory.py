@@ -25,7 +25,7 @@ import torch
 import torch.fx as fx
 
 from . import ops
-from .lifetimes import _tensor_bytes, storage_root
+from .lifetimes import _tensor_bytes, static_inputs, storage_root
 
 CATEGORIES = ("parameters", "inputs", "saved", "transient", "gradients")
 
@@ -102,8 +102,7 @@ def simulate(
     nodes = list(fw.graph.nodes)
     owners = _owners(nodes)
     last = _last_uses(nodes, owners)
-    placeholders = [n for n in nodes if n.op == "placeholder"]
-    static = {placeholders[i] for i in static_input_indices if i < len(placeholders)}
+    static = static_inputs(fw, static_input_indices)
     outputs = list(fw.graph.output_node().args[0])
     saved_owners = {owners[o] for o in outputs[num_fwd_outputs:] if o in owners}
     user_owners = {owners[o] for o in outputs[:num_fwd_outputs] if o in owners}

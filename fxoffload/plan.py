@@ -211,7 +211,7 @@ def plan_offloads(
                 f"memory_budget {fmt_bytes(budget)}: recomputed in the backward by {option.op} from "
                 f"{', '.join(option.sources) or 'parameters'} (~{_ms(option.seconds)}{alternative})"
             )
-        for name, users in _sources_of(recomputed).items():
+        for name, users in _readers({n: o.sources for n, o in recomputed.items()}).items():
             if name in recomputed:  # a chain: rebuilt first, then what is recomputed from it
                 reasons[name] += f"; then {', '.join(users)} recomputed from it"
             else:
@@ -253,11 +253,10 @@ def replan_after_recompute(
     """
     assert first.costs is not None
     now = {t.name for t in lifetimes.saved}
-    readers: dict[str, list[str]] = {}
-    for name, reads in sorted(sources.items()):
-        for source in reads:
-            readers.setdefault(source, []).append(name)
-    keep = {source: f"kept on the device: {', '.join(names)} recomputed from it" for source, names in readers.items()}
+    keep = {
+        source: f"kept on the device: {', '.join(names)} recomputed from it"
+        for source, names in _readers(dict(sorted(sources.items()))).items()
+    }
     for d in first.recomputed:
         if d.saved.name in now:
             keep[d.saved.name] = "tagged for recomputation, but torch's partitioner still saves it"
@@ -292,10 +291,11 @@ def _schedule(
     return schedule.by_name(), schedule.stall
 
 
-def _sources_of(recomputed: Mapping[str, RecomputeOption]) -> dict[str, list[str]]:
+def _readers(sources: Mapping[str, Sequence[str]]) -> dict[str, list[str]]:
+    """recomputed tensor -> what it is rebuilt from, turned around: source -> recomputed tensors."""
     out: dict[str, list[str]] = {}
-    for name, option in recomputed.items():
-        for source in option.sources:
+    for name, reads in sources.items():
+        for source in reads:
             out.setdefault(source, []).append(name)
     return out
 

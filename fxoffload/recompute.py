@@ -37,7 +37,7 @@ import torch.fx as fx
 
 from ._compat import must_save
 from .cost import DeviceRates, node_time
-from .lifetimes import GraphLifetimes, SavedTensor, is_compute, storage_root
+from .lifetimes import GraphLifetimes, SavedTensor, is_compute, static_inputs, storage_root
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,8 +62,7 @@ def recompute_options(
     Returns the options by name, and for every other saved tensor the reason it cannot be.
     """
     nodes = {n.name: n for n in fw.graph.nodes}
-    placeholders = [n for n in fw.graph.nodes if n.op == "placeholder"]
-    static = {placeholders[i] for i in static_input_indices if i < len(placeholders)}
+    static = static_inputs(fw, static_input_indices)
     mutated = _mutated_inputs(fw)
     by_storage: dict[str, list[str]] = {}
     for t in lifetimes.saved:
