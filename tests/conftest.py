@@ -1,4 +1,5 @@
 import copy
+import re
 
 import pytest
 import torch
@@ -56,3 +57,8 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "cuda" in item.keywords:
             item.add_marker(skip)
+
+
+def returned_names(code: str) -> set[str]:
+    """Names in the ``return`` of generated graph code: the forward's outputs, saved tensors included."""
+    return set(re.findall(r"\w+", code.rsplit("return", 1)[-1]))

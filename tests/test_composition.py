@@ -12,7 +12,6 @@ import pytest
 import torch
 import torch._inductor.config as inductor_config
 import torch.nn as nn
-import torch.nn.functional as F
 from torch._dynamo.utils import counters
 from torch.utils.checkpoint import checkpoint
 

@@ -1,7 +1,6 @@
 """The cost-model planner on real graphs, with fixed rates so that plans are deterministic."""
 
 import importlib
-import re
 import warnings
 from unittest import mock
 
@@ -10,7 +9,7 @@ import torch
 
 from fxoffload.models import GPT, GPTConfig, gpt_batch
 
-from .conftest import assert_same, cpu_backend, train_step
+from .conftest import assert_same, cpu_backend, returned_names, train_step
 
 RATES = {"compute_rates": {"flops": 1e13, "memory_bandwidth": 1e12}}  # short windows: links matter
 
@@ -98,16 +97,12 @@ def _recompute_plan(inner="aot_eager", **options):
     return report, result, (model, batch)
 
 
-def _returned_names(code: str) -> set[str]:
-    return set(re.findall(r"\w+", code.rsplit("return", 1)[-1]))
-
-
 # Inductor's decompositions give other graphs, where recomputation meets a looser budget.
 @pytest.mark.parametrize("inner, budget", [("aot_eager", 0.5), ("inductor", 0.55)])
 def test_budget_recomputes_when_cheaper_than_a_stalling_offload(inner, budget):
     report, got, (model, batch) = _recompute_plan(inner, bandwidth="0.2GB", memory_budget=budget)
     assert report.recomputed, report.table()
-    saved_now = _returned_names(report.fw_code)
+    saved_now = returned_names(report.fw_code)
     for r in report.recomputed:
         assert r.recompute_ms > 0
         assert r.recompute_ms < r.d2h_ms + r.h2d_ms, "chosen because it is cheaper than the copies"

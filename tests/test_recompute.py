@@ -21,7 +21,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 from fxoffload.memory import simulate
 from fxoffload.report import OffloadReport
 
-from .conftest import assert_same, cpu_backend, train_step
+from .conftest import assert_same, cpu_backend, returned_names, train_step
 
 INNERS = ["aot_eager", "inductor"]
 FORCE = {
@@ -88,10 +88,6 @@ def _save_matmuls(ctx, op, *args, **kwargs):
     return CheckpointPolicy.PREFER_RECOMPUTE
 
 
-def _saved_names(code):
-    return set(re.findall(r"\w+", code.rsplit("return", 1)[-1]))
-
-
 @pytest.mark.parametrize("inner", INNERS)
 @pytest.mark.parametrize("mode", ["none", "ckpt"])
 def test_recomputing_keeps_results_with_and_without_checkpoint(mode, inner):
@@ -105,7 +101,7 @@ def test_recomputing_keeps_results_with_and_without_checkpoint(mode, inner):
     if inner == "inductor":
         assert_same(got, train_step(model, x, "inductor"), rtol=1e-5, atol=1e-7)
     for r in report.recomputed:
-        assert r.name not in _saved_names(report.fw_code), f"{r.name} is still saved"
+        assert r.name not in returned_names(report.fw_code), f"{r.name} is still saved"
         assert re.search(rf"\b{r.name} = ", report.bw_code), f"{r.name} is not rebuilt in the backward"
 
 
@@ -175,7 +171,7 @@ def test_recomputed_from_names_kept_tensors_of_the_final_graphs():
     got = _run(model, x, backend)
     (report,) = backend.reports
     rows = {r.name: r for r in report.saved}
-    saved_now = _saved_names(report.fw_code)
+    saved_now = returned_names(report.fw_code)
     assert report.recomputed, report.table()
     for r in report.recomputed:
         sources = r.recomputed_from.split(", ")

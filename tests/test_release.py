@@ -127,7 +127,7 @@ def test_pinned_allocation_failure_falls_back_to_pageable(monkeypatch):
 
     monkeypatch.setattr(torch, "empty", failing_empty)
     with pytest.warns(RuntimeWarning, match="falling back to pageable"):
-        storage = pool.acquire(1024, pin=True)
+        pool.acquire(1024, pin=True)
     stats = pool.stats()
     assert stats.pin_failed and stats.pinned_bytes == 0 and stats.bytes_allocated == 1024
 
