@@ -33,6 +33,7 @@ __all__ = [
     "must_save",
     "size_hint",
     "storage_expired",
+    "free_storage_weak_ref",
     "storage_use_count",
     "storage_weak_ref",
     "tag_must_recompute",
@@ -112,14 +113,47 @@ def compile_with_inductor(
     example_inputs: list[Any],
     partitioner: CustomPartitionerFn,
     config_patches: dict[str, Any],
+    on_output_code: Callable[[str, str], None] | None = None,
 ) -> Callable[..., Any]:
-    """Inductor's ``compile_fx`` with our partitioner plugged in for the duration of this compile."""
-    from torch._inductor.compile_fx import compile_fx
+    """Inductor's ``compile_fx`` with our partitioner plugged in for the duration of this compile.
+
+    ``on_output_code(kind, code)`` receives the wrapper code Inductor generates for each graph it
+    compiles here ("forward", "backward" or "inference"), also when the code comes from its cache
+    and when the backward is compiled later, at the first backward call.
+    """
+    from torch._inductor.compile_fx import compile_fx, compile_fx_inner
+
+    def inner_compile(graph: fx.GraphModule, inputs: Any, **kwargs: Any) -> Any:
+        if on_output_code is None:
+            return compile_fx_inner(graph, inputs, **kwargs)
+        kind = "backward" if kwargs.get("is_backward") else "inference" if kwargs.get("is_inference") else "forward"
+        with capture_output_code(lambda code: on_output_code(kind, code)):
+            return compile_fx_inner(graph, inputs, **kwargs)
 
     patches = dict(config_patches)
     patches["custom_partitioner_fn"] = partitioner
     with _no_autograd_cache():
-        return compile_fx(gm, example_inputs, config_patches=patches)
+        return compile_fx(gm, example_inputs, inner_compile=inner_compile, config_patches=patches)
+
+
+@contextlib.contextmanager
+def capture_output_code(sink: Callable[[str], None]) -> Iterator[None]:
+    """Send the wrapper code of every graph Inductor lowers (or loads from its cache) to ``sink``,
+    besides any hook already installed (``torch._inductor.utils.run_and_get_code`` uses the same one)."""
+    from torch._inductor.graph import GraphLowering
+
+    previous = GraphLowering.save_output_code
+
+    def save(code: str) -> None:
+        sink(code)
+        if previous is not None:
+            previous(code)
+
+    GraphLowering.save_output_code = save
+    try:
+        yield
+    finally:
+        GraphLowering.save_output_code = previous
 
 
 def compile_with_aot_eager(
@@ -167,6 +201,11 @@ def storage_weak_ref(storage: torch.UntypedStorage) -> int:
 
 def storage_expired(ref: int) -> bool:
     return bool(torch.UntypedStorage._expired(ref))
+
+
+def free_storage_weak_ref(ref: int) -> None:
+    """Drop a weak reference made by ``storage_weak_ref`` (each one holds a small control block)."""
+    torch.UntypedStorage._free_weak_ref(ref)
 
 
 def trace_artifact(name: str, payload: Callable[[], str], encoding: str = "string") -> None:

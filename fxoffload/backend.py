@@ -65,7 +65,7 @@ class OffloadBackend:
                 f"CUDA graphs are on (mode={opts.mode!r}): a capture cannot hold the transfer "
                 "events and host buffers, so offloading is off for this graph"
             )
-        return _compat.compile_with_inductor(gm, example_inputs, partitioner, patches)
+        return _compat.compile_with_inductor(gm, example_inputs, partitioner, patches, partitioner.record_output_code)
 
     def record(self, report: OffloadReport) -> None:
         self.reports.append(report)
@@ -78,6 +78,12 @@ class _OffloadPartitioner(_compat.CustomPartitionerFn):
         self.backend = backend
         self.options = options
         self.disabled_reason = ""
+        self.report: OffloadReport | None = None
+
+    def record_output_code(self, kind: str, code: str) -> None:
+        """Inductor's wrapper code for the graphs of this pair, kept on the report (``output_code``)."""
+        if self.report is not None:
+            self.report.output_code[kind] = code
 
     def uuid(self) -> Any:
         # Cache key part for Inductor; AOTAutograd's cache is off while we compile (see _compat).
@@ -109,6 +115,7 @@ class _OffloadPartitioner(_compat.CustomPartitionerFn):
         report = OffloadReport.from_plan(
             graph_id, plan, fw, bw, self.options.host_budget, host_before, memory_before, memory_after
         )
+        self.report = report
         self.backend.record(report)
         log.debug("fxoffload plan for graph %d:\n%s", graph_id, report.table())
         _compat.trace_artifact("fxoffload_plan", report.to_json, encoding="json")
@@ -222,7 +229,7 @@ def _rewrite(fw: fx.GraphModule, bw: fx.GraphModule, plan: OffloadPlan, options:
         log.debug("fxoffload: %s %s (%s): %s", d.decision, d.saved.name, fmt_bytes(d.saved.nbytes), d.reason)
     if plan.note:
         log.info("fxoffload: %s", plan.note)
-    apply_plan(fw, bw, plan, options.prefetch)
+    apply_plan(fw, bw, plan, options.prefetch, options.cpu_link())
     log.info(
         "fxoffload: offloading %d of %d saved tensors (%s), recomputing %d",
         len(plan.offloaded), len(plan.decisions), fmt_bytes(plan.offloaded_bytes), len(plan.recomputed),
@@ -244,7 +251,8 @@ def plan_costs(
     """The cost model's view of a graph pair: device rates and predicted node start times."""
     accelerators = [d for d in lifetimes.devices if d not in ("cpu", "meta")]
     device = torch.device(accelerators[0]) if accelerators else torch.device("cpu")
-    overrides = dict(options.bandwidth or ()) | dict(options.compute_rates or ())
+    link = options.bandwidth or (options.cpu_link_bandwidth if device.type == "cpu" else None)
+    overrides = dict(link or ()) | dict(options.compute_rates or ())
     wants_measure = options.policy != "none" and bool(lifetimes.saved)
     rates = device_rates(device, overrides, measure=wants_measure)
     fw_times = bw_times = None

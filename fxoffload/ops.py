@@ -26,15 +26,18 @@ tensors: the "host" copy is a separate buffer and the source storage is released
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import logging
+import queue
 import threading
+import time
 import warnings
 from collections.abc import Sequence
 
 import torch
 
-from ._compat import storage_expired, storage_use_count, storage_weak_ref
+from ._compat import free_storage_weak_ref, storage_expired, storage_use_count, storage_weak_ref
 
 log = logging.getLogger(__name__)
 
@@ -216,7 +219,38 @@ def release_host_memory() -> None:
 
 
 # --------------------------------------------------------------------------------------------------
-# Streams and pending transfers
+# Layouts: a transfer copies the whole strided span of its tensor
+# --------------------------------------------------------------------------------------------------
+
+
+def span_elements(t: torch.Tensor) -> int:
+    """Elements from the first to the last one ``t`` addresses in its storage, gaps included.
+
+    Equal to ``numel`` for dense tensors. Inductor may hand the ops a padded buffer (on CUDA,
+    ``comprehensive_padding`` turns a 4096x1050 fp32 stride (1050, 1) into (1056, 1)); copying the
+    span keeps the very buffer the graph computed, with its layout, instead of a dense copy of it.
+    """
+    if t.numel() == 0:
+        return 0
+    return 1 + sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))
+
+
+def _span(t: torch.Tensor) -> torch.Tensor:
+    """A 1-D view of the storage bytes ``t`` addresses (one contiguous run: a plain memcpy)."""
+    return t.as_strided((span_elements(t),), (1,), t.storage_offset())
+
+
+def _layout_like(storage: torch.UntypedStorage, like: torch.Tensor) -> torch.Tensor:
+    out = torch.empty(0, dtype=like.dtype, device=storage.device)
+    return out.set_(storage, 0, like.size(), like.stride())
+
+
+def _span_nbytes(t: torch.Tensor) -> int:
+    return span_elements(t) * t.element_size()
+
+
+# --------------------------------------------------------------------------------------------------
+# Transfers in flight
 # --------------------------------------------------------------------------------------------------
 
 _transfer_streams: dict[torch.device, torch.Stream] = {}
@@ -231,8 +265,9 @@ def _transfer_stream(device: torch.device) -> torch.Stream:
 
 @dataclasses.dataclass
 class _Pending:
-    event: torch.Event | None  # None: the copy ran synchronously (CPU tensors)
-    device: torch.device  # the accelerator whose compute stream must wait
+    event: torch.Event | None  # a GPU copy: the event recorded after it on the transfer stream
+    device: torch.device  # the device whose compute stream must wait
+    job: _CopyJob | None = None  # a CPU copy: the copy engine's job
 
 
 # Keyed by the data pointer of a transfer's destination: unique while that destination is alive,
@@ -276,11 +311,11 @@ class track_releases:
         return self.count() - self.alive()
 
 
-def _register(dest: torch.Tensor, event: torch.Event | None, device: torch.device) -> None:
+def _register(dest: torch.Tensor, pending: _Pending) -> None:
     key = dest.data_ptr()
     if key in _pending:
         log.debug("fxoffload: dropping a stale pending transfer at %#x", key)
-    _pending[key] = _Pending(event, device)
+    _pending[key] = pending
 
 
 def _pop(dest: torch.Tensor) -> _Pending:
@@ -293,13 +328,169 @@ def _pop(dest: torch.Tensor) -> _Pending:
         ) from None
 
 
-def _layout_like(storage: torch.UntypedStorage, like: torch.Tensor) -> torch.Tensor:
-    out = torch.empty(0, dtype=like.dtype, device=storage.device)
-    return out.set_(storage, 0, like.size(), like.stride())
+# --------------------------------------------------------------------------------------------------
+# The CPU copy engine: what a GPU's copy engines do, on threads, with races made visible
+# --------------------------------------------------------------------------------------------------
+
+D2H, H2D = "d2h", "h2d"
 
 
-def _dense_nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
+@dataclasses.dataclass
+class CopyEngineStats:
+    """What the CPU copy engine did since the last ``reset_copy_stats()`` (per direction)."""
+
+    copies: dict[str, int]
+    bytes: dict[str, int]
+    wait_seconds: dict[str, float]  # time the compute thread spent blocked in ``wait`` on a copy
+    copy_seconds: dict[str, float]  # time the copy threads spent on copies (throttling included)
+
+
+class _CopyJob:
+    """One copy on a copy thread: ``src`` into a private staging buffer, published into ``dest`` at
+    the wait.
+
+    ``dest`` holds a poison value (NaN, or the type's smallest value for integers) from issue until
+    the wait, on purpose: a read that is not ordered after the wait sees poison every time, not only
+    when a thread happens to be slow. The job holds the source only while it copies; the wait checks
+    that the graph kept it alive until then (a GPU would otherwise reuse its memory mid-copy).
+    """
+
+    __slots__ = ("direction", "src", "src_ptr", "src_ref", "staging", "nbytes", "bandwidth", "done", "error",
+                 "seconds")  # fmt: skip
+
+    def __init__(self, direction: str, src: torch.Tensor, staging: torch.Tensor, bandwidth: float) -> None:
+        self.direction = direction
+        self.src: torch.Tensor | None = src
+        self.src_ptr = src.untyped_storage().data_ptr()
+        self.src_ref = storage_weak_ref(src.untyped_storage())
+        self.staging = staging
+        self.nbytes = _span_nbytes(src)
+        self.bandwidth = bandwidth
+        self.done = threading.Event()
+        self.error: BaseException | None = None
+        self.seconds = 0.0
+
+
+class CopyEngine:
+    """Two copy threads (device-to-host and host-to-device), each a FIFO link like a copy engine.
+
+    With ``bandwidth`` > 0 (bytes/s) a copy takes at least ``nbytes / bandwidth`` seconds from when
+    the link is free: the link's speed is chosen, so overlap is measured with a known link.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._queues: dict[str, queue.SimpleQueue[_CopyJob]] = {}
+        self._stats = self._zero()
+
+    @staticmethod
+    def _zero() -> CopyEngineStats:
+        return CopyEngineStats({D2H: 0, H2D: 0}, {D2H: 0, H2D: 0}, {D2H: 0.0, H2D: 0.0}, {D2H: 0.0, H2D: 0.0})
+
+    def submit(self, job: _CopyJob) -> None:
+        with self._lock:
+            q = self._queues.get(job.direction)
+            if q is None:
+                q = self._queues[job.direction] = queue.SimpleQueue()
+                threading.Thread(target=self._run, args=(q,), name=f"fxoffload-{job.direction}", daemon=True).start()
+            self._stats.copies[job.direction] += 1
+            self._stats.bytes[job.direction] += job.nbytes
+        q.put(job)
+
+    def _run(self, q: queue.SimpleQueue[_CopyJob]) -> None:
+        link_free = 0.0
+        while True:
+            job = q.get()
+            start = max(time.perf_counter(), link_free)
+            try:
+                with torch.no_grad():
+                    _span(job.staging).copy_(_span(job.src))  # type: ignore[arg-type]
+            except BaseException as e:  # reported at the wait, on the compute thread
+                job.error = e
+            job.src = None  # from here on only the graph keeps the source alive
+            if job.bandwidth > 0:
+                link_free = start + job.nbytes / job.bandwidth
+                delay = link_free - time.perf_counter()
+                if delay > 0:
+                    time.sleep(delay)
+            job.seconds = time.perf_counter() - start
+            job.done.set()
+            del job  # the wait holds the job from here on; a finished one must not outlive it
+
+    def wait(self, job: _CopyJob) -> None:
+        t0 = time.perf_counter()
+        job.done.wait()
+        waited = time.perf_counter() - t0
+        with self._lock:
+            self._stats.wait_seconds[job.direction] += waited
+            self._stats.copy_seconds[job.direction] += job.seconds
+
+    def stats(self) -> CopyEngineStats:
+        with self._lock:
+            return copy.deepcopy(self._stats)
+
+    def reset(self) -> None:
+        with self._lock:
+            self._stats = self._zero()
+
+
+COPY_ENGINE = CopyEngine()
+
+
+def copy_stats() -> CopyEngineStats:
+    """Copies, bytes and blocked time of the CPU copy engine (``offload_cpu=True``) since the last reset."""
+    return COPY_ENGINE.stats()
+
+
+def reset_copy_stats() -> None:
+    COPY_ENGINE.reset()
+
+
+def _poison(t: torch.Tensor) -> None:
+    """Fill every byte ``t`` addresses with a value no correct computation would read back."""
+    if t.dtype.is_floating_point or t.dtype.is_complex:
+        value: float | int | bool = float("nan")
+    elif t.dtype is torch.bool:
+        value = True
+    else:
+        value = torch.iinfo(t.dtype).min
+    with torch.no_grad():
+        _span(t).fill_(value)
+
+
+# Where copy threads write before a wait publishes the bytes: host memory of the engine's own, apart
+# from the pool of offloaded tensors so that pool's figures stay what a GPU run would show.
+STAGING_POOL = HostBufferPool()
+
+
+def _cpu_copy(direction: str, src: torch.Tensor, dest: torch.Tensor, device: torch.device, bandwidth: float) -> None:
+    staging = _layout_like(STAGING_POOL.acquire(_span_nbytes(src), pin=False).untyped_storage(), src)
+    _poison(dest)
+    job = _CopyJob(direction, src, staging, bandwidth)
+    COPY_ENGINE.submit(job)
+    _register(dest, _Pending(None, device, job))
+
+
+def _finish_cpu_copy(job: _CopyJob, dest: torch.Tensor, keepalive: torch.Tensor) -> None:
+    COPY_ENGINE.wait(job)
+    if job.error is not None:
+        raise RuntimeError(f"fxoffload: a {job.direction} copy failed: {job.error}") from job.error
+    if storage_expired(job.src_ref):
+        free_storage_weak_ref(job.src_ref)
+        raise RuntimeError(
+            f"fxoffload.wait: the source of a {job.direction} copy was released before the copy was waited on; "
+            "on a GPU its memory could be reused while the transfer still reads it (the wait must keep the "
+            "source alive)"
+        )
+    if keepalive.untyped_storage().data_ptr() != job.src_ptr:
+        raise RuntimeError(
+            f"fxoffload.wait: the buffer this wait keeps alive is not the one its {job.direction} copy reads "
+            "(a copy of it was passed to one of the two ops); the source can be freed mid-copy"
+        )
+    with torch.no_grad():
+        _span(dest).copy_(_span(job.staging))  # the real bytes appear when the copy is waited on
+    job.staging = None  # back to the staging pool
+    free_storage_weak_ref(job.src_ref)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -307,50 +498,58 @@ def _dense_nbytes(t: torch.Tensor) -> int:
 # --------------------------------------------------------------------------------------------------
 
 _lib = torch.library.Library(_LIB_NAME, "DEF")
-_lib.define("offload(Tensor src, Tensor[] after) -> Tensor")
-_lib.define("reload(Tensor host, Device device, Tensor[] after) -> Tensor")
-_lib.define("wait(Tensor(a) dest, Tensor keepalive, Tensor[] after) -> Tensor(a)")
+# flexible_layout: Inductor passes the buffers as they are. The default for custom ops
+# (needs_exact_strides) made it copy a padded CUDA buffer into a fresh one for each op, so the copy
+# and its wait saw different buffers and the one being copied was freed before the wait.
+_TAGS = (torch.Tag.flexible_layout,)
+_lib.define("offload(Tensor src, Tensor[] after, float bandwidth=0.) -> Tensor", tags=_TAGS)
+_lib.define("reload(Tensor host, Device device, Tensor[] after, float bandwidth=0.) -> Tensor", tags=_TAGS)
+_lib.define("wait(Tensor(a) dest, Tensor keepalive, Tensor[] after) -> Tensor(a)", tags=_TAGS)
+_lib.define("order(Tensor(a) x, Tensor[] after) -> Tensor(a)", tags=_TAGS)
 
 
-def _offload_impl(src: torch.Tensor, after: Sequence[torch.Tensor]) -> torch.Tensor:
-    # src is dense and non-overlapping (the planner refuses anything else), so its storage bytes are
-    # copied as they are and the host tensor keeps its size and stride: reload restores the layout.
-    claim = HOST_POOL.acquire(_dense_nbytes(src), pin=src.device.type != "cpu", device=src.device)
+def _offload_impl(src: torch.Tensor, after: Sequence[torch.Tensor], bandwidth: float = 0.0) -> torch.Tensor:
+    # The host buffer gets the source's size and stride; the span between its first and last element
+    # is copied as one run of bytes, so reload restores the very layout, padding included.
+    claim = HOST_POOL.acquire(_span_nbytes(src), pin=src.device.type != "cpu", device=src.device)
     host = _layout_like(claim.untyped_storage(), src)  # the first bytes of a buffer maybe larger
     _track(src)
     if src.device.type == "cpu":
-        host.copy_(src)
-        _register(host, None, src.device)
+        _cpu_copy(D2H, src, host, src.device, bandwidth)
         return host
     compute = torch.accelerator.current_stream(src.device)
     transfer = _transfer_stream(src.device)
-    transfer.wait_stream(compute)  # the producer and the last forward users have been issued
+    transfer.wait_stream(compute)  # the producer has been issued
     event = torch.Event(device=src.device)
     with transfer:  # restores the previous stream and current device on exit
-        host.copy_(src, non_blocking=True)  # pinned pool buffer, or pageable: then the copy syncs
+        _span(host).copy_(_span(src), non_blocking=True)  # pinned pool buffer, or pageable: then the copy syncs
         transfer.record_event(event)
-    _register(host, event, src.device)
+    _register(host, _Pending(event, src.device))
     return host
 
 
 def _reload_impl(
-    host: torch.Tensor, device: torch.device, after: Sequence[torch.Tensor]
+    host: torch.Tensor, device: torch.device, after: Sequence[torch.Tensor], bandwidth: float = 0.0
 ) -> torch.Tensor:
+    if host.data_ptr() in _pending:
+        raise RuntimeError(
+            "fxoffload.reload: the host buffer it reads is still being written by its offload (the offload "
+            "was not waited on); the reload would copy unwritten bytes"
+        )
     # Allocated on the compute stream (the current one), so the caching allocator ties the block to
     # the stream that uses it; the copy itself runs on the transfer stream.
     dest = torch.empty_strided(host.size(), host.stride(), dtype=host.dtype, device=device)
     if device.type == "cpu":
-        dest.copy_(host)
-        _register(dest, None, device)
+        _cpu_copy(H2D, host, dest, device, bandwidth)
         return dest
     compute = torch.accelerator.current_stream(device)
     transfer = _transfer_stream(device)
     transfer.wait_stream(compute)  # the allocation of dest is ordered before the copy into it
     event = torch.Event(device=device)
     with transfer:
-        dest.copy_(host, non_blocking=True)
+        _span(dest).copy_(_span(host), non_blocking=True)
         transfer.record_event(event)
-    _register(dest, event, device)
+    _register(dest, _Pending(event, device))
     return dest
 
 
@@ -358,19 +557,25 @@ def _wait_impl(
     dest: torch.Tensor, keepalive: torch.Tensor, after: Sequence[torch.Tensor]
 ) -> torch.Tensor:
     pending = _pop(dest)
-    if pending.event is not None:
+    if pending.job is not None:
+        _finish_cpu_copy(pending.job, dest, keepalive)
+    elif pending.event is not None:
         torch.accelerator.current_stream(pending.device).wait_event(pending.event)
     # ``keepalive`` ends here: its storage may be freed and reused from now on, which is safe
     # because every later kernel on the compute stream is ordered after the copy.
     return dest
 
 
-def _offload_fake(src: torch.Tensor, after: Sequence[torch.Tensor]) -> torch.Tensor:
+def _order_impl(x: torch.Tensor, after: Sequence[torch.Tensor]) -> torch.Tensor:
+    return x  # its users now come after ``after``: the data edge is the whole point
+
+
+def _offload_fake(src: torch.Tensor, after: Sequence[torch.Tensor], bandwidth: float = 0.0) -> torch.Tensor:
     return torch.empty_strided(src.size(), src.stride(), dtype=src.dtype, device="cpu")
 
 
 def _reload_fake(
-    host: torch.Tensor, device: torch.device, after: Sequence[torch.Tensor]
+    host: torch.Tensor, device: torch.device, after: Sequence[torch.Tensor], bandwidth: float = 0.0
 ) -> torch.Tensor:
     return torch.empty_strided(host.size(), host.stride(), dtype=host.dtype, device=device)
 
@@ -381,16 +586,21 @@ def _wait_fake(
     return dest
 
 
+def _order_fake(x: torch.Tensor, after: Sequence[torch.Tensor]) -> torch.Tensor:
+    return x
+
+
 for _name, _impl, _fake in (
     ("offload", _offload_impl, _offload_fake),
     ("reload", _reload_impl, _reload_fake),
     ("wait", _wait_impl, _wait_fake),
+    ("order", _order_impl, _order_fake),
 ):
     # One implementation for every device: the arguments mix host and device tensors.
     torch.library.impl(f"{_LIB_NAME}::{_name}", "CompositeExplicitAutograd", lib=_lib)(_impl)
     torch.library.register_fake(f"{_LIB_NAME}::{_name}", lib=_lib)(_fake)
 
-_FAKES = {"offload": _offload_fake, "reload": _reload_fake, "wait": _wait_fake}
+_FAKES = {"offload": _offload_fake, "reload": _reload_fake, "wait": _wait_fake, "order": _order_fake}
 
 
 def fake_impl(op: torch._ops.OpOverload):
@@ -401,9 +611,10 @@ def fake_impl(op: torch._ops.OpOverload):
 offload = torch.ops.fxoffload.offload.default
 reload = torch.ops.fxoffload.reload.default
 wait = torch.ops.fxoffload.wait.default
+order = torch.ops.fxoffload.order.default
 
 # The copies have effects the graph does not see (a registered event); never dead-code eliminate them.
-for _op in (offload, reload, wait):
+for _op in (offload, reload, wait, order):
     torch.fx.node.has_side_effect(_op)
 
-TRANSFER_OPS = frozenset({offload, reload, wait})
+TRANSFER_OPS = frozenset({offload, reload, wait, order})

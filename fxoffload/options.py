@@ -77,8 +77,13 @@ class OffloadOptions:
     # compiles; None is unbounded. Tensors past the bound stay on the device, with that reason.
     host_budget: int | None = None
     # Treat CPU tensors as offloadable (copied to a separate host buffer, original released). For
-    # testing the data flow on machines without an accelerator.
+    # testing the data flow on machines without an accelerator: the copies run on two background
+    # threads (one per direction, like a GPU's copy engines), concurrently with compute.
     offload_cpu: bool = False
+    # With offload_cpu: the speed of those copy threads in bytes/s, a number for both directions or
+    # {"d2h": ..., "h2d": ...}; None copies as fast as memory allows. The cost model prices copies
+    # at this speed too, unless ``bandwidth`` is given.
+    cpu_link_bandwidth: Any = None
     # The compiler that runs the rewritten graphs: "inductor", or "aot_eager" to run them eagerly.
     inner: str = "inductor"
     # torch's partitioner that splits the joint graph before the offload pass.
@@ -106,6 +111,9 @@ class OffloadOptions:
             raise ValueError(f"fxoffload: strict must be True or False, got {self.strict!r}")
         object.__setattr__(self, "bandwidth", _rates("bandwidth", self.bandwidth, ("d2h", "h2d"), both=True))
         object.__setattr__(
+            self, "cpu_link_bandwidth", _rates("cpu_link_bandwidth", self.cpu_link_bandwidth, ("d2h", "h2d"), both=True)
+        )
+        object.__setattr__(
             self, "compute_rates", _rates("compute_rates", self.compute_rates, ("flops", "memory_bandwidth"))
         )
         if isinstance(self.max_inflight_reloads, bool) or not isinstance(self.max_inflight_reloads, int) or (
@@ -116,6 +124,8 @@ class OffloadOptions:
             raise ValueError(f"fxoffload: calibrate must be True or False, got {self.calibrate!r}")
         if not isinstance(self.offload_cpu, bool):
             raise ValueError(f"fxoffload: offload_cpu must be True or False, got {self.offload_cpu!r}")
+        if self.cpu_link_bandwidth is not None and not self.offload_cpu:
+            raise ValueError("fxoffload: cpu_link_bandwidth sets the CPU copy engine's speed; it needs offload_cpu=True")
         if self.inner == "aot_eager" and self.mode != "default":
             raise ValueError(f"fxoffload: mode={self.mode!r} applies to inner='inductor' only")
 
@@ -132,6 +142,11 @@ class OffloadOptions:
         if merged.get("mode") is None:
             merged.pop("mode", None)
         return cls(**merged)
+
+    def cpu_link(self) -> tuple[float, float]:
+        """(device-to-host, host-to-device) bytes/s of the CPU copy engine; 0 is unthrottled."""
+        rates = dict(self.cpu_link_bandwidth or ())
+        return rates.get("d2h", 0.0), rates.get("h2d", 0.0)
 
     def replace(self, **changes: Any) -> OffloadOptions:
         return OffloadOptions.from_dict(dataclasses.asdict(self), **changes)

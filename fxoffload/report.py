@@ -57,6 +57,10 @@ class OffloadReport:
     memory_budget: int | None = None  # the memory_budget in bytes, when one was asked for
     device: str = ""  # the device the cost model priced, with its host link
     predicted_recompute_ms: float = 0.0  # compute added to the backward by recomputation
+    # The code the inner compiler really runs, by graph ("forward", "backward"): Inductor's wrapper
+    # code, filled in as Inductor compiles each graph (the backward may come at the first backward
+    # call). Empty with inner="aot_eager", which runs ``fw_code``/``bw_code`` as they are.
+    output_code: dict[str, str] = dataclasses.field(default_factory=dict)
 
     @classmethod
     def from_plan(

@@ -32,12 +32,25 @@ from .lifetimes import is_compute, is_view, storage_root, storage_users
 from .plan import OffloadPlan
 
 
-def apply_plan(fw: fx.GraphModule, bw: fx.GraphModule, plan: OffloadPlan, prefetch: int | None) -> None:
+# Ordering rules broken on purpose, for the tests that prove the suite catches each breakage
+# (``fxoffload.testing.broken_rule``). Never set outside tests.
+BROKEN_RULES = ("no_wait_before_use", "source_released_at_issue", "reload_before_written")
+_broken: str | None = None
+
+
+def apply_plan(
+    fw: fx.GraphModule,
+    bw: fx.GraphModule,
+    plan: OffloadPlan,
+    prefetch: int | None,
+    cpu_link: tuple[float, float] = (0.0, 0.0),
+) -> None:
     """Insert one offload/wait pair in ``fw`` and one reload/wait pair in ``bw`` per offloaded tensor.
 
     With ``prefetch=None`` the copies go where the plan's schedule put them (the forward wait after
     the node by which the copy is predicted done, the reload after the last node that ends before
-    its predicted issue time); with an int, that many compute nodes away.
+    its predicted issue time); with an int, that many compute nodes away. ``cpu_link`` is the
+    (device-to-host, host-to-device) speed in bytes/s of the CPU copy engine (0: unthrottled).
     """
     chosen = plan.offloaded
     if not chosen:
@@ -55,9 +68,9 @@ def apply_plan(fw: fx.GraphModule, bw: fx.GraphModule, plan: OffloadPlan, prefet
         timing = decision.timing if prefetch is None else None
         fw_at = timing.fw_wait_after if timing else None
         bw_at = timing.bw_issue_after if timing else None
-        host = _rewrite_forward(fw.graph, fw_order, fw_index, fw_nodes[t.name], prefetch or 0, fw_at)
+        host = _rewrite_forward(fw.graph, fw_order, fw_index, fw_nodes[t.name], prefetch or 0, fw_at, cpu_link[0])
         outputs[t.output_index] = host
-        _rewrite_backward(bw.graph, bw_order, bw_index, bw_nodes[t.name], host, prefetch or 0, bw_at)
+        _rewrite_backward(bw.graph, bw_order, bw_index, bw_nodes[t.name], host, prefetch or 0, bw_at, cpu_link[1])
     output.args = (tuple(outputs),) + tuple(output.args[1:])
     for gm in (fw, bw):
         gm.graph.lint()
@@ -103,6 +116,7 @@ def _rewrite_forward(
     x: fx.Node,
     prefetch: int,
     wait_after: int | None = None,
+    bandwidth: float = 0.0,
 ) -> fx.Node:
     # Every reader of the storage, through any alias: a saved view of ``relu`` frees relu's storage.
     users = [u for u in storage_users(storage_root(x)) if u in index and u is not x]
@@ -110,16 +124,30 @@ def _rewrite_forward(
     # A multi-output user is represented by its getitems, which may come after it.
     last = max([x, *users, *deps], key=index.__getitem__)
     with graph.inserting_after(last):
-        copy = _call(graph, ops.offload, (x, deps))
+        # Edges only to nodes every compiler materialises: an edge to a fusible node would make the
+        # compiler write out a buffer it would otherwise fuse away.
+        copy = _call(graph, ops.offload, (x, [d for d in deps if materialised(d)], bandwidth))
     if wait_after is None:
         anchor = _compute_anchor(order, index[last], prefetch, step=+1)
     else:  # the scheduled node, or the first materialised one after it, but never before the copy
         anchor = _compute_anchor(order, max(wait_after, index[last] + 1) - 1, 1, step=+1)
-    with graph.inserting_after(anchor if anchor is not None else copy):
-        done = _call(graph, ops.wait, (copy, x, [anchor] if anchor is not None else []))
+    # Between the copy and its wait the plan put compute; if some of it is materialised, the copy is
+    # issued before ``c``, the first such node, and waited on after it: that kernel runs between the
+    # two whatever order the compiler picks (without the edge to ``c``, Inductor's peak-memory
+    # reordering moves the copy down to its wait).
+    stop = index[anchor] + 1 if anchor is not None else len(order)
+    c = _issue_before(graph, order, index, index[last] + 1, stop, copy)
+    edges = [n for n in dict.fromkeys((c, anchor)) if n is not None and materialised(n)]
+    if _broken == "reload_before_written":
+        return copy  # no wait: the host copy is saved before it is written
+    keepalive = copy if _broken == "source_released_at_issue" else x
     if anchor is None:
         # Nothing left to overlap with: wait just before the outputs are returned.
-        graph.output_node().prepend(done)
+        with graph.inserting_before(graph.output_node()):
+            done = _call(graph, ops.wait, (copy, keepalive, edges))
+    else:
+        with graph.inserting_after(anchor):
+            done = _call(graph, ops.wait, (copy, keepalive, edges))
     return done
 
 
@@ -131,12 +159,17 @@ def _rewrite_backward(
     host: fx.Node,
     prefetch: int,
     issue_after: int | None = None,
+    bandwidth: float = 0.0,
 ) -> None:
     with graph.inserting_before(placeholder):
         host_in = graph.placeholder(f"{placeholder.name}_host")
     host_in.meta["val"] = host.meta["val"]
-    users = [u for u in storage_users(placeholder) if u in index and u.op != "output"]
-    first = min(users, key=index.__getitem__)
+    # An ``order`` node added for an earlier copy may read the placeholder: it is not in ``index`` and
+    # stands just before the node it was added for.
+    users = [u for u in storage_users(placeholder) if (u in index or u.target is ops.order) and u.op != "output"]
+    first = min(users, key=lambda u: index[u] if u in index else min(index[v] for v in u.users) - 0.5)
+    if first not in index:
+        index[first] = min(index[v] for v in first.users)
     if issue_after is None:
         anchor = _compute_anchor(order, index[first], prefetch, step=-1)
     elif issue_after < 0:
@@ -145,16 +178,111 @@ def _rewrite_backward(
         anchor = _compute_anchor(order, min(issue_after, index[first] - 1) + 1, 1, step=-1)
     device = placeholder.meta["val"].device
     if anchor is not None:
-        with graph.inserting_after(anchor):
-            copy = _call(graph, ops.reload, (host_in, device, [anchor]))
+        # Lower bounds: the anchor if it is materialised, and the inputs of the first use computed by
+        # then when the first use is (they are buffers anyway): without them a scheduler that moves
+        # the first use late (a weight gradient, to the end) would leave the reload far ahead of it.
+        # (Only inputs computed before the node the reload is issued before, or it would be a cycle.)
+        lower = [anchor] if materialised(anchor) else []
+        if materialised(first):
+            readers = set(users)
+            stop = _first_materialised(order, index[anchor] + 1, index[first])
+            lower += [
+                a for a in first.all_input_nodes
+                if a in index and a not in readers and a.op != "placeholder" and index[a] < stop
+                and isinstance(a.meta.get("val"), torch.Tensor)
+            ]  # fmt: skip
+        with graph.inserting_after(max([anchor, *lower], key=index.__getitem__)):
+            copy = _call(graph, ops.reload, (host_in, device, list(dict.fromkeys(lower)), bandwidth))
     else:
         first_compute = next(n for n in order if n.op != "placeholder")
         with graph.inserting_before(first_compute):
-            copy = _call(graph, ops.reload, (host_in, device, []))
+            copy = _call(graph, ops.reload, (host_in, device, [], bandwidth))
+    # Issued before ``c``, the first materialised node after the anchor that comes before the first
+    # use, and waited on after it: the compiler cannot slide the reload down to its use.
+    start = index[anchor] + 1 if anchor is not None else 0
+    c = _issue_before(graph, order, index, start, index[first], copy)
+    if _broken == "no_wait_before_use":  # the first use reads the reload's result; its wait comes last
+        placeholder.replace_all_uses_with(copy)
+        with graph.inserting_before(graph.output_node()):
+            _call(graph, ops.wait, (copy, host_in, []))
+        graph.erase_node(placeholder)
+        return
     with graph.inserting_before(first):
-        done = _call(graph, ops.wait, (copy, host_in, []))
+        done = _call(graph, ops.wait, (copy, host_in, [c] if c is not None else []))
     placeholder.replace_all_uses_with(done)
     graph.erase_node(placeholder)
+
+
+def _first_materialised(order: list[fx.Node], start: int, stop: int) -> int:
+    """Index of the node ``_issue_before`` would pick in ``order[start:stop]``; ``stop`` if none."""
+    for i in range(start, min(stop, len(order))):
+        c = order[i]
+        if materialised(c) and c.target not in ops.TRANSFER_OPS and any(
+            isinstance(a.meta.get("val"), torch.Tensor) for a in c.all_input_nodes
+        ):
+            return i
+    return stop
+
+
+def _issue_before(
+    graph: fx.Graph, order: list[fx.Node], index: dict[fx.Node, int], start: int, stop: int, copy: fx.Node
+) -> fx.Node | None:
+    """Make the first materialised node in ``order[start:stop]`` read one of its inputs through
+    ``fxoffload.order(input, [copy])``, so that every schedule issues ``copy`` before it. Returns that
+    node (whose output the wait may then depend on), or None if there is none.
+
+    A materialised node's inputs are buffers already (an extern kernel reads realised inputs), so
+    the edge costs no memory. Several copies due before the same node share one ``order`` node.
+    """
+    i = _first_materialised(order, start, stop)
+    if i < min(stop, len(order)):
+        c = order[i]
+        inputs = [a for a in c.all_input_nodes if isinstance(a.meta.get("val"), torch.Tensor)]
+        for a in inputs:
+            if a.target is ops.order:
+                a.args = (a.args[0], [*a.args[1], copy])
+                return _tensor_result(c)
+        inp = min(inputs, key=lambda a: a.op != "placeholder")  # a parameter or input if there is one
+        with graph.inserting_before(c):
+            routed = graph.call_function(ops.order, (inp, [copy]))
+        routed.meta["val"] = inp.meta["val"]
+        c.replace_input_with(inp, routed)
+        return _tensor_result(c)
+    return None
+
+
+# Ops whose outputs every compiler materialises and whose inputs are buffers: Inductor lowers them
+# to extern kernels (matmuls, convolutions, attention), aot_eager runs them as they are. Data edges
+# to and from them cost no buffer that the graph would not have anyway.
+_MATERIALISED = frozenset(
+    getattr(torch.ops.aten, name)
+    for name in (
+        "mm", "addmm", "bmm", "baddbmm", "_addmm_activation", "convolution", "convolution_backward",
+        "_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_backward",
+        "_scaled_dot_product_efficient_attention", "_scaled_dot_product_efficient_attention_backward",
+        "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_cudnn_attention_backward",
+        "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention_for_cpu_backward",
+        "_flash_attention_forward", "_flash_attention_backward",
+        "_efficient_attention_forward", "_efficient_attention_backward",
+    )
+    if hasattr(torch.ops.aten, name)
+)  # fmt: skip
+
+
+def materialised(n: fx.Node) -> bool:
+    """True when ``n``'s output (or, for a multi-output op, its getitems) is a buffer in every compiler."""
+    if n.op == "placeholder":
+        return True
+    if n.op != "call_function":
+        return False
+    if n.target is operator.getitem:
+        return isinstance(n.args[0], fx.Node) and materialised(n.args[0])
+    return getattr(n.target, "overloadpacket", None) in _MATERIALISED or n.target in ops.TRANSFER_OPS
+
+
+def _tensor_result(n: fx.Node) -> fx.Node | None:
+    results = _tensor_results([n])
+    return min(results, key=lambda u: u.args[1] if u is not n else -1) if results else None
 
 
 def _call(graph: fx.Graph, op: torch._ops.OpOverload, args: tuple) -> fx.Node:
@@ -164,8 +292,10 @@ def _call(graph: fx.Graph, op: torch._ops.OpOverload, args: tuple) -> fx.Node:
         node.meta["val"] = val  # the wait returns its first argument, aliased
     else:
         # The ops' own fake functions, without a trip through the dispatcher (this runs per tensor).
+        fake_args = [a.meta["val"] if isinstance(a, fx.Node) else a for a in args]
+        fake_args[2 if op is ops.reload else 1] = []  # the ``after`` list
         with val.fake_mode:
-            node.meta["val"] = ops.fake_impl(op)(*[a.meta["val"] if isinstance(a, fx.Node) else a for a in args[:-1]], [])
+            node.meta["val"] = ops.fake_impl(op)(*fake_args)
     return node
 
 
@@ -213,10 +343,10 @@ def _tensor_results(nodes) -> list[fx.Node]:
 def _compute_anchor(order: list[fx.Node], start: int, count: int, step: int) -> fx.Node | None:
     """The node a copy is pinned to: ``count`` compute nodes away from ``order[start]``.
 
-    Preferred is a node every compiler materialises (a matmul, a convolution, a reduction, or the
-    getitem of a multi-output op such as a convolution's backward), so the data edge costs no
-    extra buffer; a pointwise node might otherwise be fused away. If none is found a little further
-    on, the first tensor-valued compute node at the intended distance is used.
+    Preferred is a node every compiler materialises (a matmul, a convolution, attention, or the
+    getitem of a multi-output one such as a convolution's backward): only such nodes get a data
+    edge, which then costs no extra buffer. If none is found a little further on, the first
+    tensor-valued compute node at the intended distance is only a position in the graph.
     """
     seen = 0
     fallback = None
@@ -240,10 +370,5 @@ def _compute_anchor(order: list[fx.Node], start: int, count: int, step: int) -> 
 
 
 def _materialised(n: fx.Node) -> fx.Node | None:
-    """``n`` itself, or the first tensor getitem of a multi-output ``n``, if compilers keep it."""
-    if torch.Tag.pointwise in getattr(n.target, "tags", ()):
-        return None
-    if isinstance(n.meta.get("val"), torch.Tensor):
-        return n
-    items = [u for u in n.users if u.target is operator.getitem and isinstance(u.meta.get("val"), torch.Tensor)]
-    return min(items, key=lambda u: u.args[1]) if items else None
+    """``n`` itself, or the first tensor getitem of a multi-output ``n``, if every compiler keeps it."""
+    return _tensor_result(n) if materialised(n) else None

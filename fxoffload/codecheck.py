@@ -1,0 +1,195 @@
+"""What the compiled code really does with each transfer: a reader of Inductor's wrapper code.
+
+The FX graph fxoffload hands to Inductor is not what runs: Inductor fuses, reorders
+(``reorder_for_peak_memory``), pads buffers on CUDA and may copy an argument to give an op the
+strides it asks for. This module reads the Python wrapper code Inductor generated (kept on
+``OffloadReport.output_code``) and finds, for every copy, what the checks of the schedule need::
+
+    buf3 = torch.ops.fxoffload.offload.default(buf1, [buf2], 0.0)    # copy: reads buf1
+    buf4 = buf3; del buf3                                            # alias of the host copy
+    extern_kernels.addmm(buf6, buf7, ..., out=buf8)                  # kernels between copy and wait
+    buf11 = torch.ops.fxoffload.wait.default(buf4, buf1, [buf8])     # wait: keeps buf1 alive
+
+Pure text in, data out; nothing here imports Inductor.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+_KERNEL = re.compile(
+    r"^\s*(?:\w+ = )?(?:extern_kernels\.\w+|cpp_fused_\w+|triton_\w+\.run|\w+_kernel\w*\.run|torch\.ops\.aten\.\w+\.\w+"
+    r"|aten\.\w+\.\w+)\("
+)
+_COPY = re.compile(r"^\s*(\w+) = torch\.ops\.fxoffload\.(offload|reload)\.default\((.*)\)\s*$")
+_WAIT = re.compile(r"^\s*(\w+) = torch\.ops\.fxoffload\.wait\.default\((.*)\)\s*$")
+_ORDER = re.compile(r"^\s*(\w+) = torch\.ops\.fxoffload\.order\.default\((.*)\)\s*$")
+# FX code (``report.fw_code``): calls to ops every compiler keeps as one kernel each
+_FX_MATERIALISED = re.compile(
+    r"= torch\.ops\.aten\.(mm|addmm|bmm|baddbmm|_addmm_activation|convolution|convolution_backward"
+    r"|_scaled_dot_product_\w+|_flash_attention_\w+|_efficient_attention_\w+)\.default\("
+)
+_ALIAS = re.compile(r"^\s*(\w+) = (\w+)(?:;\s*del \w+)?\s*(#.*)?$")
+_DEL = re.compile(r"\bdel (\w+)")
+_REUSE = re.compile(r"^\s*(\w+) = (\w+); del \2\s*# reuse")
+
+
+@dataclasses.dataclass(frozen=True)
+class Transfer:
+    """One copy and its wait, as the generated code runs them (line numbers in ``call``)."""
+
+    kind: str  # "offload" or "reload"
+    copy_line: int
+    wait_line: int  # -1: no wait found for this copy
+    source: str  # buffer the copy reads
+    keepalive: str  # buffer its wait keeps alive
+    kernels_between: int  # kernels launched between the copy and its wait
+    kernels_before_use: int  # reload: kernels between the copy and the first kernel reading its result
+    source_released_early: bool  # the source was deleted or handed to another buffer before the wait
+    issued_before_kernel: bool  # an ``fxoffload.order`` edge makes a kernel wait for this copy to be issued
+    returned_at: int  # forward: position of the waited host copy among the graph's outputs; -1: not returned
+
+    @property
+    def key(self) -> str:
+        """What names this transfer in both the FX code and the generated code of the same graph:
+        the output position of an offload, the host placeholder of a reload."""
+        return f"output {self.returned_at}" if self.kind == "offload" else self.source
+
+    @property
+    def same_buffer(self) -> bool:
+        """The wait keeps alive the very buffer the copy reads (no copy of it was made for either)."""
+        return self.source == self.keepalive
+
+
+def call_body(code: str) -> list[str]:
+    """The lines of the wrapper's ``call`` function (the code that runs each step)."""
+    lines = code.splitlines()
+    try:
+        start = next(i for i, line in enumerate(lines) if re.match(r"\s*def call\(", line))
+    except StopIteration:
+        return []
+    indent = len(lines[start]) - len(lines[start].lstrip())
+    body = []
+    for line in lines[start + 1 :]:
+        if line.strip() and len(line) - len(line.lstrip()) <= indent:
+            break
+        body.append(line)
+    return body
+
+
+def is_kernel(line: str) -> bool:
+    """A line of Inductor wrapper code that launches a kernel (extern, generated or fallback)."""
+    return bool(_KERNEL.match(line)) and "fxoffload" not in line
+
+
+def is_materialised_call(line: str) -> bool:
+    """A line of FX code that calls an op every compiler runs as a kernel of its own (a matmul, ...)."""
+    return bool(_FX_MATERIALISED.search(line))
+
+
+def _base(expr: str) -> str:
+    """The buffer an argument expression reads: ``buf1``, ``reinterpret_tensor(buf1, ...)`` -> buf1."""
+    expr = expr.strip()
+    m = re.match(r"reinterpret_tensor\((\w+)", expr)
+    return m.group(1) if m else re.match(r"\w+", expr).group(0) if re.match(r"\w+", expr) else expr
+
+
+def _split_args(args: str) -> list[str]:
+    out, depth, cur = [], 0, ""
+    for ch in args:
+        if ch in "([{":
+            depth += 1
+        elif ch in ")]}":
+            depth -= 1
+        if ch == "," and depth == 0:
+            out.append(cur)
+            cur = ""
+        else:
+            cur += ch
+    out.append(cur)
+    return [a.strip() for a in out]
+
+
+def transfers(code: str, kernel=is_kernel) -> list[Transfer]:
+    """Every offload and reload in ``code`` with its wait, in the order they are issued.
+
+    ``code`` is Inductor's wrapper code, or FX code with ``kernel=is_materialised_call`` (then the
+    counts are the kernels the plan put there that no compiler can fuse away).
+    """
+    body = [line.split(";")[0] for line in (call_body(code) or _fx_body(code))]
+    aliases: dict[str, str] = {}  # name -> the copy's result it aliases
+
+    def root(name: str) -> str:
+        while name in aliases:
+            name = aliases[name]
+        return name
+
+    copies: dict[str, tuple[str, int, str]] = {}  # result -> (kind, line, source)
+    waits: dict[str, tuple[int, str, str]] = {}  # copy result -> (line, keepalive, wait result)
+    ordered: set[str] = set()  # copy results some ``order`` edge waits for
+    for i, line in enumerate(body):
+        if m := _ORDER.match(line):
+            after = _split_args(m.group(2))[1].strip("[] ")
+            ordered.update(root(_base(a)) for a in _split_args(after) if a)
+            continue
+        if m := _COPY.match(line):
+            copies[m.group(1)] = (m.group(2), i, _base(_split_args(m.group(3))[0]))
+        elif m := _WAIT.match(line):
+            args = _split_args(m.group(2))
+            waits[root(_base(args[0]))] = (i, _base(args[1]), m.group(1))
+        elif (m := _ALIAS.match(line)) and not _REUSE.match(line):
+            aliases[m.group(1)] = m.group(2)
+    result = []
+    returned = _returned(body)
+    n_kernels = [0]
+    for line in body:
+        n_kernels.append(n_kernels[-1] + kernel(line))
+
+    def kernels(lo: int, hi: int) -> int:  # kernels on lines lo .. hi - 1
+        return n_kernels[max(hi, lo)] - n_kernels[lo]
+
+    for name, (kind, line, source) in copies.items():
+        wait_line, keepalive, done = waits.get(name, (-1, "", ""))
+        end = wait_line if wait_line >= 0 else len(body)
+        between = body[line + 1 : end]
+        released = any(
+            (m := _REUSE.match(b)) and m.group(2) == source or source in _DEL.findall(b) for b in between
+        )  # fmt: skip
+        before_use = -1
+        if kind == "reload" and done:
+            names = {done} | {a for a in aliases if root(a) == done}
+            pattern = re.compile(r"\b(" + "|".join(map(re.escape, names)) + r")\b")
+            later = body[end + 1 :]
+            use = next((j for j, b in enumerate(later) if _reads(b, pattern)), None)
+            if use is not None:
+                before_use = kernels(line + 1, end + 1 + use)
+        names = {done} | {a for a in aliases if root(a) == done} if done else {name} | {a for a in aliases if root(a) == name}
+        at = next((i for i, r in enumerate(returned) if r in names), -1)
+        result.append(
+            Transfer(kind, line, wait_line, source, keepalive, kernels(line + 1, end), before_use, released,
+                     name in ordered, at)
+        )  # fmt: skip
+    return sorted(result, key=lambda t: t.copy_line)
+
+
+def _reads(line: str, names: re.Pattern[str]) -> bool:
+    """A compute line (not one of our ops) that names one of ``names`` among its arguments."""
+    if "fxoffload" in line or "(" not in line:
+        return False
+    return bool(names.search(line[line.index("(") :]))
+
+
+def _fx_body(code: str) -> list[str]:
+    lines = code.splitlines()
+    start = next((i for i, line in enumerate(lines) if re.match(r"\s*def forward\(", line)), -1)
+    return lines[start + 1 :]
+
+
+def _returned(body: list[str]) -> list[str]:
+    """Names in the last ``return (...)`` of the body, in order."""
+    for line in reversed(body):
+        m = re.match(r"\s*return \((.*)\)", line) or re.match(r"\s*return (.*)", line)
+        if m:
+            return [_base(a) for a in _split_args(m.group(1)) if a]
+    return []
