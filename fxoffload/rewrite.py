@@ -203,8 +203,9 @@ def _rewrite_backward(
     c = _issue_before(graph, order, index, start, index[first], copy)
     if _broken == "no_wait_before_use":  # the first use reads the reload's result; its wait comes last
         placeholder.replace_all_uses_with(copy)
+        results = [o for o in graph.output_node().all_input_nodes if isinstance(o.meta.get("val"), torch.Tensor)]
         with graph.inserting_before(graph.output_node()):
-            _call(graph, ops.wait, (copy, host_in, []))
+            _call(graph, ops.wait, (copy, host_in, results))  # after every gradient, in any schedule
         graph.erase_node(placeholder)
         return
     with graph.inserting_before(first):

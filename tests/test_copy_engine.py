@@ -1,0 +1,120 @@
+"""The CPU copy engine: copies run on threads, unwritten bytes are poison, and each ordering rule,
+broken on purpose, fails the suite."""
+
+import pytest
+import torch
+
+import fxoffload
+from fxoffload import ops
+from fxoffload.models import GPT, MLP, GPTConfig, gpt_batch
+from fxoffload.testing import broken_rule
+
+from .conftest import assert_same, cpu_backend, train_step
+
+SLOW = 20e6  # bytes/s: a 64 KiB copy takes ~3 ms, far longer than the code between issue and read
+
+
+def test_destination_is_poison_until_the_wait_then_exact():
+    src = torch.randn(128, 128)
+    host = ops.offload(src, [], SLOW)
+    assert torch.isnan(host).all(), "an offload's destination holds NaN until its wait"
+    out = ops.wait(host, src, [])
+    assert torch.equal(out, src)
+    dev = ops.reload(host, torch.device("cpu"), [], SLOW)
+    assert torch.isnan(dev).all()
+    assert torch.equal(ops.wait(dev, host, []), src)
+
+
+def test_integer_and_bool_poison_are_sentinels():
+    for t in (torch.arange(1000, dtype=torch.int64), torch.ones(1000, dtype=torch.bool)):
+        host = ops.offload(t, [], SLOW)
+        expected = True if t.dtype is torch.bool else torch.iinfo(t.dtype).min
+        assert (host == expected).all()
+        assert torch.equal(ops.wait(host, t, []), t)
+
+
+def test_a_padded_layout_is_copied_as_it_is():
+    """The span between first and last element is copied, so a padded buffer keeps its layout."""
+    base = torch.randn(64, 72)
+    padded = base[:, :66]  # stride (72, 1): a padded row, as Inductor makes on CUDA
+    host = ops.wait(ops.offload(padded, [], 0.0), padded, [])
+    assert host.stride() == padded.stride() and torch.equal(host, padded)
+    back = ops.wait(ops.reload(host, torch.device("cpu"), [], 0.0), host, [])
+    assert back.stride() == padded.stride() and torch.equal(back, padded)
+
+
+def test_copies_run_on_threads_concurrently_with_compute():
+    ops.reset_copy_stats()
+    src = torch.randn(256, 256)  # 256 KiB: 13 ms at SLOW
+    host = ops.offload(src, [], SLOW)
+    torch.mm(torch.randn(256, 256), torch.randn(256, 256))  # compute while it copies
+    ops.wait(host, src, [])
+    stats = ops.copy_stats()
+    assert stats.copies["d2h"] == 1 and stats.bytes["d2h"] == src.numel() * 4
+    assert stats.copy_seconds["d2h"] >= src.numel() * 4 / SLOW * 0.9  # throttled to the chosen link
+    assert stats.wait_seconds["d2h"] < stats.copy_seconds["d2h"]  # part of it ran behind the matmul
+
+
+def test_wait_fails_if_the_source_was_released_before_it():
+    src = torch.randn(256, 256)
+    other = torch.randn(256, 256)
+    host = ops.offload(src, [], SLOW)
+    del src  # nothing keeps the source alive: a GPU could reuse its memory mid-copy
+    with pytest.raises(RuntimeError, match="released before the copy was waited on"):
+        ops.wait(host, other, [])
+
+
+def test_wait_fails_if_it_keeps_another_buffer_alive():
+    src = torch.randn(64, 64)
+    copy_of_src = src.clone()  # what needs_exact_strides made Inductor pass on CUDA
+    host = ops.offload(copy_of_src, [], 0.0)
+    with pytest.raises(RuntimeError, match="is not the one its d2h copy reads"):
+        ops.wait(host, src, [])
+    del copy_of_src
+
+
+def test_reload_of_a_host_copy_not_yet_waited_on_fails():
+    src = torch.randn(64, 64)
+    host = ops.offload(src, [], SLOW)
+    with pytest.raises(RuntimeError, match="still being written by its offload"):
+        ops.reload(host, torch.device("cpu"), [], 0.0)
+    ops.wait(host, src, [])
+
+
+# ---- each ordering rule, broken on purpose, fails a parity test --------------------------------
+
+
+def _parity(model, args, inner):
+    eager = train_step(model, args, None)
+    got = train_step(model, args, cpu_backend(inner=inner, cpu_link_bandwidth=SLOW))
+    assert_same(eager, got, rtol=1e-4, atol=1e-5)
+
+
+def _mlp():
+    torch.manual_seed(0)
+    return MLP(layers=2), (torch.randn(128, 64),)
+
+
+@pytest.mark.parametrize("inner", ["aot_eager", "inductor"])
+def test_parity_with_the_engine_on_slow_link(inner):
+    torch.manual_seed(0)
+    cfg = GPTConfig(layers=1, dropout=0.0)
+    _parity(GPT(cfg), gpt_batch(cfg, 2), inner)
+    _parity(*_mlp(), inner)
+
+
+@pytest.mark.parametrize("inner", ["aot_eager", "inductor"])
+@pytest.mark.parametrize("rule", ["no_wait_before_use", "source_released_at_issue", "reload_before_written"])
+def test_each_broken_rule_fails_the_parity_test(rule, inner):
+    torch._dynamo.reset()
+    with broken_rule(rule), pytest.raises((AssertionError, RuntimeError)):
+        _parity(*_mlp(), inner)
+    torch._dynamo.reset()
+    _parity(*_mlp(), inner)  # and the same test passes with the rule kept
+
+
+def test_broken_rule_names_the_valid_ones():
+    with pytest.raises(ValueError, match="choose one of: no_wait_before_use"):
+        with broken_rule("no_such_rule"):
+            pass
+    assert fxoffload.rewrite._broken is None
