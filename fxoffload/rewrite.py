@@ -342,15 +342,14 @@ def _tensor_results(nodes) -> list[fx.Node]:
 
 
 def _compute_anchor(order: list[fx.Node], start: int, count: int, step: int) -> fx.Node | None:
-    """The node a copy is pinned to: ``count`` compute nodes away from ``order[start]``.
+    """The node a copy or wait is placed next to: ``count`` compute nodes away from ``order[start]``
+    (for a multi-output op, its first tensor getitem). None past the start or end of the graph.
 
-    Preferred is a node every compiler materialises (a matmul, a convolution, attention, or the
-    getitem of a multi-output one such as a convolution's backward): only such nodes get a data
-    edge, which then costs no extra buffer. If none is found a little further on, the first
-    tensor-valued compute node at the intended distance is only a position in the graph.
+    The plan's position, exactly: looking further for a materialised node would hold memory
+    longer than planned. Only materialised nodes get a data edge (``materialised``); any other
+    anchor is a position in the graph only.
     """
     seen = 0
-    fallback = None
     i = start + step
     while 0 <= i < len(order):
         n = order[i]
@@ -359,17 +358,8 @@ def _compute_anchor(order: list[fx.Node], start: int, count: int, step: int) -> 
         if is_compute(n):
             seen += 1
             if seen >= count:
-                anchor = _materialised(n)
-                if anchor is not None:
-                    return anchor
-                if fallback is None and isinstance(n.meta.get("val"), torch.Tensor):
-                    fallback = n
-                if seen > 2 * count + 4 and fallback is not None:
-                    break
+                result = _tensor_result(n)
+                if result is not None:
+                    return result
         i += step
-    return fallback
-
-
-def _materialised(n: fx.Node) -> fx.Node | None:
-    """``n`` itself, or the first tensor getitem of a multi-output ``n``, if every compiler keeps it."""
-    return _tensor_result(n) if materialised(n) else None
+    return None
