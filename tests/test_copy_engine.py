@@ -118,3 +118,25 @@ def test_broken_rule_names_the_valid_ones():
         with broken_rule("no_such_rule"):
             pass
     assert fxoffload.rewrite._broken is None
+
+
+# ---- overlap measured: time blocked in waits against the predicted stall -----------------------
+
+
+def test_measured_waiting_matches_the_predicted_stall_and_auto_hides_its_copies():
+    """A link so slow (20 MB/s) that copies cannot hide: policy="all" predicts a stall and the compute
+    thread really waits about that long; policy="auto" picks what it predicts hidden and waits little."""
+    from bench.overlap import measure
+
+    torch.manual_seed(0)
+    cfg = GPTConfig(layers=2, dropout=0.0)
+    model, batch = GPT(cfg), gpt_batch(cfg, 8)
+    torch._dynamo.reset()
+    every = measure(model, batch, steps=2, policy="all", min_bytes="16KiB", cpu_link_bandwidth=20e6)
+    torch._dynamo.reset()
+    auto = measure(model, batch, steps=2, policy="auto", min_bytes="16KiB", cpu_link_bandwidth=20e6)
+    waited = every["wait_d2h_s"] + every["wait_h2d_s"]
+    assert every["wait_d2h_s"] > 0 and every["wait_h2d_s"] > 0
+    assert 0.5 * every["predicted_stall_s"] <= waited <= 2.0 * every["predicted_stall_s"], every
+    assert auto["predicted_stall_s"] == 0 and auto["offloaded"] > 0
+    assert auto["wait_d2h_s"] + auto["wait_h2d_s"] < 0.1 * waited, auto
