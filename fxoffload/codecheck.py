@@ -164,7 +164,8 @@ def transfers(code: str, kernel=is_kernel) -> list[Transfer]:
             use = next((j for j, b in enumerate(later) if _reads(b, pattern)), None)
             if use is not None:
                 before_use = kernels(line + 1, end + 1 + use)
-        names = {done} | {a for a in aliases if root(a) == done} if done else {name} | {a for a in aliases if root(a) == name}
+        result_name = done or name  # the waited result, or the copy's own when it has no wait
+        names = {result_name} | {a for a in aliases if root(a) == result_name}
         at = next((i for i, r in enumerate(returned) if r in names), -1)
         result.append(
             Transfer(kind, line, wait_line, source, keepalive, kernels(line + 1, end), before_use, released,
