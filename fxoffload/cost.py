@@ -7,12 +7,14 @@ transfer ops themselves cost nothing. Fusion is not modelled: a chain of pointwi
 fuses into one kernel is charged for every intermediate, so compute windows are over-, not under-
 estimated for memory-bound code and the planner stays on the safe side for matmul-bound code.
 
-Host link bandwidth is per direction: the ``bandwidth`` option, else a measurement (a 256 MiB
-pinned copy each way, once per device and process), else a conservative default.
+Host link bandwidth is per direction: the ``bandwidth`` option, else a measurement (a small pinned
+copy each way on the graph's own device, once per device and process, only when a plan needs it), else
+a conservative default.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import time
@@ -63,47 +65,91 @@ _DTYPE_FACTOR = {torch.float32: 0.1, torch.float64: 0.02}
 
 _measured_links: dict[str, tuple[float, float]] = {}
 
+# The link probe copies this many bytes each way. Small on purpose: its device buffer is counted in
+# the caller's allocated-memory statistics while it lives (``max_memory_allocated`` is the user's and
+# is never reset here), and once freed the caching allocator keeps the block reserved for later
+# allocations (``empty_cache`` would release the user's cached blocks too, so it is not called;
+# ``caching_allocator_alloc`` goes through the same allocator and statistics). 32 MiB copies already
+# run at the link's full rate; the best of a few repeats filters out noise.
+LINK_PROBE_BYTES = 32 << 20
+LINK_PROBE_REPEATS = 5
 
-def measure_link(device: torch.device, nbytes: int = 256 << 20) -> tuple[float, float]:
-    """Host link bytes/s (d2h, h2d) of ``device``, timed with pinned memory, cached per device."""
+
+def _cuda_device(device: torch.device) -> torch.device:
+    """``device`` with its index: a bare ``cuda`` means the current device (the only reading there is)."""
+    if device.index is not None:
+        return device
+    return torch.device(device.type, torch.cuda.current_device())
+
+
+def measure_link(device: torch.device, nbytes: int = LINK_PROBE_BYTES) -> tuple[float, float]:
+    """Host link bytes/s (d2h, h2d) of ``device``, timed with pinned memory, cached per device.
+
+    Runs on ``device`` itself (its index, not the current device), with ``nbytes`` of device and of
+    pinned host memory that are freed before it returns.
+    """
+    device = _cuda_device(device)
     key = str(device)
     if key not in _measured_links:
-        with real_tensors():
-            _measured_links[key] = _time_link(device, nbytes)
-        log.info(
-            "fxoffload: measured host link of %s: d2h %.1f GB/s, h2d %.1f GB/s",
-            key, _measured_links[key][0] / 1e9, _measured_links[key][1] / 1e9,
-        )  # fmt: skip
+        try:
+            with real_tensors(), torch.cuda.device(device):
+                _measured_links[key] = _time_link(device, nbytes)
+        except RuntimeError as e:  # out of device or pinned memory: plan with the default figure
+            log.warning("fxoffload: could not measure the host link of %s (%s); assuming %.0f GB/s", key, e,
+                        _DEFAULT_LINK / 1e9)  # fmt: skip
+            _measured_links[key] = (_DEFAULT_LINK, _DEFAULT_LINK)
+        else:
+            log.info(
+                "fxoffload: measured host link of %s: d2h %.1f GB/s, h2d %.1f GB/s",
+                key, _measured_links[key][0] / 1e9, _measured_links[key][1] / 1e9,
+            )  # fmt: skip
     return _measured_links[key]
 
 
-def _time_link(device: torch.device, nbytes: int) -> tuple[float, float]:
+def _time_link(device: torch.device, nbytes: int, repeats: int = LINK_PROBE_REPEATS) -> tuple[float, float]:
+    """Best of ``repeats`` single copies each way. The copies run on a stream of our own on
+    ``device``, so no work queued on the user's streams is timed; the caller selected ``device``."""
     host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
     dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    rates = []
-    for dst, src in ((host, dev), (dev, host)):
-        dst.copy_(src, non_blocking=True)  # warm-up
-        torch.cuda.synchronize(device)
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(3):
-            dst.copy_(src, non_blocking=True)
-        end.record()
-        end.synchronize()
-        rates.append(3 * nbytes / (start.elapsed_time(end) / 1e3))
+    try:
+        stream = torch.cuda.Stream(device)
+        stream.wait_stream(torch.cuda.current_stream(device))  # ``dev`` was allocated on the current stream
+        rates = []
+        with torch.cuda.stream(stream):
+            for dst, src in ((host, dev), (dev, host)):
+                dst.copy_(src, non_blocking=True)  # warm-up
+                best = float("inf")
+                for _ in range(repeats):
+                    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                    start.record(stream)
+                    dst.copy_(src, non_blocking=True)
+                    end.record(stream)
+                    end.synchronize()
+                    best = min(best, start.elapsed_time(end) / 1e3)
+                rates.append(nbytes / max(best, 1e-9))
+        stream.synchronize()  # nothing reads or writes the buffers any more when they are freed
+    finally:
+        del host, dev  # back to the caching allocators (the device block stays reserved, see above)
     return rates[0], rates[1]
 
 
 def device_rates(device: torch.device, overrides: Mapping[str, Any] | None = None, measure: bool = True) -> DeviceRates:
-    """The rates for ``device``: known figures for the GPU model, a measured link, then ``overrides``."""
+    """The rates for ``device``: known figures for the GPU model, a measured link, then ``overrides``.
+
+    The link is measured only with ``measure`` (the caller passes False when nothing will be
+    offloaded), on a CUDA ``device``, and only for the directions ``overrides`` does not set.
+    """
     overrides = dict(overrides or {})
     if device.type == "cpu":
         base = CPU_RATES
     else:
-        name = torch.cuda.get_device_name(device) if device.type == "cuda" and torch.cuda.is_available() else device.type
+        cuda = device.type == "cuda" and torch.cuda.is_available()
+        if cuda:
+            device = _cuda_device(device)
+        name = torch.cuda.get_device_name(device) if cuda else device.type
         flops, membw = next((v for k, v in _KNOWN_GPUS.items() if k in name), _DEFAULT_GPU)
         d2h = h2d = _DEFAULT_LINK
-        if measure and "d2h" not in overrides and device.type == "cuda" and torch.cuda.is_available():
+        if measure and cuda and not {"d2h", "h2d"} <= overrides.keys():
             d2h, h2d = measure_link(device)
         base = DeviceRates(name, flops, membw, d2h, h2d)
     return dataclasses.replace(base, **overrides)
@@ -168,21 +214,71 @@ def node_start_times(
 # Measured seconds per (op, argument signature, device), shared by every graph of the process.
 _timed_ops: dict[tuple[Any, ...], float | None] = {}
 
+# Calibration runs each op once on made-up inputs, on the user's device, inside the user's process.
+# A CUDA device-side assert (an index out of range, a probability outside [0, 1]) is not an exception
+# we could catch: it poisons the CUDA context, and every later CUDA call of the process fails. So the
+# inputs are made valid for the value checks ops do on the device: floating tensors are uniform in
+# [0, 1) (binary_cross_entropy's input and target, bernoulli's and binomial's probabilities, the
+# random samples of fractional_max_pool), integer and bool tensors are zeros (an index valid in
+# every non-empty dimension: embedding, gather, scatter, index_select, index_put, nll_loss's class
+# targets, the indices of max_unpool and of the pooling backwards). What inputs like these cannot make
+# valid is not run at all, and the model prices it:
+#   - ops outside aten and prims: custom ops, user Triton kernels and higher-order ops run arbitrary
+#     code on the values, and collectives issued by one rank alone would block or desynchronise the
+#     process group;
+#   - ops whose device code checks values that neither uniform inputs nor zeros satisfy (below);
+#   - ops with an empty tensor argument: any index into an empty dimension is out of range (and an
+#     empty op costs a launch, which the model charges).
+# Random ops otherwise run: the inputs above are valid parameters, and the generator is forked.
+_UNSAFE_TO_CALIBRATE = frozenset({
+    "_assert_async",  # asserts its (made-up) input on the device
+    "_functional_assert_async",
+    "multinomial",  # each row of probabilities must have a positive sum
+    "_ctc_loss",  # lengths and targets index each other
+    "_ctc_loss_backward",
+    "segment_reduce",  # lengths or offsets are checked against the data's size
+    "_segment_reduce_backward",
+})
+
+
+def _calibratable(node: fx.Node) -> bool:
+    """Whether ``node`` may run on made-up inputs (see ``_UNSAFE_TO_CALIBRATE``)."""
+    target = node.target
+    if not isinstance(target, torch._ops.OpOverload) or target.namespace not in ("aten", "prims"):
+        return False
+    name = target._schema.name.split("::")[-1]
+    if name in _UNSAFE_TO_CALIBRATE or "assert" in name:
+        return False
+    for arg in node.all_input_nodes:
+        val = arg.meta.get("val")
+        vals = val if isinstance(val, (tuple, list)) else (val,)
+        if any(isinstance(v, torch.Tensor) and any(size_hint(s) == 0 for s in v.shape) for v in vals):
+            return False
+    return True
+
 
 def calibrate(gm: fx.GraphModule, device: torch.device, repeats: int = 3) -> dict[fx.Node, float]:
     """Measured seconds of every compute node of ``gm`` that can be run on its own on ``device``.
 
     Each distinct op and argument signature runs once to warm up, then ``repeats`` times; the median
-    counts (CUDA events on a GPU, the wall clock on a CPU). Inputs are random values of the traced
-    shapes, strides and dtypes (zeros for integer tensors, which index safely). A node that fails to
-    run alone is left out, and the model prices it.
+    counts (CUDA events on a GPU, the wall clock on a CPU). Inputs are made-up values of the traced
+    shapes, strides and dtypes that pass the ops' device-side checks: uniform in [0, 1) for floating
+    tensors, zeros for integer and bool tensors (see ``_UNSAFE_TO_CALIBRATE``). Ops those inputs
+    cannot make safe, and nodes that fail to run alone, are left out, and the model prices them.
     """
     out: dict[fx.Node, float] = {}
+    cuda = device.type == "cuda"
+    if cuda:
+        device = _cuda_device(device)
     # Random inputs from a forked generator: calibrating leaves the caller's random state alone.
-    with real_tensors(), torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+    with (
+        real_tensors(),
+        torch.random.fork_rng(devices=[device] if cuda else []),
+        torch.cuda.device(device) if cuda else contextlib.nullcontext(),
+    ):
         for node in gm.graph.nodes:
-            if not is_compute(node):
-                continue  # placeholders, views, getitems, our transfers: free
+            if not is_compute(node) or not _calibratable(node):
+                continue  # free (placeholders, views, getitems, our transfers), or unsafe to run
             key = (node.target, _signature(node.args), _signature(node.kwargs), str(device))
             if key not in _timed_ops:
                 _timed_ops[key] = _time_node(node, device, repeats)
@@ -204,12 +300,26 @@ def _signature(args: Any) -> Any:
     return repr(fx.node.map_aggregate(args, one))
 
 
+# uniform_ is implemented for these; other floating types (float8) are drawn in float32 and cast.
+_UNIFORM_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})
+
+
 def _real(val: Any, device: torch.device) -> Any:
     if isinstance(val, torch.Tensor):
         shape = [size_hint(s) for s in val.shape]
         stride = [size_hint(s) for s in val.stride()]
-        t = torch.empty_strided(shape, stride, dtype=val.dtype, device=device)
-        return t.normal_() if val.dtype.is_floating_point or val.dtype.is_complex else t.zero_()
+        # The values fill the whole strided span, then the traced layout is laid over it: a layout
+        # whose elements overlap (an expanded stride 0) cannot be written through, but can be read.
+        span = 1 + sum((n - 1) * st for n, st in zip(shape, stride)) if all(shape) else 0
+        if val.dtype.is_complex:
+            base = torch.view_as_real(torch.empty(span, dtype=val.dtype, device=device)).uniform_()
+            base = torch.view_as_complex(base)
+        elif val.dtype.is_floating_point:
+            draw = val.dtype if val.dtype in _UNIFORM_DTYPES else torch.float32
+            base = torch.empty(span, dtype=draw, device=device).uniform_().to(val.dtype)
+        else:  # integers index element 0 of any non-empty dimension; bools are all False
+            base = torch.zeros(span, dtype=val.dtype, device=device)
+        return base.as_strided(shape, stride)
     if isinstance(val, (torch.SymInt, torch.SymFloat, torch.SymBool)):
         return size_hint(val) if isinstance(val, torch.SymInt) else type(val.node.hint)(val.node.hint)
     return val
