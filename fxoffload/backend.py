@@ -15,6 +15,7 @@ from . import _compat
 from .cost import calibrate, device_rates, node_start_times
 from .lifetimes import GraphLifetimes, analyze_saved_tensors
 from .memory import MemoryTimeline, simulate
+from .mutation import protect_mutated_reads
 from .options import OffloadOptions
 from .plan import OffloadPlan, PlanCosts, fmt_bytes, plan_offloads, replan_after_recompute
 from .recompute import recompute_options, recompute_sources
@@ -92,6 +93,10 @@ class _OffloadPartitioner(_compat.CustomPartitionerFn):
     def __call__(
         self, joint: fx.GraphModule, joint_inputs: Any, **kwargs: Any
     ) -> tuple[fx.GraphModule, fx.GraphModule]:
+        # 0. torch's min-cut partitioner may recompute, in the backward, a value that reads an input
+        #    the forward mutates afterwards (wrong gradients): keep those values saved.
+        protect_mutated_reads(joint, kwargs.get("num_fwd_outputs"))
+
         def partition(recompute: frozenset[str] = frozenset()) -> tuple[fx.GraphModule, fx.GraphModule]:
             if recompute:
                 _compat.tag_must_recompute(joint, recompute)
@@ -249,8 +254,7 @@ def plan_costs(
     baseline: MemoryTimeline | None = None,
 ) -> PlanCosts:
     """The cost model's view of a graph pair: device rates and predicted node start times."""
-    accelerators = [d for d in lifetimes.devices if d not in ("cpu", "meta")]
-    device = torch.device(accelerators[0]) if accelerators else torch.device("cpu")
+    device = cost_device(lifetimes)
     link = options.bandwidth or (options.cpu_link_bandwidth if device.type == "cpu" else None)
     overrides = dict(link or ()) | dict(options.compute_rates or ())
     wants_measure = options.policy != "none" and bool(lifetimes.saved)
@@ -265,6 +269,17 @@ def plan_costs(
         baseline,
         calibrated=len(fw_times or ()) + len(bw_times or ()),
     )
+
+
+def cost_device(lifetimes: GraphLifetimes) -> torch.device:
+    """The device whose rates price this graph: that of its saved accelerator tensors, with its index
+    (a bare ``cuda`` would be whatever device is current when the graph compiles), else the first
+    accelerator type among its tensors, else the CPU."""
+    for t in lifetimes.saved:
+        if t.device.type not in ("cpu", "meta"):
+            return t.device
+    accelerators = [d for d in lifetimes.devices if d not in ("cpu", "meta")]
+    return torch.device(accelerators[0]) if accelerators else torch.device("cpu")
 
 
 def backend(**options: Any) -> OffloadBackend:
