@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
+import time
 import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -19,7 +21,7 @@ from .mutation import protect_mutated_reads
 from .options import OffloadOptions
 from .plan import OffloadPlan, PlanCosts, fmt_bytes, plan_offloads, replan_after_recompute
 from .recompute import recompute_options, recompute_sources
-from .report import OffloadReport
+from .report import OffloadReport, PassTimings
 from .rewrite import apply_plan, hoist_saved_views
 
 log = logging.getLogger(__name__)
@@ -45,7 +47,7 @@ class OffloadBackend:
 
     @property
     def host_bytes_planned(self) -> int:
-        return sum(r.offloaded_bytes for r in self.reports)
+        return self.reports[-1].host_bytes_total if self.reports else 0  # cumulative, see the report
 
     def __call__(
         self,
@@ -97,29 +99,43 @@ class _OffloadPartitioner(_compat.CustomPartitionerFn):
         #    the forward mutates afterwards (wrong gradients): keep those values saved.
         protect_mutated_reads(joint, kwargs.get("num_fwd_outputs"))
 
+        repartition_s = 0.0  # torch's time on partitions the plan asks for, kept out of the pass's
+
         def partition(recompute: frozenset[str] = frozenset()) -> tuple[fx.GraphModule, fx.GraphModule]:
+            nonlocal repartition_s
             if recompute:
                 _compat.tag_must_recompute(joint, recompute)
-            return _compat.call_partitioner(self.options.partitioner, joint, joint_inputs, **kwargs)
+            start = time.perf_counter()
+            try:
+                return _compat.call_partitioner(self.options.partitioner, joint, joint_inputs, **kwargs)
+            finally:
+                if recompute:
+                    repartition_s += time.perf_counter() - start
 
         fw, bw = partition()
+        nodes_in = len(fw.graph.nodes), len(bw.graph.nodes)
         num_fwd_outputs = kwargs["num_fwd_outputs"]
         static = kwargs.get("static_lifetime_input_indices") or ()
         host_before = self.backend.host_bytes_planned
+        start = time.perf_counter()
         fw, bw, plan = offload_pass(
             fw, bw, num_fwd_outputs, static, self.options,
             host_bytes_available=self._host_left(),
             disabled_reason=self.disabled_reason,
             repartition=partition,
         )  # fmt: skip
+        pass_s = time.perf_counter() - start - repartition_s
         with _graph_ids_lock:
             graph_id = next(_graph_ids)
         memory_before = plan.costs.baseline
         changed = plan.offloaded or plan.recomputed
+        start = time.perf_counter()
         memory_after = simulate(fw, bw, num_fwd_outputs, tuple(static)) if changed else memory_before
+        timings = PassTimings(pass_s, repartition_s, time.perf_counter() - start, *nodes_in)
         report = OffloadReport.from_plan(
             graph_id, plan, fw, bw, self.options.host_budget, host_before, memory_before, memory_after
         )
+        report = dataclasses.replace(report, timings=timings, num_fwd_outputs=num_fwd_outputs, graphs=(fw, bw))
         self.report = report
         self.backend.record(report)
         log.debug("fxoffload plan for graph %d:\n%s", graph_id, report.table())

@@ -37,6 +37,7 @@ from collections.abc import Sequence
 
 import torch
 
+from .host_memory import size_class
 from ._compat import free_storage_weak_ref, storage_expired, storage_use_count, storage_weak_ref
 
 log = logging.getLogger(__name__)
@@ -103,7 +104,7 @@ class HostBufferPool:
         device's stream would not wait for it.
         """
         pin = pin and not self._pin_failed
-        size = size_class(nbytes)
+        size = size_class(nbytes, pin)  # pinned: a power of two, what the host allocator really takes
         dev = str(device) if device is not None else ""
         with self._lock:
             self._tick += 1
@@ -113,8 +114,9 @@ class HostBufferPool:
                         buffer.last_used = self._tick
                         return _claim(buffer.storage, nbytes)
             self._make_room(size)
-            storage, pinned = self._allocate(size, pin)
-            self._buckets.setdefault((size, pinned, dev), []).append(_PooledBuffer(storage, self._tick))
+            storage, pinned = self._allocate(nbytes, pin)
+            key = (storage.nbytes(), pinned, dev)
+            self._buckets.setdefault(key, []).append(_PooledBuffer(storage, self._tick))
             return _claim(storage, nbytes)
 
     def _make_room(self, size: int) -> None:
@@ -139,11 +141,14 @@ class HostBufferPool:
                 del self._buckets[key]
 
     def _allocate(self, nbytes: int, pin: bool) -> tuple[torch.UntypedStorage, bool]:
-        # Whether a buffer is pinned is known here and kept in its bucket's key: asking the storage
-        # (UntypedStorage.is_pinned) goes through a deprecated path on torch 2.11.
+        """A buffer of ``size_class(nbytes, pinned)`` bytes: its storage's size is what it really takes.
+
+        Whether a buffer is pinned is known here and kept in its bucket's key: asking the storage
+        (UntypedStorage.is_pinned) goes through a deprecated path on torch 2.11."""
         if pin:
             try:
-                return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True).untyped_storage(), True
+                pinned = torch.empty(size_class(nbytes, pinned=True), dtype=torch.uint8, pin_memory=True)
+                return pinned.untyped_storage(), True
             except RuntimeError as e:  # out of pinned (page-locked) memory
                 self._pin_failed = True
                 warnings.warn(
@@ -152,7 +157,7 @@ class HostBufferPool:
                     RuntimeWarning,
                     stacklevel=3,
                 )
-        return torch.empty(nbytes, dtype=torch.uint8).untyped_storage(), False
+        return torch.empty(size_class(nbytes), dtype=torch.uint8).untyped_storage(), False
 
     def _bytes_in_use(self) -> int:
         return sum(
@@ -184,14 +189,6 @@ class HostBufferPool:
 class _PooledBuffer:
     storage: torch.UntypedStorage
     last_used: int  # the pool's acquisition count when it was last handed out
-
-
-def size_class(nbytes: int) -> int:
-    """``nbytes`` rounded up to a quarter-octave size class (at most 25% more, powers of two exact)."""
-    if nbytes <= 8:
-        return nbytes
-    step = 1 << max(0, (nbytes - 1).bit_length() - 3)
-    return -(-nbytes // step) * step
 
 
 def _claim(storage: torch.UntypedStorage, nbytes: int) -> torch.Tensor:

@@ -7,6 +7,7 @@ import warnings
 from collections.abc import Mapping, Sequence
 
 from .cost import DeviceRates
+from .host_memory import size_class
 from .lifetimes import GraphLifetimes, SavedTensor
 from .memory import MemoryTimeline
 from .options import OffloadOptions
@@ -69,6 +70,17 @@ class OffloadPlan:
     @property
     def offloaded_bytes(self) -> int:
         return sum(d.saved.nbytes for d in self.offloaded)
+
+    @property
+    def host_bytes(self) -> int:
+        """Host memory the offloaded tensors' buffers really take (``host_bytes``)."""
+        return sum(host_bytes(d.saved) for d in self.offloaded)
+
+
+def host_bytes(t: SavedTensor) -> int:
+    """Host bytes the buffer of an offloaded ``t`` takes: pinned (a power of two) for accelerator
+    tensors, the pool's size class for CPU ones. ``host_budget`` counts these."""
+    return size_class(t.nbytes, pinned=t.device.type != "cpu")
 
 
 def fmt_bytes(n: int) -> str:
@@ -162,7 +174,7 @@ def plan_offloads(
         else None
     )
     for t in sorted(eligible, key=lambda t: (-t.nbytes, t.output_index)):
-        if host_bytes_available is not None and used + t.nbytes > host_bytes_available:
+        if host_bytes_available is not None and used + host_bytes(t) > host_bytes_available:
             reasons[t.name] = (
                 f"host_budget reached: {fmt_bytes(used)} of the {fmt_bytes(host_bytes_available)} "
                 "left are taken by larger tensors"
@@ -178,7 +190,7 @@ def plan_offloads(
             )
             left.append(t)
             continue
-        used += t.nbytes
+        used += host_bytes(t)
         chosen.append(t)
         idle = f"idle for {t.idle_compute_nodes} compute nodes ({t.fw_compute_after} forward + {t.bw_compute_before} backward)"
         reasons[t.name] = f"copies predicted hidden; {idle}" if checker is not None else idle
@@ -396,7 +408,7 @@ def _fit_budget(
             return False
         if option is None:
             return t.name not in pinned and (
-                host_bytes_available is None or host_used + t.nbytes <= host_bytes_available
+                host_bytes_available is None or host_used + host_bytes(t) <= host_bytes_available
             )
         # A source may be recomputed too (a chain, in either order of picking), never offloaded.
         return not any(s in taken and s not in recomputes for s in option.sources)
@@ -429,7 +441,7 @@ def _fit_budget(
             taken.add(t.name)
             if option is None:
                 extra.append(t)
-                host_used += t.nbytes
+                host_used += host_bytes(t)
                 lo, hi = _estimated_interval(t, fw_points)
                 tree.add(lo, hi, float(t.nbytes))
             else:

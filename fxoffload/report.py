@@ -38,6 +38,17 @@ class SavedRow:
 
 
 @dataclasses.dataclass(frozen=True)
+class PassTimings:
+    """Wall-clock seconds the backend spent on one graph pair (CPU work on every machine)."""
+
+    pass_s: float  # the fxoffload pass (analyse, plan, rewrite), without torch's second partition
+    repartition_s: float  # torch's partitioner run again for the recomputation the plan asked for
+    simulate_s: float  # the memory model run on the rewritten pair (``memory_after``); 0 if unchanged
+    fw_nodes: int  # nodes of the partitioned forward the pass was given (before the rewrite)
+    bw_nodes: int  # the same for the backward
+
+
+@dataclasses.dataclass(frozen=True)
 class OffloadReport:
     """One per compiled forward/backward pair (``backend.reports``). Field names are stable."""
 
@@ -61,6 +72,13 @@ class OffloadReport:
     # code, filled in as Inductor compiles each graph (the backward may come at the first backward
     # call). Empty with inner="aot_eager", which runs ``fw_code``/``bw_code`` as they are.
     output_code: dict[str, str] = dataclasses.field(default_factory=dict)
+    timings: PassTimings | None = None  # where the backend's time on this pair went
+    num_fwd_outputs: int | None = None  # the forward's user outputs, before its saved tensors
+    # The rewritten forward and backward GraphModules handed to the inner compiler (the objects it
+    # compiled; Inductor may still transform them in place). Not in JSON, ``==`` or repr.
+    graphs: tuple[fx.GraphModule, fx.GraphModule] | None = dataclasses.field(
+        default=None, compare=False, repr=False
+    )
 
     @classmethod
     def from_plan(
@@ -96,7 +114,7 @@ class OffloadReport:
         return cls(
             graph_id, plan.policy, rows, plan.note, fw.code, bw.code,
             len(fw.graph.nodes), len(bw.graph.nodes),
-            host_budget, host_bytes_before + plan.offloaded_bytes, memory_before, memory_after,
+            host_budget, host_bytes_before + plan.host_bytes, memory_before, memory_after,
             plan.stall * 1e3, plan.memory_budget, _device_line(costs), plan.recompute_seconds * 1e3,
         )  # fmt: skip
 
@@ -226,7 +244,9 @@ class OffloadReport:
 
     def to_json(self) -> str:
         """The whole report as JSON; ``OffloadReport.from_json`` reads it back."""
-        return json.dumps(dataclasses.asdict(self), indent=1)
+        data = dataclasses.asdict(dataclasses.replace(self, graphs=None))  # asdict would deep-copy them
+        del data["graphs"]
+        return json.dumps(data, indent=1)
 
     @classmethod
     def from_json(cls, text: str) -> OffloadReport:
@@ -235,6 +255,8 @@ class OffloadReport:
         for key in ("memory_before", "memory_after"):
             if data[key] is not None:
                 data[key] = MemoryTimeline(tuple(MemoryPoint(**p) for p in data[key]["points"]))
+        if data.get("timings") is not None:
+            data["timings"] = PassTimings(**data["timings"])
         return cls(**data)
 
     def graph_code(self) -> str:

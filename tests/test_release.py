@@ -100,7 +100,9 @@ def test_host_budget_bounds_offloaded_bytes():
     report = bounded.reports[0]
     assert 0 < report.offloaded_bytes <= budget
     assert any("host_budget reached" in r.reason for r in report.saved)
-    assert report.host_budget == budget and report.host_bytes_total == report.offloaded_bytes
+    # CPU tensors go to pageable buffers of the pool's size class: that is what the budget counts.
+    assert report.host_budget == budget
+    assert report.host_bytes_total == sum(ops.size_class(r.nbytes) for r in report.offloaded) <= budget
     assert "host_budget:" in report.table() and "host_budget: unbounded" in full.reports[0].table()
     expected = train_step(model, x)
     torch.testing.assert_close(got[0], expected[0])
@@ -427,3 +429,51 @@ def test_each_reload_targets_the_device_of_its_saved_tensor(devices):
         # Everything that used the saved tensor now reads the reloaded copy, on the same device.
         assert all(u.meta["val"].device == device for u in wait.users if u.op != "output")
     assert {r.args[1] for r in reloads} == {torch.device(d) for d in devices}
+
+
+def test_pinned_buffers_are_sized_as_the_host_allocator_rounds_them(monkeypatch):
+    """torch's caching host allocator rounds every pinned request up to a power of two and keeps the
+    whole block: the pool asks for the power of two itself, so its size classes, its statistics and
+    what it reuses are the real pinned bytes (a quarter-octave class of 1.1 MiB would take 2 MiB of
+    page-locked memory while the pool counted 1.25)."""
+    assert [ops.size_class(n, pinned=True) for n in (1, 8, 9, 1024, 1025, 1_153_434, 33 << 20)] == [
+        1, 8, 16, 1024, 2048, 2 << 20, 64 << 20,
+    ]
+    asked = []
+    real_empty = torch.empty
+
+    def pinned_empty(*args, pin_memory=False, **kwargs):  # no accelerator here: record, then plain memory
+        if pin_memory:
+            asked.append(args[0])
+        return real_empty(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "empty", pinned_empty)
+    pool = ops.HostBufferPool()
+    held = _take(pool, 1_153_434, pin=True)
+    assert asked == [2 << 20] and held.numel() == 1_153_434
+    stats = pool.stats()
+    assert (stats.pinned_bytes, stats.bytes_allocated, stats.bytes_in_use) == (2 << 20, 2 << 20, 2 << 20)
+    ptr = _ptr(held)
+    del held
+    assert _ptr(_take(pool, 2 << 20, pin=True)) == ptr, "the whole power of two is usable"
+    assert asked == [2 << 20]
+
+
+def test_host_budget_counts_real_host_bytes():
+    """Three 3 MiB tensors and a 9 MiB host budget: CPU tensors (pageable, 3 MiB each) all fit; CUDA
+    tensors take 4 MiB of pinned memory each, so only two do."""
+    from fxoffload.lifetimes import GraphLifetimes
+    from fxoffload.options import OffloadOptions
+    from fxoffload.plan import plan_offloads
+
+    from .test_plan import saved
+
+    def plan_on(device):
+        records = [saved(f"t{i}", nbytes=3 << 20, device=device, output_index=i) for i in range(3)]
+        lifetimes = GraphLifetimes(tuple(records), 100, 100, (device,))
+        return plan_offloads(lifetimes, OffloadOptions(policy="all", offload_cpu=True), host_bytes_available=9 << 20)
+
+    on_cpu, on_cuda = plan_on("cpu"), plan_on("cuda")
+    assert len(on_cpu.offloaded) == 3 and on_cpu.host_bytes == 9 << 20
+    assert len(on_cuda.offloaded) == 2 and on_cuda.host_bytes == 8 << 20
+    assert "host_budget reached" in on_cuda.decisions[2].reason
