@@ -34,7 +34,7 @@ from .plan import OffloadPlan
 
 # Ordering rules broken on purpose, for the tests that prove the suite catches each breakage
 # (``fxoffload.testing.broken_rule``). Never set outside tests.
-BROKEN_RULES = ("no_wait_before_use", "source_released_at_issue", "reload_before_written")
+BROKEN_RULES = ("no_wait_before_use", "source_released_at_issue", "reload_before_written", "no_order_edges")
 _broken: str | None = None
 
 
@@ -235,6 +235,8 @@ def _issue_before(
     A materialised node's inputs are buffers already (an extern kernel reads realised inputs), so
     the edge costs no memory. Several copies due before the same node share one ``order`` node.
     """
+    if _broken == "no_order_edges":
+        return None
     i = _first_materialised(order, start, stop)
     if i < min(stop, len(order)):
         c = order[i]

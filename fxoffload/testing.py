@@ -18,7 +18,9 @@ from . import rewrite
 def broken_rule(name: str) -> Iterator[None]:
     """Compile graphs with one ordering rule broken: ``no_wait_before_use`` (a reload's result is used
     before its wait), ``source_released_at_issue`` (the offloaded tensor is not kept alive until its
-    wait), ``reload_before_written`` (the host copy is saved without waiting for the offload)."""
+    wait), ``reload_before_written`` (the host copy is saved without waiting for the offload), and
+    ``no_order_edges`` (no ``fxoffload.order`` edge bounds a copy from below: results stay right, but
+    Inductor's reordering may put each copy right next to its wait, so nothing overlaps)."""
     if name not in rewrite.BROKEN_RULES:
         raise ValueError(f"fxoffload: unknown rule {name!r}; choose one of: {', '.join(rewrite.BROKEN_RULES)}")
     previous, rewrite._broken = rewrite._broken, name

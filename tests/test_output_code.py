@@ -111,16 +111,12 @@ def test_reloads_are_issued_their_planned_distance_ahead_of_the_first_use(case):
 def test_without_the_order_edges_the_kernel_check_fails():
     """The rule the ``order`` edges keep, broken on purpose: without them Inductor's peak-memory
     reordering slides reloads down to their waits, and the check above fails on the same model."""
-    from fxoffload import rewrite
+    from fxoffload.testing import broken_rule
 
-    original = rewrite._issue_before
-    rewrite._issue_before = lambda *a, **k: None
-    try:
-        torch._dynamo.reset()
-        torch.manual_seed(0)
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    with broken_rule("no_order_edges"):
         report = compiled_report(*_mlp())
-    finally:
-        rewrite._issue_before = original
     assert "fxoffload.order" not in report.fw_code + report.bw_code
     short = [code.key for code, plan in _pairs(report, "backward") if code.kernels_between < plan.kernels_between]
     assert short, "with no order edges some reload ends up next to its wait"
