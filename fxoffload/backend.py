@@ -20,6 +20,7 @@ from .memory import MemoryTimeline, simulate
 from .mutation import protect_mutated_reads
 from .options import OffloadOptions
 from .plan import OffloadPlan, PlanCosts, fmt_bytes, plan_offloads, replan_after_recompute
+from .reasons import Reason, ReasonCode
 from .recompute import recompute_options, recompute_sources
 from .report import OffloadReport, PassTimings
 from .rewrite import apply_plan, hoist_saved_views
@@ -64,9 +65,10 @@ class OffloadBackend:
             return _compat.compile_with_aot_eager(gm, example_inputs, partitioner)
         patches = _compat.inductor_mode_options(opts.mode)
         if _compat.cudagraphs_enabled(patches):
-            partitioner.disabled_reason = (
+            partitioner.disabled_reason = Reason(
+                ReasonCode.CUDA_GRAPHS,
                 f"CUDA graphs are on (mode={opts.mode!r}): a capture cannot hold the transfer "
-                "events and host buffers, so offloading is off for this graph"
+                "events and host buffers, so offloading is off for this graph",
             )
         return _compat.compile_with_inductor(gm, example_inputs, partitioner, patches, partitioner.record_output_code)
 
@@ -80,7 +82,7 @@ class _OffloadPartitioner(_compat.CustomPartitionerFn):
     def __init__(self, backend: OffloadBackend, options: OffloadOptions) -> None:
         self.backend = backend
         self.options = options
-        self.disabled_reason = ""
+        self.disabled_reason: Reason | str = ""
         self.report: OffloadReport | None = None
 
     def record_output_code(self, kind: str, code: str) -> None:
@@ -157,7 +159,7 @@ def offload_pass(
     options: OffloadOptions,
     *,
     host_bytes_available: int | None = None,
-    disabled_reason: str = "",
+    disabled_reason: Reason | str = "",
     repartition: Callable[[frozenset[str]], tuple[fx.GraphModule, fx.GraphModule]] | None = None,
 ) -> tuple[fx.GraphModule, fx.GraphModule, OffloadPlan]:
     """The fxoffload pass on a partitioned pair: analyse, plan, rewrite. Returns the rewritten pair
@@ -176,8 +178,11 @@ def offload_pass(
     #    recomputed instead, and for how much.
     costs = plan_costs(fw, bw, lifetimes, options, simulate(fw, bw, num_fwd_outputs, static))
     recompute, why_not = {}, {}
-    if repartition is not None and options.memory_budget is not None and options.partitioner == "min_cut":
-        recompute, why_not = recompute_options(fw, lifetimes, static, costs.rates, options.min_bytes)
+    # Considered for a memory_budget, or when a policy function may ask for it (then at any size: the
+    #    planner applies min_bytes to its own choices only). The refusals are kept on the decisions.
+    asks = callable(options.policy)
+    if repartition is not None and (options.memory_budget is not None or asks) and options.partitioner == "min_cut":
+        recompute, why_not = recompute_options(fw, lifetimes, static, costs.rates, 0 if asks else options.min_bytes)
         for name, reason in why_not.items():
             log.debug("fxoffload: cannot recompute %s: %s", name, reason)
     # 3. The plan: one decision and reason per saved tensor. With recomputation in it, it is a first
@@ -186,7 +191,7 @@ def offload_pass(
         warnings.simplefilter("always")
         plan = plan_offloads(
             lifetimes, options, host_bytes_available=host_bytes_available, disabled_reason=disabled_reason,
-            costs=costs, recompute=recompute,
+            costs=costs, recompute=recompute, recompute_refused=why_not,
         )  # fmt: skip
     if not plan.recomputed:
         _reissue(held)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import operator
+import re
 from collections.abc import Sequence
 
 import torch
@@ -44,6 +45,9 @@ class SavedTensor:
     bw_first_use: int  # index of the first backward node using it; -1: unused in backward
     bw_first_user: str
     bw_compute_before: int  # compute nodes in the backward before the first use
+    # The module whose forward produced it, as a dotted path from the compiled module ("layers.0.mlp.fc1"),
+    # from the node's ``nn_module_stack``; "" for graph inputs and code outside any submodule.
+    module_path: str = ""
 
     @property
     def idle_compute_nodes(self) -> int:
@@ -205,6 +209,7 @@ def analyze_saved_tensors(
                 bw_first_use=first_i,
                 bw_first_user=first.name if first is not None else "",
                 bw_compute_before=bw_compute_prefix[first_i] if first is not None else bw_compute_prefix[-1],
+                module_path=module_path(node) or module_path(root),
             )
         )
     devices = sorted(
@@ -219,6 +224,30 @@ def _compute_prefix(nodes: list[fx.Node]) -> list[int]:
     for n in nodes:
         prefix.append(prefix[-1] + is_compute(n))
     return prefix
+
+
+# Dynamo writes a module's path from the compiled frame's locals: "L['self'].layers[0].mlp" or, in newer
+# versions, "L['self'].layers.0.mlp"; a module passed as an argument is "L['model']...".
+_ROOT = re.compile(r"^L\[['\"][^'\"]*['\"]\]\.?")
+_ITEM = re.compile(r"\[['\"]?([^'\"\]]*)['\"]?\]")
+
+
+def module_path(node: fx.Node) -> str:
+    """The innermost module whose forward produced ``node``, as a dotted path ("layers.0.mlp.fc1").
+
+    Forward nodes carry ``meta["nn_module_stack"]`` (outermost first); nodes that the partitioner
+    moved into the forward from the backward carry ``meta["fwd_nn_module_stack"]``, the module of the
+    forward node they belong to. "" when neither is there (graph inputs, top-level code).
+    """
+    stack = node.meta.get("nn_module_stack") or node.meta.get("fwd_nn_module_stack")
+    if not stack:
+        return ""
+    path = list(stack.values())[-1]
+    path = path[0] if isinstance(path, tuple) else path
+    if not isinstance(path, str):
+        return ""
+    parts = _ITEM.sub(r".\1", _ROOT.sub("", path)).split(".")
+    return ".".join(p for p in parts if p and p != "_modules")
 
 
 def _op_name(node: fx.Node) -> str:

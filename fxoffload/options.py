@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 POLICIES = ("auto", "all", "none")
@@ -46,8 +46,10 @@ class OffloadOptions:
     """Every knob of the fxoffload backend. Build with ``OffloadOptions.from_dict`` to validate keys."""
 
     # Which saved tensors to offload: "auto" (the ones whose idle window is long enough to hide the
-    # copies), "all" (every eligible one), "none" (compile unchanged, for comparison).
-    policy: str = "auto"
+    # copies), "all" (every eligible one), "none" (compile unchanged, for comparison); or a function of
+    # one ``fxoffload.policy.TensorInfo`` returning "offload", "keep", "recompute" (an ``Action``) or
+    # None to leave that tensor to "auto". The function must be hashable (options are cache keys).
+    policy: str | Callable[[Any], Any] = "auto"
     # Saved tensors smaller than this many bytes stay on the device: tiny copies cost more in launch
     # overhead than they save. Int or size string.
     min_bytes: int = 1 << 20
@@ -90,9 +92,13 @@ class OffloadOptions:
     partitioner: str = "min_cut"
     # torch.compile mode, passed on to Inductor.
     mode: str = "default"
+    # Module paths (``fnmatch`` patterns, e.g. ("*.mlp.*",)) whose saved tensors are offloaded, as if a
+    # policy function returned "offload" for them; the rest follows ``policy``. A path is dotted from
+    # the compiled module ("layers.0.mlp.fc1"), the innermost module that produced the tensor.
+    offload_modules: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
-        _choice("policy", self.policy, POLICIES)
+        self._check_policy()
         _choice("inner", self.inner, INNER_COMPILERS)
         _choice("partitioner", self.partitioner, PARTITIONERS)
         _choice("mode", self.mode, MODES)
@@ -129,6 +135,47 @@ class OffloadOptions:
         if self.inner == "aot_eager" and self.mode != "default":
             raise ValueError(f"fxoffload: mode={self.mode!r} applies to inner='inductor' only")
 
+    def _check_policy(self) -> None:
+        if callable(self.policy):
+            try:
+                hash(self.policy)
+            except TypeError:
+                raise ValueError(
+                    f"fxoffload: policy={self.policy!r} is a callable that cannot be hashed; options are cache "
+                    "keys: pass a function, or an object with __hash__"
+                ) from None
+        elif self.policy not in POLICIES:
+            raise ValueError(
+                f"fxoffload: policy={self.policy!r} is not valid; choose one of: {', '.join(map(repr, POLICIES))}, "
+                "or a function of a saved tensor's TensorInfo"
+            )
+        patterns = self.offload_modules
+        if isinstance(patterns, list):
+            patterns = tuple(patterns)
+        if not isinstance(patterns, tuple) or not all(isinstance(p, str) and p.strip() for p in patterns):
+            raise ValueError(
+                f"fxoffload: offload_modules must be a tuple of non-empty module path patterns such as "
+                f"('*.mlp.*',), got {self.offload_modules!r}"
+            )
+        object.__setattr__(self, "offload_modules", patterns)
+        if patterns and self.policy == "none":
+            raise ValueError(
+                "fxoffload: offload_modules needs a policy that offloads; policy='none' compiles unchanged "
+                "(to offload only those modules, pass policy=lambda t: 'keep' if ... else None)"
+            )
+
+    @property
+    def base_policy(self) -> str:
+        """The policy for what the user's own policy leaves open: "auto" behind a function."""
+        return "auto" if callable(self.policy) else self.policy
+
+    @property
+    def policy_name(self) -> str:
+        """The policy as reports print it: "auto", "all", "none", or the function's name."""
+        if not callable(self.policy):
+            return self.policy
+        return getattr(self.policy, "__qualname__", None) or type(self.policy).__qualname__
+
     @classmethod
     def from_dict(cls, values: Mapping[str, Any] | None = None, **overrides: Any) -> OffloadOptions:
         merged = {**(values or {}), **overrides}
@@ -149,7 +196,8 @@ class OffloadOptions:
         return rates.get("d2h", 0.0), rates.get("h2d", 0.0)
 
     def replace(self, **changes: Any) -> OffloadOptions:
-        return OffloadOptions.from_dict(dataclasses.asdict(self), **changes)
+        # Not dataclasses.asdict: it deep-copies values, and a copied policy object is another key.
+        return OffloadOptions.from_dict({f.name: getattr(self, f.name) for f in dataclasses.fields(self)}, **changes)
 
 
 def parse_budget(value: Any) -> int | float:

@@ -1,4 +1,10 @@
-"""Policies: decide, for every saved tensor, "offload", "keep" or "recompute", and say why. Pure data."""
+"""Policies: decide, for every saved tensor, "offload", "keep" or "recompute", and say why. Pure data.
+
+Every decision is an ``Action`` with a ``Reason`` (a stable code and a sentence). The order of the
+rules: a user's own choice (``policy`` function, ``offload_modules``) comes first and is final for the
+planner's own judgement, but the rules that make it impossible (parameters, returned tensors, shared
+storage, host_budget, ...) still hold; then "auto" or "all"; then ``memory_budget``.
+"""
 
 from __future__ import annotations
 
@@ -11,21 +17,28 @@ from .host_memory import size_class
 from .lifetimes import GraphLifetimes, SavedTensor
 from .memory import MemoryTimeline
 from .options import OffloadOptions
+from .policy import user_choice
+from .reasons import Action, Reason, ReasonCode
 from .recompute import RecomputeOption
 from .schedule import HiddenSetChecker, TransferTiming, _MinTree, copy_seconds, schedule_transfers, windows
 
-OFFLOAD = "offload"
-KEEP = "keep"
-RECOMPUTE = "recompute"
+# The old string constants, kept as names: each equals its string ("offload", ...).
+OFFLOAD = Action.OFFLOAD
+KEEP = Action.KEEP
+RECOMPUTE = Action.RECOMPUTE
+C = ReasonCode
 
 
 @dataclasses.dataclass(frozen=True)
 class Decision:
     saved: SavedTensor
-    decision: str  # OFFLOAD, KEEP or RECOMPUTE
-    reason: str
+    decision: Action
+    reason: Reason
     timing: TransferTiming | None = None  # predicted copies, for offloaded tensors under the cost model
     recompute: RecomputeOption | None = None  # how it is rebuilt in the backward, when recomputed
+    # Why it cannot be recomputed, when recomputation was considered (memory_budget or a policy
+    # function) and refused; None otherwise.
+    recompute_refused: Reason | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,29 +103,33 @@ def fmt_bytes(n: int) -> str:
     return f"{n} B"
 
 
-def ineligible_reason(t: SavedTensor, options: OffloadOptions) -> str | None:
-    """Why ``t`` can never be offloaded, or None when it can."""
+def ineligible_reason(t: SavedTensor, options: OffloadOptions, *, asked: bool = False) -> Reason | None:
+    """Why ``t`` cannot be offloaded, or None when it can. ``asked``: the user asked for it, which
+    overrides ``min_bytes`` (a judgement), not the rules that make an offload impossible or useless."""
     if t.device.type == "cpu" and not options.offload_cpu:
-        return "CPU tensor (set offload_cpu=True to offload CPU tensors)"
+        return Reason(C.CPU_TENSOR, "CPU tensor (set offload_cpu=True to offload CPU tensors)")
     if t.device.type == "meta":
-        return "meta tensor"
+        return Reason(C.META_TENSOR, "meta tensor")
     if t.is_static_input:
-        return "parameter or buffer (static input): it outlives the step anyway"
+        return Reason(C.STATIC_INPUT, "parameter or buffer (static input): it outlives the step anyway")
     if t.is_graph_input:
-        return "graph input: its storage belongs to the caller, offloading it frees nothing"
+        return Reason(C.GRAPH_INPUT, "graph input: its storage belongs to the caller, offloading it frees nothing")
     if t.is_user_output:
-        return "returned to the caller: its storage stays alive"
+        return Reason(C.USER_OUTPUT, "returned to the caller: its storage stays alive")
     if t.shares_storage_with:
-        return (
+        return Reason(
+            C.SHARED_STORAGE,
             f"its storage ({t.storage}) is also saved as {', '.join(t.shares_storage_with)}: "
-            "the other saved alias keeps it alive, offloading this one frees nothing"
+            "the other saved alias keeps it alive, offloading this one frees nothing",
         )
     if not t.is_dense:
-        return f"non-dense layout (stride {t.stride}): copying it would need a gather"
+        return Reason(C.NON_DENSE, f"non-dense layout (stride {t.stride}): copying it would need a gather")
     if t.bw_first_use < 0:
-        return "not used by the backward graph"
-    if t.nbytes == 0 or t.nbytes < options.min_bytes:
-        return f"{fmt_bytes(t.nbytes)} < min_bytes ({fmt_bytes(options.min_bytes)})"
+        return Reason(C.UNUSED_IN_BACKWARD, "not used by the backward graph")
+    if t.nbytes == 0:
+        return Reason(C.EMPTY, "empty tensor (0 bytes)")
+    if not asked and t.nbytes < options.min_bytes:
+        return Reason(C.MIN_BYTES, f"{fmt_bytes(t.nbytes)} < min_bytes ({fmt_bytes(options.min_bytes)})")
     return None
 
 
@@ -121,10 +138,11 @@ def plan_offloads(
     options: OffloadOptions,
     *,
     host_bytes_available: int | None = None,
-    disabled_reason: str = "",
+    disabled_reason: Reason | str = "",
     costs: PlanCosts | None = None,
     recompute: Mapping[str, RecomputeOption] | None = None,
-    keep: Mapping[str, str] | None = None,
+    keep: Mapping[str, Reason] | None = None,
+    recompute_refused: Mapping[str, Reason] | None = None,
 ) -> OffloadPlan:
     """Decide every saved tensor of one graph pair.
 
@@ -132,103 +150,141 @@ def plan_offloads(
     one (None: unbounded). ``disabled_reason`` turns offloading off for the whole graph. ``costs``
     switches on the cost model: without it, "auto" judges by node counts alone. ``recompute`` lists
     the tensors that could be recomputed instead (``recompute_options``); a ``memory_budget`` may
-    then choose recomputation where it is predicted cheaper than an un-hidden offload. ``keep``
-    names tensors that must stay on the device, with the reason.
+    then choose recomputation where it is predicted cheaper than an un-hidden offload, and a policy
+    function may ask for it. ``recompute_refused`` says why the others cannot be (kept on the
+    decisions). ``keep`` names tensors that must stay on the device, with the reason.
     """
     saved = lifetimes.saved
+    refused = recompute_refused or {}
+    label = options.policy_name
     if options.policy == "none":
-        return OffloadPlan(tuple(Decision(t, KEEP, "policy='none'") for t in saved), "none", costs=costs)
+        reason = Reason(C.POLICY_NONE, "policy='none'")
+        return OffloadPlan(tuple(Decision(t, KEEP, reason) for t in saved), "none", costs=costs)
     if disabled_reason:
+        if isinstance(disabled_reason, str):
+            disabled_reason = Reason(C.DISABLED, disabled_reason)
         decisions = tuple(Decision(t, KEEP, disabled_reason) for t in saved)
-        return OffloadPlan(decisions, options.policy, disabled_reason, costs=costs)
+        return OffloadPlan(decisions, label, disabled_reason.text, costs=costs)
     if not options.offload_cpu and all(d in ("cpu", "meta") for d in lifetimes.devices):
-        note = "no accelerator tensors in this graph; compiled unchanged (offload_cpu=False)"
-        return OffloadPlan(tuple(Decision(t, KEEP, note) for t in saved), options.policy, note, costs=costs)
+        note = Reason(C.NO_ACCELERATOR, "no accelerator tensors in this graph; compiled unchanged (offload_cpu=False)")
+        return OffloadPlan(tuple(Decision(t, KEEP, note) for t in saved), label, note.text, costs=costs)
 
-    reasons: dict[str, str] = {}
+    reasons: dict[str, Reason] = {}
     eligible: list[SavedTensor] = []
+    asked = _user_choices(saved, options, recompute or {}, refused, keep or {}, reasons)
     window = max(1, options.prefetch or 0) if costs is None else 0
+    auto = options.base_policy == "auto"
+    pinned = {s for option in asked.recomputes.values() for s in option.sources}
     for t in saved:
+        # The user's choice (or why it cannot be carried out), or a source of the user's recomputation
+        # (its reason comes with the recomputed tensors').
+        if t.name in reasons or t.name in pinned:
+            continue
         reason = (keep or {}).get(t.name) or ineligible_reason(t, options)
-        if reason is None and costs is None and options.policy == "auto" and (
+        if reason is None and costs is None and auto and (
             t.fw_compute_after < window or t.bw_compute_before < window
         ):
-            reason = (
+            reason = Reason(
+                C.TOO_SOON,
                 f"needed again too soon to hide the copies: {t.fw_compute_after} compute nodes "
                 f"after its last forward use, {t.bw_compute_before} before its first backward use "
-                f"(policy='auto' wants >= {window} on each side)"
+                f"(policy='auto' wants >= {window} on each side)",
             )
         if reason is None:
             eligible.append(t)
         else:
             reasons[t.name] = reason
 
-    # Largest first: the same device memory per host byte for every tensor, but fewer, larger
-    # copies use the link better, and the hidden set saves the most.
+    # The user's offloads first (host_budget permitting), then the planner's. Largest first: the same
+    # device memory per host byte for every tensor, but fewer, larger copies use the link better, and
+    # the hidden set saves the most.
     used = 0
     chosen: list[SavedTensor] = []
     left: list[SavedTensor] = []  # eligible, not chosen, host budget permitting
     checker = (
-        HiddenSetChecker(eligible, costs.fw_starts, costs.bw_starts, costs.rates)
-        if costs is not None and options.policy == "auto"
+        HiddenSetChecker([*asked.offloads, *eligible], costs.fw_starts, costs.bw_starts, costs.rates)
+        if costs is not None and auto
         else None
     )
-    for t in sorted(eligible, key=lambda t: (-t.nbytes, t.output_index)):
-        if host_bytes_available is not None and used + host_bytes(t) > host_bytes_available:
-            reasons[t.name] = (
-                f"host_budget reached: {fmt_bytes(used)} of the {fmt_bytes(host_bytes_available)} "
-                "left are taken by larger tensors"
+    for t in sorted(asked.offloads, key=lambda t: (-t.nbytes, t.output_index)):
+        if host_bytes_available is not None and used + t.nbytes > host_bytes_available:
+            reasons[t.name] = Reason(
+                C.HOST_BUDGET,
+                f"{reasons[t.name].text}, but it stays on the device: {_host_budget_text(used, host_bytes_available)}",
             )
+            continue
+        if checker is not None:
+            checker.try_add(t)  # the planner's own choices share the link with it, hidden or not
+        used += t.nbytes
+        chosen.append(t)
+    for t in sorted(eligible, key=lambda t: (-t.nbytes, t.output_index)):
+        if host_bytes_available is not None and used + t.nbytes > host_bytes_available:
+            reasons[t.name] = Reason(C.HOST_BUDGET, _host_budget_text(used, host_bytes_available))
             continue
         if checker is not None and not checker.try_add(t):
             d2h, h2d = copy_seconds(t, costs.rates)
             fw_window, bw_window = windows(t, costs.fw_starts, costs.bw_starts)
-            reasons[t.name] = (
+            reasons[t.name] = Reason(
+                C.NOT_HIDDEN,
                 f"its copies cannot be hidden: {_ms(d2h)} out in {_ms(fw_window)} of forward compute after "
                 f"its last use, {_ms(h2d)} back in {_ms(bw_window)} of backward compute before its first "
-                "use, sharing the link with the tensors already chosen"
+                "use, sharing the link with the tensors already chosen",
             )
             left.append(t)
             continue
-        used += host_bytes(t)
+        used += t.nbytes
         chosen.append(t)
         idle = f"idle for {t.idle_compute_nodes} compute nodes ({t.fw_compute_after} forward + {t.bw_compute_before} backward)"
-        reasons[t.name] = f"copies predicted hidden; {idle}" if checker is not None else idle
+        if checker is not None:
+            reasons[t.name] = Reason(C.HIDDEN, f"copies predicted hidden; {idle}")
+        else:
+            reasons[t.name] = Reason(C.IDLE_WINDOW if auto else C.POLICY_ALL, idle)
 
     budget = None
     extra: list[SavedTensor] = []
-    recomputed: dict[str, RecomputeOption] = {}
+    recomputed: dict[str, RecomputeOption] = dict(asked.recomputes)
     fit_peak = None
     if options.memory_budget is not None and costs is not None and costs.baseline is not None:
         budget = _budget_bytes(options.memory_budget, costs.baseline)
+        # The budget never overrides a user's choice: what the user decided is no candidate.
+        sizes = {t.name: t.nbytes for t in saved}
+        candidates = {
+            n: o for n, o in (recompute or {}).items() if n not in asked.decided and sizes.get(n, 0) >= options.min_bytes
+        }
         fit = _fit_budget(
-            budget, saved, chosen, left, recompute or {}, costs, options, host_bytes_available, used
+            budget, saved, chosen, left, candidates, costs, options, host_bytes_available, used, asked.recomputes
         )
-        extra, recomputed, fit_peak = fit.offloads, fit.recomputes, fit.peak
+        extra, fit_peak = fit.offloads, fit.peak
         for t in extra:
             chosen.append(t)
-            reasons[t.name] = (
+            reasons[t.name] = Reason(
+                C.BUDGET_OFFLOAD,
                 f"memory_budget {fmt_bytes(budget)}: offloaded although its copies stall "
                 f"(~{_ms(fit.stall_estimate[t.name])}, cheaper than recomputing it)"
                 if t.name in (recompute or {})
-                else f"memory_budget {fmt_bytes(budget)}: offloaded although its copies stall"
+                else f"memory_budget {fmt_bytes(budget)}: offloaded although its copies stall",
             )
-        for name, option in recomputed.items():
+        for name, option in fit.recomputes.items():
+            if name in asked.recomputes:
+                continue
+            recomputed[name] = option
             alternative = (
                 f", cheaper than an offload stalling ~{_ms(fit.stall_estimate[name])}"
                 if name in fit.stall_estimate
                 else ""
             )
-            reasons[name] = (
+            reasons[name] = Reason(
+                C.BUDGET_RECOMPUTE,
                 f"memory_budget {fmt_bytes(budget)}: recomputed in the backward by {option.op} from "
-                f"{', '.join(option.sources) or 'parameters'} (~{_ms(option.seconds)}{alternative})"
+                f"{', '.join(option.sources) or 'parameters'} (~{_ms(option.seconds)}{alternative})",
             )
-        for name, users in _readers({n: o.sources for n, o in recomputed.items()}).items():
-            if name in recomputed:  # a chain: rebuilt first, then what is recomputed from it
-                reasons[name] += f"; then {', '.join(users)} recomputed from it"
-            else:
-                kept = f"kept on the device: {', '.join(users)} recomputed from it; "
-                reasons[name] = kept + reasons.get(name, "")
+    for name, users in _readers({n: o.sources for n, o in recomputed.items()}).items():
+        if name in recomputed:  # a chain: rebuilt first, then what is recomputed from it
+            reasons[name] = Reason(reasons[name].code, f"{reasons[name].text}; then {', '.join(users)} recomputed from it")
+        else:
+            kept = f"kept on the device: {', '.join(users)} recomputed from it"
+            before = reasons.get(name)
+            reasons[name] = Reason(C.RECOMPUTE_SOURCE, f"{kept}; {before.text}" if before else kept)
 
     wait_at_once = frozenset(t.name for t in extra)
     timings, stall = _schedule(chosen, costs, options, wait_at_once)
@@ -236,13 +292,79 @@ def plan_offloads(
     decisions = tuple(
         Decision(t, RECOMPUTE, reasons[t.name], recompute=recomputed[t.name])
         if t.name in recomputed
-        else Decision(t, OFFLOAD if t.name in names else KEEP, reasons[t.name], timings.get(t.name))
+        else Decision(
+            t, OFFLOAD if t.name in names else KEEP, reasons[t.name], timings.get(t.name),
+            recompute_refused=refused.get(t.name),
+        )
         for t in saved
-    )
+    )  # fmt: skip
     return OffloadPlan(
-        decisions, options.policy, stall=stall, memory_budget=budget, costs=costs, wait_at_once=wait_at_once,
+        decisions, label, stall=stall, memory_budget=budget, costs=costs, wait_at_once=wait_at_once,
         fit_peak=fit_peak,
     )  # fmt: skip
+
+
+@dataclasses.dataclass
+class _Asked:
+    offloads: list[SavedTensor]  # the user's offloads that can be carried out, host_budget aside
+    recomputes: dict[str, RecomputeOption]  # the user's recomputations that can be carried out
+    decided: set[str]  # every tensor the user decided, carried out or not
+
+
+def _user_choices(
+    saved: Sequence[SavedTensor],
+    options: OffloadOptions,
+    recompute: Mapping[str, RecomputeOption],
+    refused: Mapping[str, Reason],
+    keep: Mapping[str, Reason],
+    reasons: dict[str, Reason],
+) -> _Asked:
+    """The user's choices (``policy`` function, ``offload_modules``), checked against the rules that
+    make them impossible; fills ``reasons`` for every tensor the user decided."""
+    out = _Asked([], {}, set())
+    if not callable(options.policy) and not options.offload_modules:
+        return out
+    offloads: list[tuple[SavedTensor, Reason]] = []
+    for t in saved:
+        choice = user_choice(t, options)
+        if choice is None:
+            continue
+        action, why = choice
+        out.decided.add(t.name)
+        blocked = keep.get(t.name)
+        if blocked is None and action is OFFLOAD:
+            blocked = ineligible_reason(t, options, asked=True)
+        if blocked is None and action is RECOMPUTE and t.name not in recompute:
+            blocked = refused.get(t.name) or Reason(
+                C.USER_RECOMPUTE_UNAVAILABLE,
+                "no recomputation was planned for this graph (it needs partitioner='min_cut' and is "
+                "planned once, on the first partition)",
+            )
+        if blocked is not None:
+            reasons[t.name] = blocked.prefixed(f"{why.text}, but it stays on the device: ")
+        elif action is OFFLOAD:
+            offloads.append((t, why))
+            reasons[t.name] = why
+        elif action is RECOMPUTE:
+            out.recomputes[t.name] = recompute[t.name]
+            reasons[t.name] = why
+        else:
+            reasons[t.name] = why
+    # Nothing is offloaded that a recomputed tensor is rebuilt from (its reload would come at once).
+    sources = {s for option in out.recomputes.values() for s in option.sources}
+    for t, why in offloads:
+        if t.name in sources:
+            users = [n for n, o in out.recomputes.items() if t.name in o.sources]
+            reasons[t.name] = Reason(
+                C.RECOMPUTE_SOURCE, f"{why.text}, but it stays on the device: {', '.join(users)} recomputed from it"
+            )
+        else:
+            out.offloads.append(t)
+    return out
+
+
+def _host_budget_text(used: int, available: int) -> str:
+    return f"host_budget reached: {fmt_bytes(used)} of the {fmt_bytes(available)} left are taken by larger tensors"
 
 
 def replan_after_recompute(
@@ -266,15 +388,19 @@ def replan_after_recompute(
     assert first.costs is not None
     now = {t.name for t in lifetimes.saved}
     keep = {
-        source: f"kept on the device: {', '.join(names)} recomputed from it"
+        source: Reason(C.RECOMPUTE_SOURCE, f"kept on the device: {', '.join(names)} recomputed from it")
         for source, names in _readers(dict(sorted(sources.items()))).items()
     }
     for d in first.recomputed:
         if d.saved.name in now:
-            keep[d.saved.name] = "tagged for recomputation, but torch's partitioner still saves it"
+            keep[d.saved.name] = Reason(C.STILL_SAVED, "tagged for recomputation, but torch's partitioner still saves it")
     if first.memory_budget is not None:
         options = options.replace(memory_budget=first.memory_budget)
-    second = plan_offloads(lifetimes, options, host_bytes_available=host_bytes_available, costs=costs, keep=keep)
+    refused = {d.saved.name: d.recompute_refused for d in first.decisions if d.recompute_refused is not None}
+    second = plan_offloads(
+        lifetimes, options, host_bytes_available=host_bytes_available, costs=costs, keep=keep,
+        recompute_refused=refused,
+    )  # fmt: skip
     recomputed = []
     for d in first.recomputed:
         if d.saved.name not in now:
@@ -366,6 +492,7 @@ def _fit_budget(
     options: OffloadOptions,
     host_bytes_available: int | None,
     host_used: int,
+    recomputed: Mapping[str, RecomputeOption] | None = None,
 ) -> _BudgetFit:
     """Un-hidden offloads and recomputations, least predicted time per byte first, until the
     predicted peak fits.
@@ -376,7 +503,7 @@ def _fit_budget(
     recomputed from is offloaded afterwards; a source may be recomputed too (a chain). Rounds: a
     greedy pass on estimated intervals, then a check with the intervals the transfer schedule really
     gives (copies queue on the link, waits and reloads move); repeat until the check passes or no
-    candidate is left.
+    candidate is left. ``recomputed``: recomputations decided already (by the user), fixed.
     """
     points = costs.baseline.points
     fw_points = sum(p.phase == "forward" for p in points)
@@ -387,7 +514,8 @@ def _fit_budget(
         return max(0.0, d2h - fw_window) + max(0.0, h2d - bw_window)
 
     stall_estimate = {t.name: standalone_stall(t) for t in left}
-    taken = {t.name for t in chosen}  # offloaded or recomputed
+    recomputes: dict[str, RecomputeOption] = dict(recomputed or {})
+    taken = {t.name for t in chosen} | set(recomputes)  # offloaded or recomputed
     all_saved = {t.name: t for t in saved}
     pool: list[tuple[float, int, int, SavedTensor, RecomputeOption | None]] = [
         (stall_estimate[t.name] / max(t.nbytes, 1), t.output_index, 0, t, None) for t in left
@@ -398,9 +526,8 @@ def _fit_budget(
             continue
         pool.append((option.seconds / max(t.nbytes, 1), t.output_index, 1, t, option))
     pool.sort(key=lambda e: e[:3])
-    pinned: set[str] = set()  # recomputed from: stays on the device
+    pinned = {s for option in recomputes.values() for s in option.sources}  # recomputed from: stays
     extra: list[SavedTensor] = []
-    recomputes: dict[str, RecomputeOption] = {}
 
     def usable(entry) -> bool:
         _, _, _, t, option = entry

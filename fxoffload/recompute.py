@@ -38,6 +38,8 @@ import torch.fx as fx
 from ._compat import must_save
 from .cost import DeviceRates, node_time
 from .lifetimes import GraphLifetimes, SavedTensor, is_compute, static_inputs, storage_root
+from .reasons import Reason
+from .reasons import ReasonCode as C
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,7 +58,7 @@ def recompute_options(
     static_input_indices: Sequence[int],
     rates: DeviceRates,
     min_bytes: int = 0,
-) -> tuple[dict[str, RecomputeOption], dict[str, str]]:
+) -> tuple[dict[str, RecomputeOption], dict[str, Reason]]:
     """The saved tensors that one op could rebuild from what the backward already has.
 
     Returns the options by name, and for every other saved tensor the reason it cannot be.
@@ -68,7 +70,7 @@ def recompute_options(
     for t in lifetimes.saved:
         by_storage.setdefault(t.storage, []).append(t.name)
     options: dict[str, RecomputeOption] = {}
-    reasons: dict[str, str] = {}
+    reasons: dict[str, Reason] = {}
     for t in lifetimes.saved:
         node = nodes.get(t.name)
         reason = _why_not(t, node, min_bytes)
@@ -78,9 +80,10 @@ def recompute_options(
             for inp in node.all_input_nodes:
                 root = storage_root(inp)  # a view of a kept tensor is rebuilt for free
                 if root in mutated:
-                    reason = (
+                    reason = Reason(
+                        C.MUTATED_INPUT,
                         f"its input {inp.name} is a graph input the forward mutates in place "
-                        "(recomputing in the backward would read the new value)"
+                        "(recomputing in the backward would read the new value)",
                     )
                     break
                 if root in static:
@@ -88,10 +91,13 @@ def recompute_options(
                 if root.name in by_storage:
                     sources.extend(n for n in by_storage[root.name] if n not in sources)
                     continue
-                reason = f"its input {inp.name} is not kept for the backward (recomputing would save it instead)"
+                reason = Reason(
+                    C.INPUT_NOT_KEPT,
+                    f"its input {inp.name} is not kept for the backward (recomputing would save it instead)",
+                )
                 break
         if reason is None and not isinstance(node.meta.get("val"), torch.Tensor):
-            reason = "not a single tensor"
+            reason = Reason(C.NOT_A_TENSOR, "not a single tensor")
         if reason is not None:
             reasons[t.name] = reason
             continue
@@ -117,34 +123,34 @@ def _mutated_inputs(fw: fx.GraphModule) -> set[fx.Node]:
     return out
 
 
-def _why_not(t: SavedTensor, node: fx.Node | None, min_bytes: int) -> str | None:
+def _why_not(t: SavedTensor, node: fx.Node | None, min_bytes: int) -> Reason | None:
     if node is None or node.op != "call_function":
-        return "not computed by the forward graph"
+        return Reason(C.NOT_COMPUTED, "not computed by the forward graph")
     if t.is_static_input or t.is_graph_input:
-        return "a graph input"
+        return Reason(C.GRAPH_INPUT, "a graph input")
     if t.is_user_output:
-        return "returned to the caller: recomputing frees nothing"
+        return Reason(C.USER_OUTPUT, "returned to the caller: recomputing frees nothing")
     if t.is_view or t.shares_storage_with:
-        return "shares its storage with another tensor: recomputing frees nothing"
+        return Reason(C.SHARED_STORAGE, "shares its storage with another tensor: recomputing frees nothing")
     if t.bw_first_use < 0:
-        return "not used by the backward graph"
+        return Reason(C.UNUSED_IN_BACKWARD, "not used by the backward graph")
     if t.nbytes == 0 or t.nbytes < min_bytes:
-        return "below min_bytes"
+        return Reason(C.MIN_BYTES, "below min_bytes")
     if must_save(node):
-        return "tagged MUST_SAVE (a selective activation checkpointing policy or torch's partitioner)"
+        return Reason(C.MUST_SAVE, "tagged MUST_SAVE (a selective activation checkpointing policy or torch's partitioner)")
     if node.target is operator.getitem:
-        return "one output of a multi-output op (recomputing reruns the whole op)"
+        return Reason(C.MULTI_OUTPUT, "one output of a multi-output op (recomputing reruns the whole op)")
     if not is_compute(node):
-        return "not a compute op"
+        return Reason(C.NOT_COMPUTE, "not a compute op")
     target = node.target
     if not isinstance(target, torch._ops.OpOverload):
-        return f"{target} is not an ATen operator"
+        return Reason(C.NOT_ATEN, f"{target} is not an ATen operator")
     if torch.Tag.nondeterministic_seeded in target.tags:
-        return "random op: recomputing would draw different numbers"
+        return Reason(C.RANDOM_OP, "random op: recomputing would draw different numbers")
     if target._schema.is_mutable or any(a.alias_info is not None for a in target._schema.arguments):
-        return "mutates or aliases its inputs"
+        return Reason(C.MUTATES_INPUTS, "mutates or aliases its inputs")
     if target.namespace not in ("aten", "prims"):
-        return f"{target.namespace}:: op (only aten and prims ops are recomputed)"
+        return Reason(C.OTHER_NAMESPACE, f"{target.namespace}:: op (only aten and prims ops are recomputed)")
     return None
 
 

@@ -11,6 +11,7 @@ from tabulate import tabulate
 
 from .memory import MemoryPoint, MemoryTimeline
 from .plan import OFFLOAD, RECOMPUTE, OffloadPlan, PlanCosts, fmt_bytes
+from .reasons import Action
 from .schedule import copy_seconds, windows
 
 
@@ -22,8 +23,8 @@ class SavedRow:
     shape: tuple[int, ...]
     dtype: str
     nbytes: int
-    decision: str  # "offload", "keep" or "recompute"
-    reason: str
+    decision: Action  # "offload", "keep" or "recompute" (an Action, equal to those strings)
+    reason: str  # the sentence; reason_code is its stable code
     producer: str
     device: str
     fw_last_use: str  # forward node after which it is not needed on the device
@@ -35,6 +36,10 @@ class SavedRow:
     bw_window_ms: float = 0.0  # predicted backward compute before its first use
     recompute_ms: float = 0.0  # predicted compute time of recomputing it in the backward
     recomputed_from: str = ""  # the saved tensors it is recomputed from, comma-separated
+    reason_code: str = ""  # a ReasonCode value ("min_bytes", "hidden", ...; docs/user-guide.md)
+    module_path: str = ""  # the module that produced it ("layers.0.mlp.fc1"), "" if none
+    recompute_refused: str = ""  # why it cannot be recomputed, when that was considered
+    recompute_refused_code: str = ""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,7 +105,7 @@ class OffloadReport:
                 dtype=str(d.saved.dtype).replace("torch.", ""),
                 nbytes=d.saved.nbytes,
                 decision=d.decision,
-                reason=d.reason,
+                reason=d.reason.text,
                 producer=d.saved.producer,
                 device=str(d.saved.device),
                 fw_last_use=d.saved.fw_last_user,
@@ -108,6 +113,10 @@ class OffloadReport:
                 idle_compute_nodes=d.saved.idle_compute_nodes,
                 **_timing_fields(d, plan.partition_costs if d.decision == RECOMPUTE else costs),
                 recomputed_from=", ".join(d.recompute.sources) if d.recompute is not None else "",
+                reason_code=d.reason.code.value,
+                module_path=d.saved.module_path,
+                recompute_refused=d.recompute_refused.text if d.recompute_refused is not None else "",
+                recompute_refused_code=d.recompute_refused.code.value if d.recompute_refused is not None else "",
             )
             for d in plan.decisions
         )
@@ -140,7 +149,8 @@ class OffloadReport:
             (r.name, "x".join(map(str, r.shape)) or "scalar", r.dtype, f"{r.nbytes / 2**20:.3f}",
              r.producer, r.fw_last_use, r.bw_first_use or "-", r.idle_compute_nodes,
              f"recompute {r.recompute_ms:.3f}" if r.decision == RECOMPUTE else f"{r.d2h_ms:.3f}/{r.h2d_ms:.3f}",
-             f"{r.fw_window_ms:.3f}/{r.bw_window_ms:.3f}", r.decision, r.reason)
+             f"{r.fw_window_ms:.3f}/{r.bw_window_ms:.3f}", r.decision,
+             f"[{r.reason_code}] {r.reason}" if r.reason_code else r.reason)
             for r in self.saved
         ]  # fmt: skip
         header = (
@@ -251,7 +261,9 @@ class OffloadReport:
     @classmethod
     def from_json(cls, text: str) -> OffloadReport:
         data = json.loads(text)
-        data["saved"] = tuple(SavedRow(**{**r, "shape": tuple(r["shape"])}) for r in data["saved"])
+        data["saved"] = tuple(
+            SavedRow(**{**r, "shape": tuple(r["shape"]), "decision": Action(r["decision"])}) for r in data["saved"]
+        )
         for key in ("memory_before", "memory_after"):
             if data[key] is not None:
                 data[key] = MemoryTimeline(tuple(MemoryPoint(**p) for p in data[key]["points"]))

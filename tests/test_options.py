@@ -35,6 +35,21 @@ def test_bad_options_raise_value_error_naming_valid_choices(options, message):
         fxoffload.backend(**options)
 
 
+class _Unhashable:
+    """A callable policy object that cannot be a dict key (eq without hash)."""
+
+    def __eq__(self, other):
+        return self is other
+
+    __hash__ = None
+
+    def __call__(self, t):
+        return None
+
+    def __repr__(self):
+        return "<unhashable policy>"
+
+
 # Every option: a wrong type and, where numbers are allowed, a negative or non-finite one. Each message
 # names the option and what it accepts.
 NAN, INF = float("nan"), float("inf")
@@ -93,6 +108,14 @@ BAD_VALUES = [
     ({"mode": 0}, r"mode=0 is not valid; choose one of"),
     ({"inner": "aot_eager", "mode": "max-autotune"}, r"mode='max-autotune' applies to inner='inductor' only"),
     ({"polcy": "all", "min_byte": 1}, r"unknown option\(s\) 'min_byte', 'polcy'; valid options are: policy, min_bytes"),
+    ({"policy": "ALL"}, r"policy='ALL' is not valid; choose one of: 'auto', 'all', 'none', or a function of a saved"),
+    ({"policy": _Unhashable()}, r"policy=<unhashable policy> is a callable that cannot be hashed; options are cache keys"),
+    ({"offload_modules": "*.mlp.*"}, r"offload_modules must be a tuple of non-empty module path patterns such as "
+                                     r"\('\*\.mlp\.\*',\), got '\*\.mlp\.\*'"),
+    ({"offload_modules": ("*.mlp.*", "")}, r"offload_modules must be a tuple of non-empty .* got \('\*\.mlp\.\*', ''\)"),
+    ({"offload_modules": (3,)}, r"offload_modules must be a tuple of non-empty module path patterns .* got \(3,\)"),
+    ({"offload_modules": None}, r"offload_modules must be a tuple .* got None"),
+    ({"offload_modules": ("*.mlp.*",), "policy": "none"}, r"offload_modules needs a policy that offloads; policy='none'"),
 ]
 
 
@@ -124,6 +147,22 @@ def test_valid_rates_are_accepted_in_every_form():
     assert a.compute_rates == (("flops", 1e14), ("memory_bandwidth", 2e12))
     assert OffloadOptions.from_dict({"bandwidth": {"h2d": "16GB"}}).bandwidth == (("h2d", 16e9),)
     assert a.replace(policy="all").bandwidth == a.bandwidth  # the frozen form validates again
+
+
+def _my_policy(t):
+    return "offload" if t.module_path.endswith("fc") else None
+
+
+def test_a_policy_function_keeps_options_hashable_and_comparable():
+    a = OffloadOptions(policy=_my_policy, offload_modules=["*.mlp.*"])
+    assert a.offload_modules == ("*.mlp.*",)  # a list becomes a tuple: hashable
+    b = a.replace(min_bytes=0)
+    assert b.policy is _my_policy and b.replace(min_bytes=a.min_bytes) == a
+    assert {a: 1}[OffloadOptions(policy=_my_policy, offload_modules=("*.mlp.*",))] == 1
+    assert OffloadOptions(policy=lambda t: None) != OffloadOptions(policy=lambda t: None)  # two functions
+    assert "policy=<function _my_policy at 0x" in repr(a)  # the cache key tells two functions apart
+    assert a.policy_name == "_my_policy" and a.base_policy == "auto"
+    assert OffloadOptions(policy="all").policy_name == "all"
 
 
 def test_sizes_parse():

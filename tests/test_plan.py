@@ -8,6 +8,7 @@ import torch
 from fxoffload.lifetimes import GraphLifetimes, SavedTensor, is_dense
 from fxoffload.options import OffloadOptions
 from fxoffload.plan import KEEP, OFFLOAD, plan_offloads
+from fxoffload.reasons import Action, Reason, ReasonCode
 
 from .conftest import cpu_backend, train_step
 
@@ -30,21 +31,41 @@ def plan(records, **options):
 
 
 @pytest.mark.parametrize(
-    "fields, reason",
+    "fields, code, sentence",
     [
-        (dict(is_static_input=True, is_graph_input=True), "parameter or buffer"),
-        (dict(is_graph_input=True), "graph input"),
-        (dict(is_user_output=True), "returned to the caller"),
-        (dict(shares_storage_with=("v",), storage="b"), "also saved as v"),
-        (dict(is_dense=False, stride=(2,)), "non-dense layout"),
-        (dict(nbytes=1024), "< min_bytes"),
-        (dict(device="cpu"), "offload_cpu=True"),
-        (dict(bw_first_use=-1), "not used by the backward"),
+        (dict(is_static_input=True, is_graph_input=True), "static_input", "parameter or buffer"),
+        (dict(is_graph_input=True), "graph_input", "graph input"),
+        (dict(is_user_output=True), "user_output", "returned to the caller"),
+        (dict(shares_storage_with=("v",), storage="b"), "shared_storage", "also saved as v"),
+        (dict(is_dense=False, stride=(2,)), "non_dense", "non-dense layout"),
+        (dict(nbytes=1024), "min_bytes", "1.0 KiB < min_bytes (1.0 MiB)"),
+        (dict(nbytes=0, shape=(0,)), "empty", "empty tensor"),
+        (dict(device="cpu"), "cpu_tensor", "offload_cpu=True"),
+        (dict(device="meta"), "meta_tensor", "meta tensor"),
+        (dict(bw_first_use=-1), "unused_in_backward", "not used by the backward"),
     ],
 )
-def test_each_ineligible_case_is_kept_with_its_reason(fields, reason):
+def test_each_ineligible_case_is_kept_with_its_reason(fields, code, sentence):
     (d,) = plan([saved(**fields)], policy="all").decisions
-    assert d.decision == KEEP and reason in d.reason
+    assert d.decision == KEEP and d.reason.code == code
+    assert sentence in d.reason.text
+
+
+def test_decisions_are_actions_equal_to_the_old_strings():
+    p = plan([saved("a"), saved("b", nbytes=1024, output_index=1)], policy="all")
+    a, b = p.decisions
+    assert a.decision is Action.OFFLOAD and a.decision == "offload" and f"{a.decision}" == "offload"
+    assert b.decision is Action.KEEP and str(b.decision) == "keep"
+    assert {"offload": 1}[a.decision] == 1  # hashes as its string
+    assert a.reason.code is ReasonCode.POLICY_ALL and str(a.reason) == a.reason.text
+    assert a.recompute_refused is None
+
+
+def test_reason_codes_are_one_enumerated_set():
+    assert Reason("min_bytes", "x").code is ReasonCode.MIN_BYTES
+    with pytest.raises(ValueError, match=r"unknown reason code 'too_big'; codes are: policy_none, cuda_graphs"):
+        Reason("too_big", "x")
+    assert all(c.value == c.name.lower() for c in ReasonCode)  # stable snake_case, one per member
 
 
 def test_a_view_whose_base_is_not_saved_is_offloadable():
@@ -56,8 +77,9 @@ def test_auto_keeps_tensors_needed_again_at_once():
     late = saved("last_layer", fw_compute_after=1, bw_compute_before=2)
     early = saved("first_layer", output_index=1)
     decisions = {d.saved.name: d for d in plan([late, early], policy="auto", prefetch=4).decisions}
-    assert decisions["first_layer"].decision == OFFLOAD
-    assert decisions["last_layer"].decision == KEEP and "too soon" in decisions["last_layer"].reason
+    assert decisions["first_layer"].decision == OFFLOAD and decisions["first_layer"].reason.code == "idle_window"
+    assert decisions["last_layer"].decision == KEEP and decisions["last_layer"].reason.code == "too_soon"
+    assert "needed again too soon" in decisions["last_layer"].reason.text
     all_policy = {d.saved.name: d.decision for d in plan([late, early], policy="all").decisions}
     assert all_policy == {"last_layer": OFFLOAD, "first_layer": OFFLOAD}
 
@@ -68,7 +90,8 @@ def test_host_budget_takes_largest_first_deterministically():
     options = OffloadOptions(policy="all")
     first = plan_offloads(lifetimes, options, host_bytes_available=13 << 20)
     assert [d.saved.name for d in first.offloaded] == ["t1", "t2"]  # 8 MiB then 4 MiB; the other 8 does not fit
-    assert "host_budget reached" in first.decisions[3].reason
+    assert first.decisions[3].reason.code == ReasonCode.HOST_BUDGET
+    assert first.decisions[3].reason.text.startswith("host_budget reached: 8.0 MiB of the 13.0 MiB left")
     assert first == plan_offloads(lifetimes, options, host_bytes_available=13 << 20)
 
 
@@ -76,11 +99,21 @@ def test_cpu_only_graph_is_left_unchanged_with_a_note():
     lifetimes = GraphLifetimes((saved(device="cpu"),), 10, 10, ("cpu",))
     p = plan_offloads(lifetimes, OffloadOptions(policy="all"))
     assert p.offloaded == () and "no accelerator tensors" in p.note
+    assert p.decisions[0].reason.code == "no_accelerator" and p.decisions[0].reason.text == p.note
 
 
 def test_policy_none_keeps_everything():
     p = plan([saved()], policy="none")
-    assert p.offloaded == () and p.decisions[0].reason == "policy='none'"
+    assert p.offloaded == () and p.decisions[0].reason == Reason("policy_none", "policy='none'")
+
+
+def test_a_disabled_graph_keeps_everything_with_the_disabling_reason():
+    lifetimes = GraphLifetimes((saved(),), 10, 10, ("cuda",))
+    why = Reason(ReasonCode.CUDA_GRAPHS, "CUDA graphs are on")
+    p = plan_offloads(lifetimes, OffloadOptions(policy="all"), disabled_reason=why)
+    assert p.decisions[0].reason is why and p.note == "CUDA graphs are on"
+    (d,) = plan_offloads(lifetimes, OffloadOptions(policy="all"), disabled_reason="off for a test").decisions
+    assert d.reason == Reason(ReasonCode.DISABLED, "off for a test")
 
 
 def test_is_dense():
@@ -99,6 +132,7 @@ def test_cuda_graph_modes_turn_offloading_off_with_a_reason():
     torch.testing.assert_close(got[0], ref[0])
     (report,) = backend.reports
     assert report.offloaded == () and "CUDA graphs" in report.note
+    assert {r.reason_code for r in report.saved} == {"cuda_graphs"}
 
 
 def lambda_module(seq):
