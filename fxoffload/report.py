@@ -79,8 +79,9 @@ class OffloadReport:
     output_code: dict[str, str] = dataclasses.field(default_factory=dict)
     timings: PassTimings | None = None  # where the backend's time on this pair went
     num_fwd_outputs: int | None = None  # the forward's user outputs, before its saved tensors
-    # The rewritten forward and backward GraphModules handed to the inner compiler (the objects it
-    # compiled; Inductor may still transform them in place). Not in JSON, ``==`` or repr.
+    # The rewritten forward and backward GraphModules the partitioner returned: the forward object is
+    # what the inner compiler compiles, the backward is compiled from a deep copy AOTAutograd makes
+    # of it. Not in JSON, ``==`` or repr.
     graphs: tuple[fx.GraphModule, fx.GraphModule] | None = dataclasses.field(
         default=None, compare=False, repr=False
     )
