@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import importlib
-import time
 
 import torch
 from tabulate import tabulate
@@ -24,55 +22,21 @@ from fxoffload.models import GPT, GPTConfig, gpt_batch
 
 
 def measure(layers: int, bandwidth: str = "2GB") -> dict:
-    backend_module = importlib.import_module("fxoffload.backend")
-    timings: dict[str, float] = {}
-    original_pass, original_simulate = backend_module.offload_pass, backend_module.simulate
-    timings["repartition_s"] = 0.0
-
-    def timed_pass(fw, bw, *args, **kwargs):
-        timings["fw_nodes"], timings["bw_nodes"] = len(fw.graph.nodes), len(bw.graph.nodes)
-        repartition = kwargs.get("repartition")
-        if repartition is not None:
-
-            def timed_repartition(names):
-                begin = time.perf_counter()
-                try:
-                    return repartition(names)
-                finally:
-                    timings["repartition_s"] += time.perf_counter() - begin
-
-            kwargs["repartition"] = timed_repartition
-        start = time.perf_counter()
-        result = original_pass(fw, bw, *args, **kwargs)  # includes the baseline memory model
-        timings["pass_s"] = time.perf_counter() - start - timings["repartition_s"]
-        return result
-
-    def timed_simulate(*args, **kwargs):
-        start = time.perf_counter()
-        result = original_simulate(*args, **kwargs)
-        if "pass_s" in timings:  # the report's run on the rewritten graphs, after the pass
-            timings["simulate_s"] = time.perf_counter() - start
-        return result
-
-    backend_module.offload_pass, backend_module.simulate = timed_pass, timed_simulate
-    try:
-        torch._dynamo.reset()
-        gc.collect()  # the previous size's garbage, so that its collection does not land in this run
-        cfg = GPTConfig(layers=layers, dim=64, seq=64, heads=4, dropout=0.0)
-        model = GPT(cfg)
-        reports = fxoffload.explain(model, *gpt_batch(cfg, 2), offload_cpu=True, min_bytes=0, inner="aot_eager",
-                          memory_budget=0.5, bandwidth=bandwidth)  # fmt: skip
-    finally:
-        backend_module.offload_pass, backend_module.simulate = original_pass, original_simulate
-    recomputed = sum(len(r.recomputed) for r in reports)
+    torch.compiler.reset()
+    gc.collect()  # the previous size's garbage, so that its collection does not land in this run
+    cfg = GPTConfig(layers=layers, dim=64, seq=64, heads=4, dropout=0.0)
+    reports = fxoffload.explain(GPT(cfg), *gpt_batch(cfg, 2), offload_cpu=True, min_bytes=0, inner="aot_eager",
+                                memory_budget=0.5, bandwidth=bandwidth)  # fmt: skip
+    timings = [r.timings for r in reports]  # one graph pair unless the model has a graph break
+    pass_s, simulate_s = sum(t.pass_s for t in timings), sum(t.simulate_s for t in timings)
     return {
         "layers": layers,
-        "nodes (fw+bw)": int(timings["fw_nodes"] + timings["bw_nodes"]),
-        "pass ms": timings["pass_s"] * 1e3,
-        "recomputed": recomputed,
-        "torch's 2nd partition ms": timings["repartition_s"] * 1e3,
-        "memory after ms": timings["simulate_s"] * 1e3,
-        "total ms": (timings["pass_s"] + timings["simulate_s"]) * 1e3,
+        "nodes (fw+bw)": sum(t.fw_nodes + t.bw_nodes for t in timings),
+        "pass ms": pass_s * 1e3,
+        "recomputed": sum(len(r.recomputed) for r in reports),
+        "torch's 2nd partition ms": sum(t.repartition_s for t in timings) * 1e3,
+        "memory after ms": simulate_s * 1e3,
+        "total ms": (pass_s + simulate_s) * 1e3,
     }
 
 
