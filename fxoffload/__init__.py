@@ -13,6 +13,7 @@ from .backend import OffloadBackend, backend, fxoffload_backend, offload_pass, r
 from .explain import explain
 from .lifetimes import SavedTensor, analyze_saved_tensors
 from .memory import MemoryTimeline, simulate
+from .measure import DeviceMemory, MeasuredMemory, measure_memory, track_cpu_frees
 from .ops import host_pool_stats, release_host_memory
 from .options import OffloadOptions
 from .plan import Decision, OffloadPlan, plan_offloads
@@ -22,17 +23,20 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Decision",
+    "DeviceMemory",
     "OffloadBackend",
     "OffloadOptions",
     "OffloadPlan",
     "OffloadReport",
     "SavedRow",
+    "MeasuredMemory",
     "MemoryTimeline",
     "SavedTensor",
     "analyze_saved_tensors",
     "backend",
     "explain",
     "fxoffload_backend",
+    "measure_memory",
     "host_pool_stats",
     "offload_pass",
     "ops",
@@ -40,6 +44,7 @@ __all__ = [
     "release_host_memory",
     "reports",
     "simulate",
+    "track_cpu_frees",
 ]
 
 logging.getLogger(__name__).addHandler(logging.NullHandler())

@@ -217,3 +217,24 @@ def trace_artifact(name: str, payload: Callable[[], str], encoding: str = "strin
         metadata_fn=lambda: {"name": name, "encoding": encoding},
         payload_fn=payload,
     )
+
+
+def cpu_block_sizes_flag() -> Any:
+    """The c10 flag ``caffe2_report_cpu_memory_usage`` as a ``ctypes.c_bool`` (None where the library
+    or the symbol cannot be found).
+
+    While it is off, torch's CPU allocator records a block's size only while a memory profiler runs,
+    so the profiler cannot report the free of a block allocated before it started ("Memory block of
+    unknown size was allocated before the profiling started"); while it is on, every block's size is
+    kept and such frees are reported.
+    """
+    import ctypes
+    import os
+    import sys
+
+    name = {"darwin": "libc10.dylib", "win32": "c10.dll"}.get(sys.platform, "libc10.so")
+    path = os.path.join(os.path.dirname(torch.__file__), "lib", name)
+    try:
+        return ctypes.c_bool.in_dll(ctypes.CDLL(path), "FLAGS_caffe2_report_cpu_memory_usage")
+    except (OSError, ValueError):
+        return None

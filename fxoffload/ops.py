@@ -215,6 +215,18 @@ def release_host_memory() -> None:
     HOST_POOL.clear()
 
 
+def host_buffer_ranges() -> list[tuple[int, int]]:
+    """``(address, nbytes)`` of every host buffer fxoffload holds now: the pool of offloaded tensors
+    and the CPU copy engine's staging buffers. ``fxoffload.measure_memory`` leaves their allocations
+    out of a CPU's figures: on a GPU machine they are host memory, not the device's."""
+    ranges = []
+    for pool in (HOST_POOL, STAGING_POOL):
+        with pool._lock:
+            buffers = [b.storage for bucket in pool._buckets.values() for b in bucket]
+        ranges += [(storage.data_ptr(), storage.nbytes()) for storage in buffers]
+    return ranges
+
+
 # --------------------------------------------------------------------------------------------------
 # Layouts: a transfer copies the whole strided span of its tensor
 # --------------------------------------------------------------------------------------------------

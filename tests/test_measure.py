@@ -1,0 +1,174 @@
+"""fxoffload.measure_memory: figures from the allocator itself, checked to the byte on hand-computed cases."""
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import fxoffload
+from fxoffload import ops
+from fxoffload.measure import DeviceMemory, cpu_memory_from_trace, measure_memory
+
+MiB = 2**20
+
+
+def test_temporaries_and_the_result_to_the_byte():
+    def step():
+        kept = torch.empty(MiB // 4)  # 1 MiB of fp32, returned: alive at the end
+        temp = torch.empty(3 * MiB // 4)  # 3 MiB, freed before the next allocation
+        del temp
+        odd = torch.empty(1001, dtype=torch.uint8)  # requested bytes, not a rounded block
+        del odd
+        return kept
+
+    m = measure_memory(step)
+    assert m.cpu.device == "cpu"
+    assert m.cpu.peak_bytes == 4 * MiB
+    assert m.cpu.end_bytes == MiB
+    assert m.cpu.allocations == 3
+    assert m.cpu.peak_op == "aten::empty"
+    assert m.cpu.excluded_bytes == 0 and m.cpu.freed_earlier_bytes is None
+    assert m.result.shape == (MiB // 4,)
+    assert m["cpu"] is m.cpu
+
+
+def test_unrounded_sizes_and_a_peak_inside_an_op():
+    a = torch.ones(1001)  # 4004 bytes
+
+    def step():
+        b = a * 2  # 4004 bytes, freed at the end of the step
+        return (b + 1).sum()  # b + 1: another 4004 bytes, then the sum's 4
+
+    m = measure_memory(step)
+    # Each Python scalar becomes a CPU tensor: 8 bytes (double), then 4 (converted to fp32), both
+    # freed when the op returns. Peak inside the add: b, the 8 + 4 of the scalar 1, and b + 1.
+    assert m.cpu.peak_bytes == 4004 + 8 + 4 + 4004
+    assert m.cpu.peak_op == "aten::add"
+    assert m.cpu.end_bytes == 4  # the returned sum
+    assert m.cpu.allocations == 3 + 3 + 1  # mul: 8, 4, b; add: 8, 4, b + 1; sum
+
+
+def test_a_free_of_a_block_from_before_the_start():
+    held = [torch.empty(1000)]
+    m = measure_memory(held.clear)
+    # The allocator did not know the block's size, so the profiler reported no free: unseen.
+    assert (m.cpu.peak_bytes, m.cpu.end_bytes, m.cpu.freed_earlier_bytes) == (0, 0, None)
+
+
+def test_track_cpu_frees_counts_earlier_blocks_below_the_start():
+    # A one-way switch for the whole process: run it in its own.
+    code = textwrap.dedent("""
+        import torch
+        from fxoffload.measure import measure_memory, track_cpu_frees
+        assert track_cpu_frees()
+        held = [torch.empty(1000)]
+        def step():
+            held.clear()  # 4000 bytes from before the start
+            return torch.empty(500)  # 2000 bytes, alive at the end
+        m = measure_memory(step)
+        print(m.cpu.peak_bytes, m.cpu.end_bytes, m.cpu.freed_earlier_bytes, m.cpu.allocations)
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["0", "-2000", "4000", "1"]
+
+
+def test_trace_rules_by_hand():
+    """A host buffer that is live at the end is left out, by address, size and time; so is the free
+    of one held at the start; the peak names the innermost op of its thread; a free of an unknown
+    block counts only when earlier frees are seen."""
+
+    def mem(ev, ts, addr, nbytes, tid=1):
+        args = {"Addr": addr, "Bytes": nbytes, "Device Type": 0, "Ev Idx": ev}
+        return {"name": "[memory]", "ph": "i", "ts": ts, "tid": tid, "args": args}
+
+    def op(name, ts, dur, tid=1):
+        return {"name": name, "ph": "X", "cat": "cpu_op", "ts": ts, "dur": dur, "tid": tid}
+
+    events = [
+        op("outer", 0, 100), op("aten::mm", 10, 20), op("other thread", 0, 100, tid=2),
+        mem(1, 2, 0x9000, 4096),  # a temporary at the address a host buffer takes later: counted
+        mem(2, 3, 0x9000, -4096),
+        mem(3, 5, 0x1000, 300),  # counted
+        mem(4, 12, 0x9000, 4096),  # the host buffer, live at the end: left out
+        mem(5, 15, 0x2000, 200),  # counted: peak 500 (4096 before it), inside aten::mm
+        mem(6, 40, 0x2000, -200),
+        mem(7, 41, 0x7000, -1024),  # a host buffer held at the start, dropped by its pool
+        mem(8, 42, 0x5000, -700),  # a block from before the start
+        {"name": "[memory]", "ph": "i", "ts": 43, "args": {"Addr": 1, "Bytes": 64, "Device Type": 1}},  # CUDA
+    ]  # fmt: skip
+    before, after = [(0x7000, 1024)], [(0x9000, 4096)]
+    unseen = cpu_memory_from_trace(events, before, after, freed_earlier_seen=False)
+    assert unseen == DeviceMemory(
+        device="cpu", peak_bytes=4096, end_bytes=300, allocations=3, peak_event=1, peak_op="outer",
+        excluded_bytes=4096, freed_earlier_bytes=None,
+    )  # fmt: skip
+    seen = cpu_memory_from_trace(events, before, after, freed_earlier_seen=True)
+    assert (seen.peak_bytes, seen.end_bytes, seen.freed_earlier_bytes) == (4096, -400, 700)
+    # Without the first temporary the peak is the 300 + 200 inside aten::mm.
+    rest = cpu_memory_from_trace(events[:3] + events[5:], before, after, freed_earlier_seen=False)
+    assert (rest.peak_bytes, rest.peak_event, rest.peak_op, rest.allocations) == (500, 5, "aten::mm", 2)
+    # Not a host buffer at the end: its 4096 bytes count.
+    counted = cpu_memory_from_trace(events, before, [], freed_earlier_seen=False)
+    assert (counted.peak_bytes, counted.end_bytes, counted.excluded_bytes) == (4096 + 300 + 200, 4396, 0)
+
+
+def test_errors():
+    with pytest.raises(ValueError, match="first argument must be callable .* got Tensor"):
+        measure_memory(torch.ones(2))
+
+    def boom():
+        torch.empty(10)
+        raise KeyError("boom")
+
+    with pytest.raises(KeyError, match="boom"):
+        measure_memory(boom)
+    # The profiler was stopped on the way out: the next measurement works.
+    assert measure_memory(torch.empty, 256).cpu.end_bytes == 1024
+
+
+def _mlp_step(backend):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 256), torch.nn.ReLU(),
+        torch.nn.Linear(256, 1),
+    )  # fmt: skip
+    x = torch.randn(128, 64)
+    fn = torch.compile(model, backend=backend)
+
+    def step():
+        fn(x).sum().backward()
+        model.zero_grad(set_to_none=True)
+
+    return step
+
+
+def test_host_pool_buffers_are_left_out():
+    torch._dynamo.reset()
+    fxoffload.release_host_memory()
+    ops.STAGING_POOL.clear()
+    backend = fxoffload.backend(offload_cpu=True, policy="all", min_bytes=0, inner="aot_eager")
+    step = _mlp_step(backend)
+    first = measure_memory(step)  # compiles, and the pools allocate their buffers, kept after the step
+    assert sum(r.offloaded_bytes for r in backend.reports) > 0
+    pools = ops.host_pool_stats().bytes_allocated + ops.STAGING_POOL.stats().bytes_allocated
+    assert pools > 0 and first.cpu.excluded_bytes == pools
+    assert first.cpu.end_bytes == 0  # the pools' bytes, still held, do not appear
+    steady = [measure_memory(step).cpu for _ in range(2)]
+    assert steady[0] == steady[1]
+    assert steady[0].excluded_bytes == 0  # buffers reused: no allocation in the pools
+    assert steady[0].peak_bytes == first.cpu.peak_bytes
+    torch._dynamo.reset()
+
+
+def test_inductor_step_is_reproducible():
+    torch._dynamo.reset()
+    step = _mlp_step("inductor")
+    step()  # compile
+    runs = [measure_memory(step).cpu for _ in range(3)]
+    assert runs[0] == runs[1] == runs[2]
+    # Not less than the largest tensor a step makes: the 128x256 fp32 hidden activations (128 KiB).
+    assert runs[0].peak_bytes >= 128 * 256 * 4 and runs[0].end_bytes == 0
+    torch._dynamo.reset()
