@@ -174,7 +174,7 @@ class OffloadOptions:
         """The policy as reports print it: "auto", "all", "none", or the function's name."""
         if not callable(self.policy):
             return self.policy
-        return getattr(self.policy, "__qualname__", None) or type(self.policy).__qualname__
+        return getattr(self.policy, "__name__", None) or type(self.policy).__name__
 
     @classmethod
     def from_dict(cls, values: Mapping[str, Any] | None = None, **overrides: Any) -> OffloadOptions:
