@@ -52,3 +52,25 @@ def test_json_round_trip(gpt_report):
     again = OffloadReport.from_json(gpt_report.to_json())
     assert again == gpt_report
     assert again.table() == gpt_report.table() and again.summary() == gpt_report.summary()
+
+
+def test_json_carries_reason_codes_and_typed_decisions(gpt_report):
+    import json
+
+    from fxoffload.reasons import Action, ReasonCode
+
+    rows = json.loads(gpt_report.to_json())["saved"]
+    assert {r["decision"] for r in rows} <= {"offload", "keep", "recompute"}  # the strings, as before
+    codes = {r["reason_code"] for r in rows}
+    assert codes <= {c.value for c in ReasonCode} and {"static_input", "graph_input"} <= codes, codes
+    assert all(r["reason"] and r["reason_code"] for r in rows)
+    assert {r["module_path"] for r in rows} >= {"blocks.0.fc", "blocks.1.qkv"}
+    again = OffloadReport.from_json(gpt_report.to_json())
+    assert all(isinstance(r.decision, Action) for r in again.saved)
+    # JSON written before reason codes existed still loads, with empty codes.
+    for r in rows:
+        for key in ("reason_code", "module_path", "recompute_refused", "recompute_refused_code"):
+            del r[key]
+    old = json.loads(gpt_report.to_json())
+    old["saved"] = rows
+    assert [r.reason_code for r in OffloadReport.from_json(json.dumps(old)).saved] == [""] * len(rows)
