@@ -15,7 +15,9 @@ same model with the same seed; the first step's loss of every method is compared
 A step is forward + backward (no optimizer). GPU: peak allocated/reserved over the timed steps,
 median step time from CUDA events, throughput, bytes copied to/from the host and the achieved link
 GB/s from one profiled extra step. CPU: median step time, the first step's time (with the compile)
-and fxoffload's predicted peak; CPU figures are labelled CPU and say nothing about GPU memory.
+and fxoffload's predicted peak; CPU figures are labelled CPU and say nothing about GPU memory. Both:
+the measured peak of one extra step, bytes above what was live at its start (fxoffload.measure_memory;
+on a CPU, fxoffload's host buffers are left out).
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ COLUMNS = (  # (row key, header, format); columns with no value in any row are l
     ("throughput", "throughput", "{:,.0f}"),
     ("peak_alloc_MiB", "peak alloc MiB", "{:,.1f}"),
     ("peak_reserved_MiB", "peak reserved MiB", "{:,.1f}"),
+    ("measured_peak_MiB", "measured peak MiB (above start)", "{:,.2f}"),
     ("predicted_before_MiB", "predicted peak MiB (no offload)", "{:,.2f}"),
     ("predicted_after_MiB", "predicted peak MiB", "{:,.2f}"),
     ("offloaded_MiB", "offloaded MiB/step", "{:,.2f}"),

@@ -150,7 +150,7 @@ def prepare(
         if kind == "fxoffload-budget":
             options["memory_budget"] = method.budget
         backend = fxoffload.backend(**ctx.fxoffload_options(**options))
-        note = "offload_cpu=True: CPU copies, no memory saved" if not ctx.cuda else ""
+        note = "" if ctx.cuda else "offload_cpu=True: host copies are CPU tensors (left out of measured peak)"
         return Prepared(
             _step(torch.compile(model, backend=backend), batch, ctx),
             note,

@@ -4,6 +4,9 @@ GPU: peak allocated and reserved bytes over the timed steps (``reset_peak_memory
 warm-up), the median step time from CUDA events around each step, and, from one extra step under
 ``torch.profiler``, the bytes every host<->device copy moved and the time the copies took on the
 device (achieved link GB/s = bytes / copy time, per direction). CPU: median wall-clock step time.
+Both: the measured peak of one more step (``fxoffload.measure_memory``: bytes above what was live at
+its start, from the allocator; on a CPU fxoffload's host buffers are left out, while the host copies
+of save_on_cpu and streamed are ordinary CPU tensors there and count).
 Both: the first step's loss and wall time (compile included; reported apart, never in the median).
 """
 
@@ -115,11 +118,13 @@ def _measure(row, prepared, workload: Workload, ctx: Context, steps, warmup, see
     offloaded = prepared.offloaded_bytes()
     if offloaded is not None:
         row["offloaded_MiB"] = offloaded / MiB
+    measured = fxoffload.measure_memory(prepared.step)[ctx.device]
+    row["measured_peak_MiB"] = measured.peak_bytes / MiB
     if ctx.cuda:
         row.update(measure_copies(prepared.step))
     progress(
         f"    first step {row['first_step_s']:.2f} s, median step {row['step_ms']:.2f} ms, "
-        f"loss {row['loss']:.6f}"
+        f"loss {row['loss']:.6f}, measured peak {row['measured_peak_MiB']:.2f} MiB above the start"
     )
 
 

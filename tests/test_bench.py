@@ -38,6 +38,8 @@ def test_bench_smoke(tmp_path, capsys, restore_threads):
     assert all(r["loss_ok"] for r in rows.values())
     assert all(abs(r["loss"] - rows["eager"]["loss"]) < 1e-4 for r in rows.values())
     assert all(r["step_ms"] > 0 and r["throughput"] > 0 for r in rows.values())
+    # Every method's steady step is measured (on a CPU too).
+    assert all(r["measured_peak_MiB"] > 0 for r in rows.values())
     # fxoffload rows carry its prediction; offloading lowers it; the budget row says whether it was met.
     for name in ("fxoffload-all", "fxoffload-budget=0.5"):
         assert rows[name]["offloaded_MiB"] > 0
@@ -54,6 +56,7 @@ def test_bench_smoke(tmp_path, capsys, restore_threads):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     printed = capsys.readouterr().out
     assert "[7/7] intree ..." in printed and "fxoffload-budget=0.5" in printed
+    assert "measured peak MiB (above start)" in printed
 
 
 def test_parse_methods():
