@@ -181,8 +181,10 @@ def offload_pass(
     # Considered for a memory_budget, or when a policy function may ask for it (then at any size: the
     #    planner applies min_bytes to its own choices only). The refusals are kept on the decisions.
     asks = callable(options.policy)
-    if repartition is not None and (options.memory_budget is not None or asks) and options.partitioner == "min_cut":
-        recompute, why_not = recompute_options(fw, lifetimes, static, costs.rates, 0 if asks else options.min_bytes)
+    wanted = options.memory_budget is not None or asks
+    if repartition is not None and wanted and options.partitioner == "min_cut":
+        min_bytes = 0 if asks else options.min_bytes
+        recompute, why_not = recompute_options(fw, lifetimes, static, costs.rates, min_bytes)
         for name, reason in why_not.items():
             log.debug("fxoffload: cannot recompute %s: %s", name, reason)
     # 3. The plan: one decision and reason per saved tensor. With recomputation in it, it is a first

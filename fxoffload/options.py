@@ -141,13 +141,13 @@ class OffloadOptions:
                 hash(self.policy)
             except TypeError:
                 raise ValueError(
-                    f"fxoffload: policy={self.policy!r} is a callable that cannot be hashed; options are cache "
-                    "keys: pass a function, or an object with __hash__"
+                    f"fxoffload: policy={self.policy!r} is a callable that cannot be hashed; options are "
+                    "cache keys: pass a function, or an object with __hash__"
                 ) from None
         elif self.policy not in POLICIES:
             raise ValueError(
-                f"fxoffload: policy={self.policy!r} is not valid; choose one of: {', '.join(map(repr, POLICIES))}, "
-                "or a function of a saved tensor's TensorInfo"
+                f"fxoffload: policy={self.policy!r} is not valid; choose one of: "
+                f"{', '.join(map(repr, POLICIES))}, or a function of a saved tensor's TensorInfo"
             )
         patterns = self.offload_modules
         if isinstance(patterns, list):
@@ -197,7 +197,8 @@ class OffloadOptions:
 
     def replace(self, **changes: Any) -> OffloadOptions:
         # Not dataclasses.asdict: it deep-copies values, and a copied policy object is another key.
-        return OffloadOptions.from_dict({f.name: getattr(self, f.name) for f in dataclasses.fields(self)}, **changes)
+        values = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        return OffloadOptions.from_dict(values, **changes)
 
 
 def parse_budget(value: Any) -> int | float:

@@ -113,7 +113,9 @@ def ineligible_reason(t: SavedTensor, options: OffloadOptions, *, asked: bool = 
     if t.is_static_input:
         return Reason(C.STATIC_INPUT, "parameter or buffer (static input): it outlives the step anyway")
     if t.is_graph_input:
-        return Reason(C.GRAPH_INPUT, "graph input: its storage belongs to the caller, offloading it frees nothing")
+        return Reason(
+            C.GRAPH_INPUT, "graph input: its storage belongs to the caller, offloading it frees nothing"
+        )
     if t.is_user_output:
         return Reason(C.USER_OUTPUT, "returned to the caller: its storage stays alive")
     if t.shares_storage_with:
@@ -166,7 +168,9 @@ def plan_offloads(
         decisions = tuple(Decision(t, KEEP, disabled_reason) for t in saved)
         return OffloadPlan(decisions, label, disabled_reason.text, costs=costs)
     if not options.offload_cpu and all(d in ("cpu", "meta") for d in lifetimes.devices):
-        note = Reason(C.NO_ACCELERATOR, "no accelerator tensors in this graph; compiled unchanged (offload_cpu=False)")
+        note = Reason(
+            C.NO_ACCELERATOR, "no accelerator tensors in this graph; compiled unchanged (offload_cpu=False)"
+        )
         return OffloadPlan(tuple(Decision(t, KEEP, note) for t in saved), label, note.text, costs=costs)
 
     reasons: dict[str, Reason] = {}
@@ -210,7 +214,8 @@ def plan_offloads(
         if host_bytes_available is not None and used + t.nbytes > host_bytes_available:
             reasons[t.name] = Reason(
                 C.HOST_BUDGET,
-                f"{reasons[t.name].text}, but it stays on the device: {_host_budget_text(used, host_bytes_available)}",
+                f"{reasons[t.name].text}, but it stays on the device: "
+                + _host_budget_text(used, host_bytes_available),
             )
             continue
         if checker is not None:
@@ -249,11 +254,14 @@ def plan_offloads(
         # The budget never overrides a user's choice: what the user decided is no candidate.
         sizes = {t.name: t.nbytes for t in saved}
         candidates = {
-            n: o for n, o in (recompute or {}).items() if n not in asked.decided and sizes.get(n, 0) >= options.min_bytes
+            n: o
+            for n, o in (recompute or {}).items()
+            if n not in asked.decided and sizes.get(n, 0) >= options.min_bytes
         }
         fit = _fit_budget(
-            budget, saved, chosen, left, candidates, costs, options, host_bytes_available, used, asked.recomputes
-        )
+            budget, saved, chosen, left, candidates, costs, options, host_bytes_available, used,
+            asked.recomputes,
+        )  # fmt: skip
         extra, fit_peak = fit.offloads, fit.peak
         for t in extra:
             chosen.append(t)
@@ -280,7 +288,8 @@ def plan_offloads(
             )
     for name, users in _readers({n: o.sources for n, o in recomputed.items()}).items():
         if name in recomputed:  # a chain: rebuilt first, then what is recomputed from it
-            reasons[name] = Reason(reasons[name].code, f"{reasons[name].text}; then {', '.join(users)} recomputed from it")
+            then = f"; then {', '.join(users)} recomputed from it"
+            reasons[name] = Reason(reasons[name].code, reasons[name].text + then)
         else:
             kept = f"kept on the device: {', '.join(users)} recomputed from it"
             before = reasons.get(name)
@@ -356,7 +365,8 @@ def _user_choices(
         if t.name in sources:
             users = [n for n, o in out.recomputes.items() if t.name in o.sources]
             reasons[t.name] = Reason(
-                C.RECOMPUTE_SOURCE, f"{why.text}, but it stays on the device: {', '.join(users)} recomputed from it"
+                C.RECOMPUTE_SOURCE,
+                f"{why.text}, but it stays on the device: {', '.join(users)} recomputed from it",
             )
         else:
             out.offloads.append(t)
@@ -364,7 +374,10 @@ def _user_choices(
 
 
 def _host_budget_text(used: int, available: int) -> str:
-    return f"host_budget reached: {fmt_bytes(used)} of the {fmt_bytes(available)} left are taken by larger tensors"
+    return (
+        f"host_budget reached: {fmt_bytes(used)} of the {fmt_bytes(available)} left are taken by larger "
+        "tensors"
+    )
 
 
 def replan_after_recompute(
@@ -393,7 +406,9 @@ def replan_after_recompute(
     }
     for d in first.recomputed:
         if d.saved.name in now:
-            keep[d.saved.name] = Reason(C.STILL_SAVED, "tagged for recomputation, but torch's partitioner still saves it")
+            keep[d.saved.name] = Reason(
+                C.STILL_SAVED, "tagged for recomputation, but torch's partitioner still saves it"
+            )
     if first.memory_budget is not None:
         options = options.replace(memory_budget=first.memory_budget)
     refused = {d.saved.name: d.recompute_refused for d in first.decisions if d.recompute_refused is not None}

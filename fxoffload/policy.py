@@ -61,14 +61,14 @@ def user_choice(t: SavedTensor, options: OffloadOptions) -> tuple[Action, Reason
                 action = Action(asked)
             except ValueError:
                 raise ValueError(
-                    f"fxoffload: the policy function {options.policy_name} returned {asked!r} for saved tensor "
-                    f"{t.name} ({t.module_path or 'no module'}); return 'offload', 'keep', 'recompute', an "
-                    "fxoffload.reasons.Action, or None to let the planner decide"
+                    f"fxoffload: the policy function {options.policy_name} returned {asked!r} for saved "
+                    f"tensor {t.name} ({t.module_path or 'no module'}); return 'offload', 'keep', "
+                    "'recompute', an fxoffload.reasons.Action, or None to let the planner decide"
                 ) from None
-            return action, Reason(ReasonCode.USER_POLICY, f"the policy function {options.policy_name} asked to {action}")
+            why = f"the policy function {options.policy_name} asked to {action}"
+            return action, Reason(ReasonCode.USER_POLICY, why)
     pattern = matches(options.offload_modules, t.module_path)
     if pattern is not None:
-        return Action.OFFLOAD, Reason(
-            ReasonCode.USER_MODULE, f"produced by {t.module_path}, which matches offload_modules pattern {pattern!r}"
-        )
+        why = f"produced by {t.module_path}, which matches offload_modules pattern {pattern!r}"
+        return Action.OFFLOAD, Reason(ReasonCode.USER_MODULE, why)
     return None

@@ -90,9 +90,8 @@ class Reason:
         try:
             object.__setattr__(self, "code", ReasonCode(self.code))
         except ValueError:
-            raise ValueError(
-                f"fxoffload: unknown reason code {self.code!r}; codes are: {', '.join(c.value for c in ReasonCode)}"
-            ) from None
+            codes = ", ".join(c.value for c in ReasonCode)
+            raise ValueError(f"fxoffload: unknown reason code {self.code!r}; codes are: {codes}") from None
 
     def __str__(self) -> str:
         return self.text

@@ -137,7 +137,9 @@ def _why_not(t: SavedTensor, node: fx.Node | None, min_bytes: int) -> Reason | N
     if t.nbytes == 0 or t.nbytes < min_bytes:
         return Reason(C.MIN_BYTES, "below min_bytes")
     if must_save(node):
-        return Reason(C.MUST_SAVE, "tagged MUST_SAVE (a selective activation checkpointing policy or torch's partitioner)")
+        return Reason(
+            C.MUST_SAVE, "tagged MUST_SAVE (a selective activation checkpointing policy or torch's partitioner)"
+        )
     if node.target is operator.getitem:
         return Reason(C.MULTI_OUTPUT, "one output of a multi-output op (recomputing reruns the whole op)")
     if not is_compute(node):

@@ -116,8 +116,8 @@ class OffloadReport:
                 recomputed_from=", ".join(d.recompute.sources) if d.recompute is not None else "",
                 reason_code=d.reason.code.value,
                 module_path=d.saved.module_path,
-                recompute_refused=d.recompute_refused.text if d.recompute_refused is not None else "",
-                recompute_refused_code=d.recompute_refused.code.value if d.recompute_refused is not None else "",
+                recompute_refused=d.recompute_refused.text if d.recompute_refused else "",
+                recompute_refused_code=d.recompute_refused.code.value if d.recompute_refused else "",
             )
             for d in plan.decisions
         )
@@ -263,7 +263,8 @@ class OffloadReport:
     def from_json(cls, text: str) -> OffloadReport:
         data = json.loads(text)
         data["saved"] = tuple(
-            SavedRow(**{**r, "shape": tuple(r["shape"]), "decision": Action(r["decision"])}) for r in data["saved"]
+            SavedRow(**{**r, "shape": tuple(r["shape"]), "decision": Action(r["decision"])})
+            for r in data["saved"]
         )
         for key in ("memory_before", "memory_after"):
             if data[key] is not None:

@@ -77,7 +77,8 @@ def test_auto_keeps_tensors_needed_again_at_once():
     late = saved("last_layer", fw_compute_after=1, bw_compute_before=2)
     early = saved("first_layer", output_index=1)
     decisions = {d.saved.name: d for d in plan([late, early], policy="auto", prefetch=4).decisions}
-    assert decisions["first_layer"].decision == OFFLOAD and decisions["first_layer"].reason.code == "idle_window"
+    assert decisions["first_layer"].decision == OFFLOAD
+    assert decisions["first_layer"].reason.code == "idle_window"
     assert decisions["last_layer"].decision == KEEP and decisions["last_layer"].reason.code == "too_soon"
     assert "needed again too soon" in decisions["last_layer"].reason.text
     all_policy = {d.saved.name: d.decision for d in plan([late, early], policy="all").decisions}

@@ -60,18 +60,18 @@ def test_a_user_keep_is_not_overridden_by_memory_budget_either():
     from fxoffload.memory import MemoryPoint, MemoryTimeline
 
     rates = DeviceRates("test", d2h=1e6, h2d=1e6, flops=1e12, memory_bandwidth=1e12)
-    live = [(100 << 20) if 2 <= i <= 17 else 0 for i in range(20)]  # a and b, from their last use to their reload
-    points = tuple(MemoryPoint("forward" if i < 10 else "backward", f"n{i}", {"saved": live[i]}) for i in range(20))
-    costs = PlanCosts(rates, tuple(float(i) * 1e-6 for i in range(11)), tuple(float(i) * 1e-6 for i in range(11)),
-                      MemoryTimeline(points))  # fmt: skip
-    records = [saved("a", fw_last_use=1, bw_first_use=8), saved("b", output_index=1, fw_last_use=1, bw_first_use=8)]
+    live = [(100 << 20) if 2 <= i <= 17 else 0 for i in range(20)]  # a and b: last use to reload
+    phase = ["forward"] * 10 + ["backward"] * 10
+    points = tuple(MemoryPoint(phase[i], f"n{i}", {"saved": live[i]}) for i in range(20))
+    starts = tuple(float(i) * 1e-6 for i in range(11))
+    costs = PlanCosts(rates, starts, starts, MemoryTimeline(points))
+    records = [saved(n, output_index=i, fw_last_use=1, bw_first_use=8) for i, n in enumerate("ab")]
     lifetimes = GraphLifetimes(tuple(records), 10, 10, ("cuda",))
     option = {n: RecomputeOption(n, "mm", 1e-9, ()) for n in ("a", "b")}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)  # 1 KiB cannot be reached
-        p = plan_offloads(
-            lifetimes, OffloadOptions(policy=_by_name(a="keep"), memory_budget="1KiB"), costs=costs, recompute=option
-        )
+        options = OffloadOptions(policy=_by_name(a="keep"), memory_budget="1KiB")
+        p = plan_offloads(lifetimes, options, costs=costs, recompute=option)
     d = {x.saved.name: x for x in p.decisions}
     assert d["a"].decision == "keep" and d["a"].reason.code == "user_policy"
     assert d["b"].decision != "keep", "the budget acts on the tensor the user left to it"
@@ -87,31 +87,38 @@ def test_a_user_offload_overrides_min_bytes_not_the_hard_rules():
     d = _plan(records, policy=lambda t: "offload")
     assert d["small"].decision == "offload" and d["small"].reason.code == "user_policy"
     assert d["soon"].decision == "offload", "auto's window rule is the planner's judgement, not a hard rule"
-    for name, code, why in (("ret", "user_output", "returned to the caller"), ("param", "static_input", "parameter")):
+    refused = (("ret", "user_output", "returned to the caller"), ("param", "static_input", "parameter"))
+    for name, code, why in refused:
         assert d[name].decision == "keep" and d[name].reason.code == code
-        assert d[name].reason.text.startswith("the policy function <lambda> asked to offload, but it stays on the device: ")
+        prefix = "the policy function <lambda> asked to offload, but it stays on the device: "
+        assert d[name].reason.text.startswith(prefix)
         assert why in d[name].reason.text
 
 
 def test_user_offloads_take_the_host_budget_first():
     records = [saved("mine", nbytes=2 << 20), saved("big", nbytes=8 << 20, output_index=1),
                saved("late", nbytes=4 << 20, output_index=2)]  # fmt: skip
-    d = _plan(records, host_bytes_available=10 << 20, policy=_by_name(mine="offload", late="offload"), min_bytes=0)
+    mine = _by_name(mine="offload", late="offload")
+    d = _plan(records, host_bytes_available=10 << 20, policy=mine, min_bytes=0)
     assert d["late"].decision == d["mine"].decision == "offload"
     assert d["big"].decision == "keep" and d["big"].reason.code == "host_budget"
-    d = _plan(records, host_bytes_available=5 << 20, policy=_by_name(mine="offload", late="offload"))
+    d = _plan(records, host_bytes_available=5 << 20, policy=mine)
     assert d["late"].decision == "offload"
     assert d["mine"].decision == "keep" and d["mine"].reason.code == "host_budget"
-    assert "asked to offload, but it stays on the device: host_budget reached: 4.0 MiB of the 5.0 MiB" in d["mine"].reason.text
+    text = "asked to offload, but it stays on the device: host_budget reached: 4.0 MiB of the 5.0 MiB"
+    assert text in d["mine"].reason.text
 
 
 def test_a_user_recompute_needs_a_recompute_option():
     option = RecomputeOption("a", "mm", 1e-6, ("src",))
     refusal = fxoffload.reasons.Reason("random_op", "random op: recomputing would draw different numbers")
-    records = [saved("a"), saved("b", output_index=1), saved("c", output_index=2), saved("src", output_index=3)]
-    d = _plan(records, {"a": option}, {"b": refusal}, policy=lambda t: "recompute" if t.name in "abc" else None)
-    assert d["a"].decision == "recompute" and d["a"].recompute is option and d["a"].reason.code == "user_policy"
-    assert d["b"].decision == "keep" and d["b"].reason.code == "random_op" and d["b"].recompute_refused is refusal
+    records = [saved(n, output_index=i) for i, n in enumerate(("a", "b", "c", "src"))]
+    asks = _by_name(a="recompute", b="recompute", c="recompute")
+    d = _plan(records, {"a": option}, {"b": refusal}, policy=asks)
+    assert d["a"].decision == "recompute" and d["a"].recompute is option
+    assert d["a"].reason.code == "user_policy"
+    assert d["b"].decision == "keep" and d["b"].reason.code == "random_op"
+    assert d["b"].recompute_refused is refusal
     assert "asked to recompute, but it stays on the device: random op" in d["b"].reason.text
     assert d["c"].decision == "keep" and d["c"].reason.code == "user_recompute_unavailable"
     # What it is rebuilt from stays on the device, whatever auto would have done.
@@ -120,21 +127,28 @@ def test_a_user_recompute_needs_a_recompute_option():
 
 
 def test_offload_modules_and_a_function_together():
-    records = [saved("fc", module_path="blocks.0.mlp.fc"), saved("qkv", module_path="blocks.0.attn.qkv", output_index=1),
-               saved("top", output_index=2)]  # fmt: skip
+    records = [
+        saved("fc", module_path="blocks.0.mlp.fc"),
+        saved("qkv", module_path="blocks.0.attn.qkv", output_index=1),
+        saved("top", output_index=2),
+    ]
     d = _plan(records, offload_modules=("*.mlp.*",), policy=_by_name(fc="keep"), min_bytes="1GiB")
     assert d["fc"].decision == "keep" and d["fc"].reason.code == "user_policy"  # the function comes first
     assert d["qkv"].decision == "keep" and d["qkv"].reason.code == "min_bytes"
     d = _plan(records, offload_modules=("*.mlp.*", "*.qkv"), min_bytes="1GiB")
     assert d["fc"].reason.code == d["qkv"].reason.code == "user_module"
-    assert d["fc"].reason.text == "produced by blocks.0.mlp.fc, which matches offload_modules pattern '*.mlp.*'"
+    why = "produced by blocks.0.mlp.fc, which matches offload_modules pattern '*.mlp.*'"
+    assert d["fc"].reason.text == why
     assert d["top"].decision == "keep", "no module path matches no pattern"
 
 
 @pytest.mark.parametrize("returned", ["Offload", 1, True, "all"])
 def test_a_policy_returning_something_else_raises(returned):
-    with pytest.raises(ValueError, match=rf"the policy function <lambda> returned {returned!r} for saved tensor t "
-                                         r"\(no module\); return 'offload', 'keep', 'recompute'"):  # fmt: skip
+    message = (
+        rf"the policy function <lambda> returned {re.escape(repr(returned))} for saved tensor t "
+        r"\(no module\); return 'offload', 'keep', 'recompute'"
+    )
+    with pytest.raises(ValueError, match=message):
         _plan([saved()], policy=lambda t: returned)
 
 
@@ -241,7 +255,8 @@ def test_llama_offload_modules_offloads_exactly_the_matching_tensors():
     assert len(matching) >= 8, report.table()  # gate, up and down projections of both layers
     assert {r.name for r in report.offloaded} == matching, report.table()
     assert {r.reason_code for r in report.offloaded} == {"user_module"}
-    assert {r.module_path for r in report.offloaded} >= {"model.layers.0.mlp.down_proj", "model.layers.1.mlp.up_proj"}
+    paths = {r.module_path for r in report.offloaded}
+    assert {"model.layers.0.mlp.down_proj", "model.layers.1.mlp.up_proj"} <= paths
     torch._dynamo.reset()
     _hf_train(model, ids, spy)
     by_path = {t.module_path: t for t in seen if t.producer == "mm"}
