@@ -176,3 +176,12 @@ def test_a_recompute_chain_holds_its_source_from_when_the_next_link_is_rebuilt()
     # Without its reader recomputed, mm keeps its own interval.
     alone = _recompute_ends({"mm": options["mm"]}, {"mm": mm}, fw_points)
     assert alone["mm"] == fw_points + 15 - 1
+
+
+def test_every_reason_code_is_documented():
+    from pathlib import Path
+
+    guide = (Path(__file__).parent.parent / "docs" / "user-guide.md").read_text()
+    section = guide.split("## Reason codes", 1)[1].split("\n## ", 1)[0]
+    missing = [c.value for c in ReasonCode if f"`{c.value}`" not in section]
+    assert not missing, f"add these codes to the table in docs/user-guide.md: {missing}"
