@@ -1,6 +1,9 @@
 """Inductor's CUDA lowering, on a machine without a GPU: the wrapper code fxoffload's graphs become
 on CUDA (padding included), traced with fake tensors (see fxoffload/_cuda_codegen.py)."""
 
+import ast
+import inspect
+
 import pytest
 import torch
 import torch.nn as nn
@@ -53,3 +56,33 @@ def test_cuda_code_keeps_kernels_between_copies_and_waits():
                 assert got[p.key].kernels_between >= 1 and got[p.key].issued_before_kernel, (kind, got[p.key], p)
                 scheduled += 1
     assert scheduled > 0
+
+
+def test_cuda_codegen_touches_no_private_torch_api():
+    """Private torch pieces live in fxoffload/_compat.py, so a torch upgrade is one file's work."""
+    cuda_codegen = pytest.importorskip("fxoffload._cuda_codegen")
+    tree = ast.parse(inspect.getsource(cuda_codegen))
+    private = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.level == 0:
+            private += [node.module] if node.module.startswith("torch") and "._" in node.module else []
+        elif isinstance(node, ast.Import):
+            private += [a.name for a in node.names if a.name.startswith("torch") and "._" in a.name]
+        elif isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__"):
+            private.append(ast.unparse(node))  # torch._inductor, module._parameters, ...
+    assert private == [], private
+
+
+def test_a_missing_torch_piece_says_which_and_undoes_the_others(monkeypatch):
+    cuda_codegen = pytest.importorskip("fxoffload._cuda_codegen")
+    real = torch.cuda.is_available, torch.cuda.get_device_properties
+    monkeypatch.delattr("torch._inductor.scheduler.has_triton")  # as on a torch without it
+    model = _mlp(64)
+    with pytest.raises(NotImplementedError) as e:
+        cuda_codegen.cuda_wrapper_code(model, (torch.randn(8, 64),), fxoffload.backend(**OPTIONS))
+    assert str(e.value) == (
+        f"cuda lowering unavailable on torch {torch.__version__}: torch._inductor.scheduler.has_triton is missing"
+    )
+    # The pieces patched before it (the fake device among them) were undone, the model is untouched.
+    assert (torch.cuda.is_available, torch.cuda.get_device_properties) == real
+    assert {p.device.type for p in model.parameters()} == {"cpu"}
