@@ -57,6 +57,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help=f"a built-in example ({', '.join(EXAMPLES)}) or FILE.py:FUNCTION returning (model, args)")  # fmt: skip
     ex.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
     ex.add_argument("--policy", default="auto", choices=POLICIES)
+    ex.add_argument("--offload-module", action="append", default=[], metavar="PATTERN",
+                    help="offload what modules matching this fnmatch pattern produce, e.g. '*.mlp.*' (repeatable)")  # fmt: skip
     ex.add_argument("--min-bytes", type=_size, default=None, help="e.g. 1MiB (default: the backend's, 1 MiB)")
     ex.add_argument("--budget", type=_budget, default=None,
                     help="memory budget for the predicted peak: a size (12GiB) or a fraction (0.6) of the peak")  # fmt: skip
@@ -87,6 +89,8 @@ def main(argv: list[str] | None = None) -> int:
             options[key] = getattr(args, key)
     if args.budget is not None:
         options.update(memory_budget=args.budget, strict=args.strict)
+    if args.offload_module:
+        options["offload_modules"] = tuple(args.offload_module)
     try:
         reports = explain(model, *inputs, **options)
     except ValueError as e:

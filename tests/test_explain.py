@@ -82,6 +82,19 @@ def test_cli_explain(tmp_path):
         assert picture.read_bytes().startswith(b"\x89PNG")
 
 
+def test_cli_offload_module_patterns(tmp_path):
+    out = tmp_path / "r.json"
+    result = _cli("explain", "--model", "gpt", "--offload-cpu", "--inner", "aot_eager", "--min-bytes", "1GiB",
+                  "--offload-module", "blocks.0.*", "--offload-module", "*.fc", "--json", str(out))  # fmt: skip
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "offload     [user_module] produced by blocks.0.qkv, which matches" in result.stdout
+    (report,) = load_reports(str(out))
+    paths = {r.name: r.module_path for r in report.saved}
+    matching = {n for n, p in paths.items() if p.startswith("blocks.0.") or p.endswith(".fc")}
+    asked = {r.name for r in report.saved if r.reason_code == "user_module"}
+    assert asked and {r.name for r in report.offloaded} == asked <= matching, report.table()
+
+
 def test_cli_user_factory(tmp_path):
     factory = tmp_path / "mine.py"
     factory.write_text(
