@@ -10,7 +10,7 @@ import logging
 
 from . import ops
 from .backend import OffloadBackend, backend, fxoffload_backend, offload_pass, reports
-from .explain import explain
+from .explain import explain, explain_and_measure
 from .lifetimes import SavedTensor, analyze_saved_tensors
 from .memory import MemoryTimeline, simulate
 from .measure import DeviceMemory, MeasuredMemory, measure_memory, track_cpu_frees
@@ -35,6 +35,7 @@ __all__ = [
     "analyze_saved_tensors",
     "backend",
     "explain",
+    "explain_and_measure",
     "fxoffload_backend",
     "measure_memory",
     "host_pool_stats",

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from .explain import explain
+from .explain import explain, explain_and_measure
 from .models import EXAMPLES, example
 from .options import POLICIES, parse_budget, parse_bytes
 from .report import save_reports
@@ -69,6 +69,8 @@ def build_parser() -> argparse.ArgumentParser:
     ex.add_argument("--offload-cpu", action="store_true", help="offload CPU tensors (machines without a GPU)")
     ex.add_argument("--inner", default="inductor", choices=("inductor", "aot_eager"))
     ex.add_argument("--calibrate", action="store_true", help="time the ops on the device instead of modelling them")
+    ex.add_argument("--measure", action="store_true",
+                    help="run steady training steps and show the measured peak beside the predicted one")  # fmt: skip
     ex.add_argument("--plot", metavar="FILE", help="write the memory picture (PNG or SVG; needs matplotlib)")
     ex.add_argument("--json", metavar="FILE", help="write the reports as JSON")
     return parser
@@ -91,8 +93,12 @@ def main(argv: list[str] | None = None) -> int:
         options.update(memory_budget=args.budget, strict=args.strict)
     if args.offload_module:
         options["offload_modules"] = tuple(args.offload_module)
+    measured = None
     try:
-        reports = explain(model, *inputs, **options)
+        if args.measure:
+            reports, measured = explain_and_measure(model, *inputs, **options)
+        else:
+            reports = explain(model, *inputs, **options)
     except ValueError as e:
         raise SystemExit(str(e)) from None
     if not reports:
@@ -100,6 +106,8 @@ def main(argv: list[str] | None = None) -> int:
     for report in reports:
         print(report.summary(), "\n")
         print(report.table(), "\n")
+    if measured is not None:
+        _print_measured(measured[device], reports, model, inputs)
     if device == "cpu" and not args.offload_cpu:
         print("note: on CPU nothing is offloaded unless --offload-cpu is given")
     if args.json:
@@ -114,6 +122,21 @@ def main(argv: list[str] | None = None) -> int:
             raise SystemExit(f"fxoffload: --plot: {e}") from None
         print(f"wrote {args.plot}" + (" (graph 0 of several)" if len(reports) > 1 else ""))
     return 0
+
+
+def _print_measured(measured, reports, model, inputs) -> None:
+    from .plan import fmt_bytes
+
+    where = "CPU, fxoffload's host buffers left out" if measured.device == "cpu" else measured.device
+    print(f"measured, one steady step ({where}):\n  {measured.summary()}")
+    if reports:
+        tensors = [*(model.parameters() if isinstance(model, torch.nn.Module) else ()),
+                   *(model.buffers() if isinstance(model, torch.nn.Module) else ()),
+                   *(a for a in inputs if isinstance(a, torch.Tensor))]  # fmt: skip
+        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
+        start, predicted = sum(storages.values()), max(r.predicted_peak_after for r in reports)
+        print(f"  predicted peak with fxoffload: {fmt_bytes(predicted)}, {fmt_bytes(predicted - start)} "
+              f"above the {fmt_bytes(start)} of parameters, buffers and inputs live at the start")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -172,3 +172,34 @@ def test_inductor_step_is_reproducible():
     # Not less than the largest tensor a step makes: the 128x256 fp32 hidden activations (128 KiB).
     assert runs[0].peak_bytes >= 128 * 256 * 4 and runs[0].end_bytes == 0
     torch._dynamo.reset()
+
+
+def test_explain_and_measure_restores_the_model():
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 1))
+    x = torch.randn(128, 64)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    reports, measured = fxoffload.explain_and_measure(
+        model, x, offload_cpu=True, policy="all", min_bytes=0, inner="aot_eager"
+    )
+    assert len(reports) == 1 and reports[0].offloaded_bytes > 0
+    # Steady: nothing left behind by the step, and at least the 128x256 hidden activations were live.
+    assert measured.cpu.end_bytes == 0 and measured.cpu.peak_bytes >= 128 * 256 * 4
+    assert all(p.grad is None for p in model.parameters())
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    torch._dynamo.reset()
+
+
+def test_cli_explain_measure(capsys):
+    from fxoffload.__main__ import main
+
+    torch._dynamo.reset()
+    argv = ["explain", "--model", "gpt", "--device", "cpu", "--offload-cpu", "--policy", "all",
+            "--min-bytes", "16KiB", "--inner", "aot_eager", "--measure"]  # fmt: skip
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "measured, one steady step (CPU, fxoffload's host buffers left out):\n  cpu: peak " in out
+    assert "  predicted peak with fxoffload: " in out
+    assert "of parameters, buffers and inputs live at the start" in out
+    torch._dynamo.reset()
