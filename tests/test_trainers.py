@@ -14,6 +14,7 @@ MISSING = "{} is not installed (pip install -c constraints.txt -e '.[test]')"
 transformers = pytest.importorskip("transformers", reason=MISSING.format("transformers"))
 accelerate = pytest.importorskip("accelerate", reason=MISSING.format("accelerate"))
 peft = pytest.importorskip("peft", reason=MISSING.format("peft"))
+safetensors_torch = pytest.importorskip("safetensors.torch", reason=MISSING.format("safetensors"))
 
 VOCAB, SEQ, BATCH, STEPS = 128, 16, 2, 3
 
@@ -51,18 +52,21 @@ def offloaded(backend) -> int:
     return len(report.offloaded)
 
 
+def trainer(model, out, remove_unused_columns=False):
+    args = transformers.TrainingArguments(
+        output_dir=out, per_device_train_batch_size=BATCH, max_steps=STEPS, logging_steps=1,
+        learning_rate=1e-3, seed=0, use_cpu=True, report_to=[], save_strategy="no", disable_tqdm=True,
+        torch_compile=False, remove_unused_columns=remove_unused_columns,
+    )  # fmt: skip
+    rows = [{"input_ids": x, "labels": x} for x in token_ids()]
+    return transformers.Trainer(model=model, args=args, train_dataset=rows)
+
+
 def train_with_trainer(backend, remove_unused_columns=False):
-    model = torch.compile(llama(), backend=backend)
     with tempfile.TemporaryDirectory() as out:
-        args = transformers.TrainingArguments(
-            output_dir=out, per_device_train_batch_size=BATCH, max_steps=STEPS, logging_steps=1,
-            learning_rate=1e-3, seed=0, use_cpu=True, report_to=[], save_strategy="no", disable_tqdm=True,
-            torch_compile=False, remove_unused_columns=remove_unused_columns,
-        )  # fmt: skip
-        rows = [{"input_ids": x, "labels": x} for x in token_ids()]
-        trainer = transformers.Trainer(model=model, args=args, train_dataset=rows)
-        trainer.train()
-    return torch.tensor([log["loss"] for log in trainer.state.log_history if "loss" in log])
+        hf_trainer = trainer(torch.compile(llama(), backend=backend), out, remove_unused_columns)
+        hf_trainer.train()
+    return torch.tensor([log["loss"] for log in hf_trainer.state.log_history if "loss" in log])
 
 
 def test_hf_trainer_gives_inductor_losses():
@@ -79,6 +83,24 @@ def test_hf_trainer_drops_every_column_of_a_compiled_model_unless_told_not_to():
     # The compiled module's forward is (*args, **kwargs): Trainer finds no named input to keep.
     with pytest.raises(ValueError, match="batch received was empty.*args,kwargs"):
         train_with_trainer("eager", remove_unused_columns=True)
+
+
+def test_hf_trainer_saves_a_compiled_model_under_prefixed_keys(tmp_path):
+    # Trainer.save_model takes the state dict of the module it was given: the compiled wrapper's keys
+    # start with "_orig_mod.", which from_pretrained does not recognise. Saving the module that was
+    # compiled writes the usual keys.
+    model = llama()
+    hf_trainer = trainer(torch.compile(model, backend="eager"), tmp_path / "run")
+    hf_trainer.train()
+    hf_trainer.save_model(tmp_path / "trainer")
+    keys = safetensors_torch.load_file(tmp_path / "trainer" / "model.safetensors").keys()
+    assert keys and all(k.startswith("_orig_mod.") for k in keys), sorted(keys)
+    model.save_pretrained(tmp_path / "model")
+    loaded = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "model")
+    trained = model.state_dict()
+    assert loaded.state_dict().keys() == trained.keys()
+    for name, value in loaded.state_dict().items():
+        torch.testing.assert_close(value, trained[name], rtol=0, atol=0, msg=name)
 
 
 def test_hf_trainer_rejects_the_backend_name():
