@@ -4,8 +4,14 @@ Compute time of a node is the larger of its FLOPs at the device's rate (torch's 
 ``torch.utils.flop_counter``, called on the fake values' shapes, so nothing runs) and the bytes it
 reads and writes at the device's memory bandwidth, plus a launch overhead. Views, getitems and the
 transfer ops themselves cost nothing. Fusion is not modelled: a chain of pointwise ops that Inductor
-fuses into one kernel is charged for every intermediate, so compute windows are over-, not under-
-estimated for memory-bound code and the planner stays on the safe side for matmul-bound code.
+fuses into one kernel is charged for every intermediate, so a window of memory-bound code is
+over-estimated, which is the unsafe direction (a copy predicted hidden behind it may not be).
+
+On a CPU (``offload_cpu=True``) the figures are fixed and at the fast end on purpose (``CPU_RATES``):
+predicted windows come out short rather than long, so what policy="auto" calls hidden is. A
+measured probe was tried and dropped: with two OpenMP threads on two shared cores, an add that takes
+0.06 ms alone took 16 ms whenever another process held a core (docs/results.md, "Overlap"), and a
+plan priced from that hides nothing.
 
 Host link bandwidth is per direction: the ``bandwidth`` option, else a measurement (a small pinned
 copy each way on the graph's own device, once per device and process, only when a plan needs it), else
@@ -40,12 +46,19 @@ class DeviceRates:
     d2h: float  # host link, device to host, bytes/s
     h2d: float  # host link, host to device, bytes/s
     launch: float = 5e-6  # seconds per kernel launch
+    # Slack a copy must leave to be called hidden: it must fit its window at (1 + copy_margin) times
+    # its predicted time, and its wait goes where that longer copy would be done. For the noise the
+    # model does not see: on a CPU, other processes, OpenMP threads and the copy threads share cores.
+    copy_margin: float = 0.0
 
     def __post_init__(self) -> None:
         for field in ("flops", "memory_bandwidth", "d2h", "h2d"):
             value = getattr(self, field)
             if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"fxoffload: device rate {field} must be a positive number, got {value!r}")
+        margin = self.copy_margin
+        if not isinstance(margin, (int, float)) or isinstance(margin, bool) or not 0 <= margin < float("inf"):
+            raise ValueError(f"fxoffload: device rate copy_margin must be a number >= 0, got {margin!r}")
 
 
 # Achieved (not datasheet) rates; the host link figures are placeholders replaced by a measurement.
@@ -58,7 +71,10 @@ _KNOWN_GPUS = {
 }
 _DEFAULT_GPU = (100e12, 0.8e12)
 _DEFAULT_LINK = 20e9  # PCIe Gen4-class, per direction, when nothing was measured
-CPU_RATES = DeviceRates("cpu", flops=1e11, memory_bandwidth=2e10, d2h=1e10, h2d=1e10, launch=2e-6)
+# A CPU. ``flops`` is the half-precision figure like a GPU's, so float32 runs at 1e11 FLOP/s (what
+# two x86 cores reach; with flops=1e11 float32 matmuls were priced at 1e10, 4-5x slower than measured).
+# Kernel overheads (Inductor's wrapper, OpenMP fork and join) are left out: compute is under-estimated.
+CPU_RATES = DeviceRates("cpu", flops=1e12, memory_bandwidth=2e10, d2h=1e10, h2d=1e10, launch=2e-6)
 
 # float32 matmuls without TF32 run on the CUDA cores: a fraction of the half-precision rate.
 _DTYPE_FACTOR = {torch.float32: 0.1, torch.float64: 0.02}

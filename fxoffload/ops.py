@@ -351,7 +351,7 @@ class CopyEngineStats:
     copies: dict[str, int]
     bytes: dict[str, int]
     wait_seconds: dict[str, float]  # time the compute thread spent blocked in ``wait`` on a copy
-    copy_seconds: dict[str, float]  # time the copy threads spent on copies (throttling included)
+    copy_seconds: dict[str, float]  # link time of the copies waited on: from their start on the link to done
 
 
 class _CopyJob:
@@ -365,7 +365,7 @@ class _CopyJob:
     """
 
     __slots__ = ("direction", "src", "src_ptr", "src_ref", "staging", "nbytes", "bandwidth", "done", "error",
-                 "seconds")  # fmt: skip
+                 "seconds", "claim", "start", "ready_at", "copied_at")  # fmt: skip
 
     def __init__(self, direction: str, src: torch.Tensor, staging: torch.Tensor, bandwidth: float) -> None:
         self.direction = direction
@@ -378,6 +378,10 @@ class _CopyJob:
         self.done = threading.Event()
         self.error: BaseException | None = None
         self.seconds = 0.0
+        self.claim = threading.Lock()  # taken by whichever thread copies the bytes: the copy thread or the wait
+        # The link's clock (perf_counter seconds), set at submit: when the copy starts on the link and
+        # when the link is done with it; ``copied_at`` is when its bytes were really copied.
+        self.start = self.ready_at = self.copied_at = 0.0
 
 
 class CopyEngine:
@@ -385,11 +389,20 @@ class CopyEngine:
 
     With ``bandwidth`` > 0 (bytes/s) a copy takes at least ``nbytes / bandwidth`` seconds from when
     the link is free: the link's speed is chosen, so overlap is measured with a known link.
+
+    The link keeps its own clock, as a DMA engine would: a copy starts when it is issued or when the
+    copy before it ends, and is done ``nbytes / bandwidth`` later (or once its bytes are copied, if
+    that is later). The thread only copies the bytes, and a wait that finds them not yet taken copies
+    them itself; the wait then holds the compute thread until the link is done. Copy threads that
+    slept through the link time, and a wait that waited for a copy thread to be scheduled, put the
+    operating system's scheduling on the critical path: on two busy cores that was milliseconds a
+    copy, time the link model (and a GPU's copy engine) does not have (docs/results.md, "Overlap").
     """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._queues: dict[str, queue.SimpleQueue[_CopyJob]] = {}
+        self._link_free = {D2H: 0.0, H2D: 0.0}  # when each direction's link finishes its queued copies
         self._stats = self._zero()
 
     @staticmethod
@@ -404,31 +417,40 @@ class CopyEngine:
                 threading.Thread(target=self._run, args=(q,), name=f"fxoffload-{job.direction}", daemon=True).start()
             self._stats.copies[job.direction] += 1
             self._stats.bytes[job.direction] += job.nbytes
+            job.start = max(time.perf_counter(), self._link_free[job.direction])
+            job.ready_at = job.start + (job.nbytes / job.bandwidth if job.bandwidth > 0 else 0.0)
+            self._link_free[job.direction] = job.ready_at
         q.put(job)
 
     def _run(self, q: queue.SimpleQueue[_CopyJob]) -> None:
-        link_free = 0.0
         while True:
             job = q.get()
-            start = max(time.perf_counter(), link_free)
-            try:
-                with torch.no_grad():
-                    _span(job.staging).copy_(_span(job.src))  # type: ignore[arg-type]
-            except BaseException as e:  # reported at the wait, on the compute thread
-                job.error = e
-            job.src = None  # from here on only the graph keeps the source alive
-            if job.bandwidth > 0:
-                link_free = start + job.nbytes / job.bandwidth
-                delay = link_free - time.perf_counter()
-                if delay > 0:
-                    time.sleep(delay)
-            job.seconds = time.perf_counter() - start
-            job.done.set()
+            if job.claim.acquire(blocking=False):  # else its wait copied it already
+                self._copy(job)
             del job  # the wait holds the job from here on; a finished one must not outlive it
+
+    @staticmethod
+    def _copy(job: _CopyJob) -> None:
+        try:
+            with torch.no_grad():
+                _span(job.staging).copy_(_span(job.src))  # type: ignore[arg-type]
+        except BaseException as e:  # reported at the wait, on the compute thread
+            job.error = e
+        job.src = None  # from here on only the graph keeps the source alive
+        job.copied_at = time.perf_counter()
+        job.done.set()
 
     def wait(self, job: _CopyJob) -> None:
         t0 = time.perf_counter()
+        if job.claim.acquire(blocking=False):  # its copy thread has not got to it yet
+            self._copy(job)
         job.done.wait()
+        ready = max(job.ready_at, job.copied_at)
+        delay = ready - time.perf_counter()
+        if delay > 0:  # the link is still busy with it
+            time.sleep(delay)
+        # The link's time: a throttled copy whose bytes were copied late (no one waited) took no longer.
+        job.seconds = (job.ready_at if job.bandwidth > 0 else job.copied_at) - job.start
         waited = time.perf_counter() - t0
         with self._lock:
             self._stats.wait_seconds[job.direction] += waited

@@ -12,6 +12,8 @@ import dataclasses
 import warnings
 from collections.abc import Mapping, Sequence
 
+import torch.fx as fx
+
 from .cost import DeviceRates
 from .host_memory import size_class
 from .lifetimes import GraphLifetimes, SavedTensor
@@ -20,7 +22,9 @@ from .options import OffloadOptions
 from .policy import user_choice
 from .reasons import Action, Reason, ReasonCode
 from .recompute import RecomputeOption
-from .schedule import HiddenSetChecker, TransferTiming, _MinTree, copy_seconds, schedule_transfers, windows
+from .schedule import (
+    HiddenSetChecker, TransferTiming, _MinTree, copy_seconds, padded_copy_seconds, schedule_transfers, windows,
+)
 
 # The old string constants, kept as names: each equals its string ("offload", ...).
 OFFLOAD = Action.OFFLOAD
@@ -50,6 +54,9 @@ class PlanCosts:
     bw_starts: tuple[float, ...]
     baseline: MemoryTimeline | None = None  # predicted memory without offloading, for memory_budget
     calibrated: int = 0  # nodes whose time was measured (option calibrate) rather than modelled
+    # Scratch bytes ops allocate while they run (temporaries.py), by node of this pair; the memory
+    # model adds them at the node's point. Empty where they were not measured.
+    temporaries: Mapping[fx.Node, int] = dataclasses.field(default_factory=dict, compare=False, repr=False)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -227,13 +234,15 @@ def plan_offloads(
             reasons[t.name] = Reason(C.HOST_BUDGET, _host_budget_text(used, host_bytes_available))
             continue
         if checker is not None and not checker.try_add(t):
-            d2h, h2d = copy_seconds(t, costs.rates)
+            d2h, h2d = padded_copy_seconds(t, costs.rates)
             fw_window, bw_window = windows(t, costs.fw_starts, costs.bw_starts)
+            margin = costs.rates.copy_margin
             reasons[t.name] = Reason(
                 C.NOT_HIDDEN,
                 f"its copies cannot be hidden: {_ms(d2h)} out in {_ms(fw_window)} of forward compute after "
                 f"its last use, {_ms(h2d)} back in {_ms(bw_window)} of backward compute before its first "
-                "use, sharing the link with the tensors already chosen",
+                "use, sharing the link with the tensors already chosen"
+                + (f" (copy times with the device's {margin:.0%} margin)" if margin else ""),
             )
             left.append(t)
             continue

@@ -58,6 +58,12 @@ def copy_seconds(t: SavedTensor, rates: DeviceRates) -> tuple[float, float]:
     return t.nbytes / rates.d2h, t.nbytes / rates.h2d
 
 
+def padded_copy_seconds(t: SavedTensor, rates: DeviceRates) -> tuple[float, float]:
+    """The copy times a plan keeps room for: ``copy_seconds`` times (1 + ``rates.copy_margin``)."""
+    d2h, h2d = copy_seconds(t, rates)
+    return d2h * (1 + rates.copy_margin), h2d * (1 + rates.copy_margin)
+
+
 def windows(t: SavedTensor, fw_starts: Sequence[float], bw_starts: Sequence[float]) -> tuple[float, float]:
     release = fw_starts[t.fw_last_use + 1]
     return fw_starts[-1] - release, bw_starts[max(t.bw_first_use, 0)]
@@ -77,6 +83,9 @@ def schedule_transfers(
     be hidden) trade time for memory in both directions: their forward wait comes right after their
     last use, and their reload is issued just before their first use. The compute stream pauses
     for those copies, which is the price of holding their memory for the shortest time.
+
+    Waits and reloads are placed for copies ``rates.copy_margin`` longer than predicted
+    (``padded_copy_seconds``), the stall is predicted with the copies' own times.
     """
     n_fw = len(fw_starts) - 1
     # First pass, no stalls: when would each copy be done, and so where does its wait go?
@@ -84,7 +93,7 @@ def schedule_transfers(
     wait_node: dict[str, int] = {}
     by_release = sorted(chosen, key=lambda t: (t.fw_last_use, t.output_index))
     for t in by_release:
-        d2h, _ = copy_seconds(t, rates)
+        d2h, _ = padded_copy_seconds(t, rates)
         link = end = max(fw_starts[t.fw_last_use + 1], link) + d2h
         j = t.fw_last_use + 1
         if t.name not in wait_at_once:
@@ -116,6 +125,7 @@ def schedule_transfers(
     order = sorted(chosen, key=lambda t: (t.bw_first_use, t.output_index))
     need = [bw_starts[max(t.bw_first_use, 0)] for t in order]
     dur = [copy_seconds(t, rates)[1] for t in order]
+    padded = [padded_copy_seconds(t, rates)[1] for t in order]
     # As late as possible, latest deadline first, each ending before the next one starts.
     issue = [0.0] * len(order)
     next_start = math.inf
@@ -124,7 +134,7 @@ def schedule_transfers(
             issue[i] = need[i]  # just in time for its use: it stalls by its copy time
             continue
         end = min(need[i], next_start)
-        issue[i] = end - dur[i]
+        issue[i] = end - padded[i]
         next_start = issue[i]
     for i in range(len(order)):
         floor = need[i - max_inflight] if max_inflight and i >= max_inflight else 0.0
@@ -235,7 +245,8 @@ class _MinTree:
 
 
 class HiddenSetChecker:
-    """Grows a set of offloaded tensors whose copies all stay hidden (predicted stall 0)."""
+    """Grows a set of offloaded tensors whose copies all stay hidden (predicted stall 0) with room
+    to spare: each copy counts at ``padded_copy_seconds``."""
 
     def __init__(self, candidates: Sequence[SavedTensor], fw_starts, bw_starts, rates: DeviceRates) -> None:
         self.rates = rates
@@ -253,7 +264,7 @@ class HiddenSetChecker:
         self.bw_prefix_base = _Fenwick(len(bw_order))
 
     def try_add(self, t: SavedTensor) -> bool:
-        d2h, h2d = copy_seconds(t, self.rates)
+        d2h, h2d = padded_copy_seconds(t, self.rates)
         i, k = self.fw_pos[t.name], self.bw_pos[t.name]
         eps = 1e-12
         # Forward: every active copy released at or before i loses d2h of slack; i itself gets its own.

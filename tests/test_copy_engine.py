@@ -1,6 +1,8 @@
 """The CPU copy engine: copies run on threads, unwritten bytes are poison, and each ordering rule,
 broken on purpose, fails the suite."""
 
+import time
+
 import pytest
 import torch
 
@@ -123,20 +125,54 @@ def test_broken_rule_names_the_valid_ones():
 # ---- overlap measured: time blocked in waits against the predicted stall -----------------------
 
 
-def test_measured_waiting_matches_the_predicted_stall_and_auto_hides_its_copies():
-    """A link so slow (20 MB/s) that copies cannot hide: policy="all" predicts a stall and the compute
-    thread really waits about that long; policy="auto" picks what it predicts hidden and waits little."""
+def _overlap(policy, **options):
     from bench.overlap import measure
 
     torch.manual_seed(0)
     cfg = GPTConfig(layers=2, dropout=0.0)
     model, batch = GPT(cfg), gpt_batch(cfg, 8)
     torch._dynamo.reset()
-    every = measure(model, batch, steps=2, policy="all", min_bytes="16KiB", cpu_link_bandwidth=20e6)
-    torch._dynamo.reset()
-    auto = measure(model, batch, steps=2, policy="auto", min_bytes="16KiB", cpu_link_bandwidth=20e6)
+    return measure(model, batch, steps=2, policy=policy, min_bytes="16KiB", cpu_link_bandwidth=20e6, **options)
+
+
+def test_measured_waiting_matches_the_predicted_stall_and_auto_hides_its_copies():
+    """A link so slow (20 MB/s) that copies cannot hide: policy="all" predicts a stall and the compute
+    thread really waits about that long; policy="auto" picks what it predicts hidden and does not wait.
+
+    "Does not wait" (docs/results.md, "Overlap"): under 5% of what "all" waits, and per copy under 10%
+    of the copy's own time. A copy that is not hidden waits most of its copy time (at 20 MB/s, 0.8 ms
+    for the smallest offloadable 16 KiB), a hidden one the microseconds a wait takes: the per-copy
+    bound fails for a single un-hidden pick, while a loaded machine's jitter stays far below it."""
+    from bench.overlap import wait_per_copy
+
+    every = _overlap("all")
+    auto = _overlap("auto")
     waited = every["wait_d2h_s"] + every["wait_h2d_s"]
     assert every["wait_d2h_s"] > 0 and every["wait_h2d_s"] > 0
     assert 0.5 * every["predicted_stall_s"] <= waited <= 2.0 * every["predicted_stall_s"], every
-    assert auto["predicted_stall_s"] == 0 and auto["offloaded"] > 0
-    assert auto["wait_d2h_s"] + auto["wait_h2d_s"] < 0.1 * waited, auto
+    assert auto["predicted_stall_s"] == 0 and auto["offloaded"] > 0 and auto["copies"] > 0
+    assert auto["wait_d2h_s"] + auto["wait_h2d_s"] < 0.05 * waited, auto
+    copy_time = (auto["copy_d2h_s"] + auto["copy_h2d_s"]) / auto["copies"]
+    assert wait_per_copy(auto) < 0.1 * copy_time, auto
+    assert wait_per_copy(every) > 0.5 * (every["copy_d2h_s"] + every["copy_h2d_s"]) / every["copies"], every
+
+
+def test_a_wait_does_not_wait_for_a_busy_copy_thread():
+    """The link keeps its own clock: a small copy queued behind a large one is done when the link says
+    so, and its wait copies the bytes itself if the copy thread is still busy (on a loaded machine, a
+    copy thread waiting for a core put milliseconds per copy on the compute thread)."""
+    ops.reset_copy_stats()
+    big = torch.ones(16 << 20)  # 64 MiB: tens of milliseconds of memcpy, 64 us of link at 1 TB/s
+    small = torch.randn(1024)  # 4 KiB: 0.2 ms at SLOW
+    big_host = ops.offload(big, [], 1e12)
+    small_host = ops.offload(small, [], SLOW)
+    t0 = time.perf_counter()
+    assert torch.equal(ops.wait(small_host, small, []), small)
+    waited_small = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    assert torch.equal(ops.wait(big_host, big, []), big)
+    waited_big = time.perf_counter() - t0
+    stats = ops.copy_stats()
+    assert waited_small >= small.numel() * 4 / SLOW * 0.9  # the link's time is kept
+    assert waited_small < 0.5 * (waited_small + waited_big), (waited_small, waited_big)
+    assert stats.copy_seconds["d2h"] < 0.5 * (waited_small + waited_big)  # link time, not memcpy time

@@ -84,3 +84,37 @@ def test_min_tree_matches_a_list():
             b = rng.randrange(a, n)
             assert abs(tree.min(a, b) - min(values[a : b + 1])) < 1e-9
             assert values[tree.argmin()] == min(values)
+
+
+def test_a_margin_checks_copies_as_if_the_link_were_slower_and_waits_for_them():
+    """copy_margin=0.5: hidden means hidden at 1.5x the copy time (a link 1.5x slower), and the wait
+    goes where that longer copy would be done; the stall is still predicted at the copy's own time."""
+    import dataclasses
+
+    rng = random.Random(1)
+    margin = dataclasses.replace(RATES, copy_margin=0.5)
+    slower = dataclasses.replace(RATES, d2h=RATES.d2h / 1.5, h2d=RATES.h2d / 1.5)
+    fw = [i * 1e-3 for i in range(21)]
+    cands = [saved(f"t{i}", nbytes=rng.randint(1, 6) * 500_000, fw_last_use=rng.randrange(20),
+                   bw_first_use=rng.randrange(20), output_index=i) for i in range(12)]  # fmt: skip
+    a, b = HiddenSetChecker(cands, fw, fw, margin), HiddenSetChecker(cands, fw, fw, slower)
+    picks = [a.try_add(t) for t in cands]
+    assert picks == [b.try_add(t) for t in cands] and 0 < sum(picks) < len(cands)
+    # one 2 ms copy released at 4 ms: the wait goes after the node ending at 7 ms (3 ms later), not 6 ms
+    (t,) = schedule_transfers([saved("x", nbytes=2_000_000, fw_last_use=3, bw_first_use=6)], fw, fw, margin).timings
+    assert t.fw_wait_after == 6 and t.bw_issue_after == 2 and t.stall == 0
+    assert (t.offload_start, t.offload_end) == (4e-3, 6e-3)  # predicted at the link's own speed
+
+
+def test_cpu_prices_float32_matmuls_at_what_two_cores_reach():
+    """float32 matmuls on a CPU at 1e11 FLOP/s (a tenth of ``CPU_RATES.flops``, the half-precision
+    figure as on a GPU). At 1e10, GPT tiny's matmuls were priced 4-5x slower than measured, and the
+    windows they span too long for policy="auto" to hide what it picked."""
+    import torch
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from fxoffload.cost import CPU_RATES, node_time
+
+    gm = make_fx(torch.mm, tracing_mode="fake")(torch.randn(512, 64), torch.randn(64, 256))
+    (mm,) = [n for n in gm.graph.nodes if n.op == "call_function"]
+    assert abs(node_time(mm, CPU_RATES) - (2 * 512 * 64 * 256 / 1e11 + CPU_RATES.launch)) < 1e-12
