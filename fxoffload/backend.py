@@ -21,6 +21,7 @@ from .mutation import protect_mutated_reads
 from .options import OffloadOptions
 from .plan import OffloadPlan, PlanCosts, fmt_bytes, plan_offloads, replan_after_recompute
 from .reasons import Reason, ReasonCode
+from .temporaries import op_temporaries
 from .recompute import recompute_options, recompute_sources
 from .report import OffloadReport, PassTimings
 from .rewrite import apply_plan, hoist_saved_views
@@ -132,7 +133,8 @@ class _OffloadPartitioner(_compat.CustomPartitionerFn):
         memory_before = plan.costs.baseline
         changed = plan.offloaded or plan.recomputed
         start = time.perf_counter()
-        memory_after = simulate(fw, bw, num_fwd_outputs, tuple(static)) if changed else memory_before
+        temporaries = plan.costs.temporaries if plan.costs is not None else {}
+        memory_after = simulate(fw, bw, num_fwd_outputs, tuple(static), temporaries) if changed else memory_before
         timings = PassTimings(pass_s, repartition_s, time.perf_counter() - start, *nodes_in)
         report = OffloadReport.from_plan(
             graph_id, plan, fw, bw, self.options.host_budget, host_before, memory_before, memory_after
@@ -176,7 +178,7 @@ def offload_pass(
     lifetimes = _lifetimes(fw, bw, num_fwd_outputs, static)
     # 2. Costs: compute time of every node and the host link, on the graph's device; what could be
     #    recomputed instead, and for how much.
-    costs = plan_costs(fw, bw, lifetimes, options, simulate(fw, bw, num_fwd_outputs, static))
+    costs = plan_costs(fw, bw, lifetimes, options, num_fwd_outputs, static)
     recompute, why_not = {}, {}
     # Considered for a memory_budget, or when a policy function may ask for it (then at any size: the
     #    planner applies min_bytes to its own choices only). The refusals are kept on the decisions.
@@ -215,13 +217,13 @@ def offload_pass(
         _rewrite(fw, bw, plan, options)
         return fw, bw, plan
     new_lifetimes = _lifetimes(new_fw, new_bw, num_fwd_outputs, static)
-    new_costs = plan_costs(new_fw, new_bw, new_lifetimes, options, simulate(new_fw, new_bw, num_fwd_outputs, static))
+    new_costs = plan_costs(new_fw, new_bw, new_lifetimes, options, num_fwd_outputs, static)
     sources = recompute_sources(new_bw, names, frozenset(t.name for t in new_lifetimes.saved))
     with_recompute = replan_after_recompute(
         plan, new_lifetimes, new_costs, options, sources, host_bytes_available=host_bytes_available
     )
     _rewrite(new_fw, new_bw, with_recompute, options)
-    peak = simulate(new_fw, new_bw, num_fwd_outputs, static).peak_bytes
+    peak = simulate(new_fw, new_bw, num_fwd_outputs, static, new_costs.temporaries).peak_bytes
     budget = with_recompute.memory_budget
     if budget is None or peak <= budget:
         return new_fw, new_bw, with_recompute
@@ -236,7 +238,7 @@ def offload_pass(
     if alternative.fit_peak is not None and alternative.fit_peak >= peak:
         return new_fw, new_bw, with_recompute  # not worth a second rewrite
     _rewrite(fw, bw, alternative, options)
-    peak_offload_only = simulate(fw, bw, num_fwd_outputs, static).peak_bytes
+    peak_offload_only = simulate(fw, bw, num_fwd_outputs, static, costs.temporaries).peak_bytes
     if peak_offload_only >= peak:
         return new_fw, new_bw, with_recompute
     log.info(
@@ -274,9 +276,11 @@ def plan_costs(
     bw: fx.GraphModule,
     lifetimes: GraphLifetimes,
     options: OffloadOptions,
-    baseline: MemoryTimeline | None = None,
+    num_fwd_outputs: int,
+    static: tuple[int, ...] = (),
 ) -> PlanCosts:
-    """The cost model's view of a graph pair: device rates and predicted node start times."""
+    """The cost model's view of a graph pair: device rates, predicted node start times, the ops'
+    measured temporaries and the predicted memory before any change (``baseline``)."""
     device = cost_device(lifetimes)
     link = options.bandwidth or (options.cpu_link_bandwidth if device.type == "cpu" else None)
     overrides = dict(link or ()) | dict(options.compute_rates or ())
@@ -285,12 +289,19 @@ def plan_costs(
     fw_times = bw_times = None
     if options.calibrate and wants_measure and (device.type != "cpu" or options.offload_cpu):
         fw_times, bw_times = calibrate(fw, device), calibrate(bw, device)
+    # Scratch memory of the ops (see temporaries.py): on a CPU, cheap and harmless to measure; on a
+    # device it resets the allocator's peak statistics, so only where calibrate runs ops there anyway.
+    temporaries = {}
+    if lifetimes.saved and (options.offload_cpu if device.type == "cpu" else options.calibrate and wants_measure):
+        temporaries = op_temporaries((fw, bw), device)
+    baseline = simulate(fw, bw, num_fwd_outputs, static, temporaries)
     return PlanCosts(
         rates,
         tuple(node_start_times(fw, rates, fw_times)),
         tuple(node_start_times(bw, rates, bw_times)),
         baseline,
         calibrated=len(fw_times or ()) + len(bw_times or ()),
+        temporaries=temporaries,
     )
 
 

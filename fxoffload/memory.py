@@ -19,7 +19,8 @@ bytes: the caching allocator's rounding and fragmentation come on top.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+import operator
+from collections.abc import Mapping, Sequence
 
 import torch
 import torch.fx as fx
@@ -88,13 +89,36 @@ def _last_uses(nodes: Sequence[fx.Node], owners: dict[fx.Node, fx.Node]) -> dict
     return last
 
 
+def _born(nodes: Sequence[fx.Node]) -> dict[int, list[fx.Node]]:
+    """The nodes whose storage is allocated at each position: a node's own, except the outputs of an
+    op returning several tensors (its ``getitem`` nodes), which that op allocates while it runs."""
+    index = {n: i for i, n in enumerate(nodes)}
+    out: dict[int, list[fx.Node]] = {}
+    for i, n in enumerate(nodes):
+        parent = n.args[0] if n.op == "call_function" and n.target is operator.getitem else None
+        at = index[parent] if isinstance(parent, fx.Node) and parent.op == "call_function" else i
+        out.setdefault(at, []).append(n)
+    return out
+
+
+def _running(live: dict[str, int], node: fx.Node, scratch: Mapping[fx.Node, int], phase: str) -> MemoryPoint:
+    point = dict(live)
+    point["transient"] += scratch.get(node, 0)
+    return MemoryPoint(phase, node.name, point)
+
+
 def simulate(
     fw: fx.GraphModule,
     bw: fx.GraphModule,
     num_fwd_outputs: int,
     static_input_indices: Sequence[int] = (),
+    temporaries: Mapping[fx.Node, int] | None = None,
 ) -> MemoryTimeline:
-    """The device-memory timeline of one training step through ``fw`` then ``bw``."""
+    """The device-memory timeline of one training step through ``fw`` then ``bw``.
+
+    ``temporaries``: scratch bytes a node allocates and frees inside its own call (measured, see
+    ``temporaries.op_temporaries``), counted at that node's point as "transient"."""
+    scratch = temporaries or {}
     live = dict.fromkeys(CATEGORIES, 0)
     points: list[MemoryPoint] = []
 
@@ -108,20 +132,23 @@ def simulate(
     user_owners = {owners[o] for o in outputs[:num_fwd_outputs] if o in owners}
     category: dict[fx.Node, str] = {}
     frees: dict[int, list[fx.Node]] = {}
+    born = _born(nodes)
     for i, n in enumerate(nodes):
         if n.op == "output":
             break
-        if owners.get(n) is n and _bytes(n):
-            if n.op == "placeholder":
-                category[n] = "parameters" if n in static else "inputs"
+        for m in born.get(i, ()):
+            if owners.get(m) is not m or not _bytes(m):
+                continue
+            if m.op == "placeholder":
+                category[m] = "parameters" if m in static else "inputs"
             else:
-                category[n] = "saved" if n in saved_owners else "transient"
-                if n not in saved_owners and n not in user_owners:
-                    frees.setdefault(last.get(n, i), []).append(n)
-            live[category[n]] += _bytes(n)
+                category[m] = "saved" if m in saved_owners else "transient"
+                if m not in saved_owners and m not in user_owners:
+                    frees.setdefault(last.get(m, i), []).append(m)
+            live[category[m]] += _bytes(m)
+        points.append(_running(live, n, scratch, "forward"))  # while n runs: inputs, output, scratch
         for dead in frees.pop(i, ()):
             live[category[dead]] -= _bytes(dead)
-        points.append(MemoryPoint("forward", n.name, dict(live)))
     # User outputs (the loss, typically) are consumed by autograd at the end of the forward.
     for owner in user_owners - saved_owners:
         if owner in category and category[owner] == "transient":
@@ -149,20 +176,23 @@ def simulate(
         frees_saved.setdefault(i, []).append(owner)
     bw_category: dict[fx.Node, str] = {}
     frees = {}
+    born = _born(nodes)
     for i, n in enumerate(nodes):
         if n.op == "output":
             break
-        if bw_owners.get(n) is n and n.name not in saved_owner_of and n.name not in persistent and _bytes(n):
-            if n.op == "placeholder":
-                bw_category[n] = "transient"  # tangents
+        for m in born.get(i, ()):
+            if bw_owners.get(m) is not m or m.name in saved_owner_of or m.name in persistent or not _bytes(m):
+                continue
+            if m.op == "placeholder":
+                bw_category[m] = "transient"  # tangents
             else:
-                bw_category[n] = "gradients" if n in grads else "transient"
-            live[bw_category[n]] += _bytes(n)
-            if bw_category[n] == "transient":
-                frees.setdefault(last.get(n, i), []).append(n)
+                bw_category[m] = "gradients" if m in grads else "transient"
+            live[bw_category[m]] += _bytes(m)
+            if bw_category[m] == "transient":
+                frees.setdefault(last.get(m, i), []).append(m)
+        points.append(_running(live, n, scratch, "backward"))  # while n runs
         for dead in frees.pop(i, ()):
             live[bw_category[dead]] -= _bytes(dead)
         for owner in frees_saved.pop(i, ()):
             live["saved"] -= _bytes(owner)
-        points.append(MemoryPoint("backward", n.name, dict(live)))
     return MemoryTimeline(tuple(points))

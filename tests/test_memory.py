@@ -43,20 +43,50 @@ def _pair():
 
 
 def test_hand_computed_timeline():
+    """Each point is the moment its node runs: its inputs and its output are alive together, and
+    what it was the last reader of dies only after it (the allocator's view, measured on a CPU)."""
     fw, bw = _pair()
     timeline = simulate(fw, bw, num_fwd_outputs=1, static_input_indices=[0])
     assert [(p.phase, p.node, p.total) for p in timeline.points] == [
         ("forward", "p", 400),
         ("forward", "x", 600),
         ("forward", "a", 1600),
-        ("forward", "b", 1600),  # a dies after its last reader b
+        ("forward", "b", 2600),  # relu reads a while it writes b; a dies after it
         ("forward", "c", 1604),
         ("backward", "b", 1600),  # the returned loss is gone; b is still saved
         ("backward", "t", 1604),
-        ("backward", "g", 1600),  # gradient in, tangent and saved b out
+        ("backward", "g", 2604),  # mul reads t and b while it writes the gradient; they die after it
     ]
-    assert timeline.points[3].live == {"parameters": 400, "inputs": 200, "saved": 1000, "transient": 0, "gradients": 0}
-    assert (timeline.peak.phase, timeline.peak.node, timeline.peak_bytes) == ("forward", "c", 1604)
+    assert timeline.points[3].live == {
+        "parameters": 400, "inputs": 200, "saved": 1000, "transient": 1000, "gradients": 0,
+    }  # fmt: skip
+    assert (timeline.peak.phase, timeline.peak.node, timeline.peak_bytes) == ("backward", "g", 2604)
+
+
+def test_scratch_and_every_output_of_a_multi_output_op_count_while_it_runs():
+    """``var_mean`` returns two tensors (its getitem nodes come after it) and, measured, allocates
+    scratch of its own: both count at the op's point, and the scratch is gone at the next one."""
+    import operator
+
+    mode = FakeTensorMode()
+    with mode:
+        x_val = torch.empty(100, 10)
+        var_mean_val = torch.ops.aten.var_mean.correction(x_val, [1])
+    fg = fx.Graph()
+    x = fg.placeholder("x")
+    x.meta["val"] = x_val
+    vm = fg.call_function(aten.var_mean.correction, (x, [1]))
+    vm.meta["val"] = var_mean_val
+    var, mean = (fg.call_function(operator.getitem, (vm, i)) for i in range(2))
+    var.meta["val"], mean.meta["val"] = var_mean_val
+    fg.output((var, mean))
+    bg = fx.Graph()
+    bg.output(())
+    fw, bw = fx.GraphModule({}, fg), fx.GraphModule({}, bg)
+    timeline = simulate(fw, bw, num_fwd_outputs=2, temporaries={vm: 500})
+    assert [(p.node, p.total) for p in timeline.points] == [
+        ("x", 4000), ("var_mean_correction", 4000 + 400 + 400 + 500), ("getitem", 4800), ("getitem_1", 4800),
+    ]  # fmt: skip
 
 
 def test_offloaded_tensor_leaves_the_device_between_phases():
@@ -68,8 +98,10 @@ def test_offloaded_tensor_leaves_the_device_between_phases():
     timeline = simulate(fw, bw, num_fwd_outputs=1, static_input_indices=[0])
     points = {(p.phase, p.node): p for p in timeline.points}
     forward = [p for p in timeline.points if p.phase == "forward"]
-    # b is transient now, released at its wait; the host copy costs no device memory.
-    assert forward[-1].total == 604 and forward[-1].live["saved"] == 0
+    # b is transient now, alive while its wait runs and released after it; the host copy costs no
+    # device memory, so the backward starts with the parameter and the input alone.
+    assert forward[-1].node.startswith("wait") and forward[-1].total == 1604 and forward[-1].live["saved"] == 0
+    assert timeline.points[len(forward)].total == 600
     reload = next(p for p in timeline.points if p.node.startswith("reload"))
     assert reload.total == 1604  # reload allocates b again just before its use
-    assert points[("backward", "g")].total == 1600
+    assert points[("backward", "g")].total == 2604

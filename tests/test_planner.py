@@ -60,12 +60,6 @@ def test_plans_are_deterministic():
     assert rows(a) == rows(b)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="since the rewrite places waits and reloads where Inductor keeps them (order edges, 2026-11), "
-    "the budget fit's intervals and the simulated rewritten graph disagree by ~5%: one memory model "
-    "that takes the plan as data is issue 11",
-)
 def test_memory_budget_fraction_is_met_and_results_unchanged():
     report, got, (model, batch) = _plan(bandwidth="1GB", memory_budget=0.5)
     assert report.memory_budget == int(0.5 * report.predicted_peak_before)
@@ -114,8 +108,10 @@ def _recompute_plan(inner="aot_eager", **options):
     return report, result, (model, batch)
 
 
-# Inductor's decompositions give other graphs, where recomputation meets a looser budget.
-@pytest.mark.parametrize("inner, budget", [("aot_eager", 0.5), ("inductor", 0.55)])
+# At half the peak, recomputing (its inputs and the rebuilt tensor live together in the backward,
+# counted while each op runs) peaks above what offloading alone reaches, and the pass keeps the
+# offload-only plan (tests/test_recompute.py has that case); at 0.6 recomputation is part of the plan that meets the budget.
+@pytest.mark.parametrize("inner, budget", [("aot_eager", 0.6), ("inductor", 0.6)])
 def test_budget_recomputes_when_cheaper_than_a_stalling_offload(inner, budget):
     report, got, (model, batch) = _recompute_plan(inner, bandwidth="0.2GB", memory_budget=budget)
     assert report.recomputed, report.table()
@@ -133,7 +129,7 @@ def test_budget_recomputes_when_cheaper_than_a_stalling_offload(inner, budget):
 
 
 def test_nothing_is_recomputed_from_an_offloaded_tensor():
-    report, _, _ = _recompute_plan(bandwidth="0.2GB", memory_budget=0.5)
+    report, _, _ = _recompute_plan(bandwidth="0.2GB", memory_budget=0.6)
     offloaded = {r.name for r in report.offloaded}
     assert report.recomputed and offloaded
     for r in report.recomputed:

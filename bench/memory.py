@@ -1,0 +1,137 @@
+"""Predicted against measured peak memory of a steady training step, on a CPU.
+
+For each model, inner compiler and plan: the model is compiled, two warm-up steps run, then one step
+is measured with ``fxoffload.measure_memory`` (the CPU allocator's own allocation and free events,
+fxoffload's host buffers left out: what a device would hold). The prediction is the report's memory
+timeline (``memory_before`` without fxoffload's changes, ``memory_after`` with them), less the
+parameters and inputs that were live when the step started, so that both count the bytes above the
+start. ``baseline`` is the same compiler without fxoffload.
+
+    python -m bench.memory                               # every model, both inner compilers
+    python -m bench.memory --models gpt,mlp --inner inductor --plans all,budget=0.7
+
+CPU figures: every tensor, "device" and host alike, is a CPU tensor (``offload_cpu=True``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+
+import torch
+from tabulate import tabulate
+
+import fxoffload
+from fxoffload.measure import measure_memory, track_cpu_frees
+from fxoffload.models import example
+
+_MODELS = ("mlp", "gpt", "cnn", "seq2seq", "hf-llama", "hf-gpt2")
+_PLANS = ("none", "all", "auto", "budget=0.7", "budget=0.5")
+
+
+def _model(name: str):
+    if name.startswith("hf-"):
+        from bench.workloads import build
+
+        w = build(name, "tiny", "cpu")
+        return w.model, w.batch
+    return example(name)
+
+
+def _loss(out) -> torch.Tensor:
+    out = out[0] if isinstance(out, (tuple, list)) else out
+    return out if out.dim() == 0 else out.float().pow(2).mean()
+
+
+def _plan_options(plan: str) -> dict:
+    if plan.startswith("budget="):
+        return {"policy": "auto", "memory_budget": float(plan.split("=", 1)[1])}
+    return {"policy": plan}
+
+
+def measure(name: str, inner: str, plan: str | None, warmup: int = 2, min_bytes: int = 0) -> dict:
+    """One row: measured and predicted peak bytes of a steady step; ``plan`` None: no fxoffload."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model, batch = _model(name)
+    model = copy.deepcopy(model)
+    if plan is None:
+        backend = inner
+    else:
+        backend = fxoffload.backend(offload_cpu=True, inner=inner, min_bytes=min_bytes, **_plan_options(plan))
+    compiled = torch.compile(model, backend=backend)
+
+    def step() -> None:
+        _loss(compiled(*batch)).backward()
+
+    for _ in range(warmup):
+        model.zero_grad(set_to_none=True)
+        step()
+    model.zero_grad(set_to_none=True)
+    cpu = measure_memory(step).cpu
+    measured = cpu.peak_bytes
+    row = {"model": name, "inner": inner, "plan": plan or "baseline", "measured_peak": measured,
+           "measured_at": cpu.peak_op}
+    if plan is not None:
+        reports = backend.reports
+        row["graphs"] = len(reports)
+        row["offloaded"] = sum(len(r.offloaded) for r in reports)
+        row["recomputed"] = sum(len(r.recomputed) for r in reports)
+        if len(reports) == 1:
+            (report,) = reports
+            timeline = report.memory_after or report.memory_before
+            if timeline is not None and timeline.points:
+                peak = timeline.peak
+                row["predicted_peak"] = peak.total - peak.live["parameters"] - peak.live["inputs"]
+                row["predicted_at"] = f"{peak.phase} {peak.node}"
+            if report.memory_budget is not None:
+                row["budget"] = report.memory_budget
+    return row
+
+
+def table(rows: list[dict]) -> str:
+    baseline = {(r["model"], r["inner"]): r["measured_peak"] for r in rows if r["plan"] == "baseline"}
+    out = []
+    for r in rows:
+        base = baseline.get((r["model"], r["inner"]))
+        predicted = r.get("predicted_peak")
+        out.append({
+            "model": r["model"], "inner": r["inner"], "plan": r["plan"],
+            "offloaded": r.get("offloaded", ""), "recomputed": r.get("recomputed", ""),
+            "measured MiB": f"{r['measured_peak'] / 2**20:.2f}",
+            "predicted MiB": "" if predicted is None else f"{predicted / 2**20:.2f}",
+            "predicted/measured": "" if not predicted or not r["measured_peak"] else
+            f"{predicted / r['measured_peak'] - 1:+.1%}",
+            "vs baseline": "" if base is None or r["plan"] == "baseline" else f"{r['measured_peak'] / base - 1:+.1%}",
+            "budget MiB": f"{r['budget'] / 2**20:.2f}" if "budget" in r else "",
+            "budget met": "" if "budget" not in r else ("yes" if r["measured_peak"] <= 1.03 * r["budget"] else "NO"),
+        })  # fmt: skip
+    return tabulate(out, headers="keys")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", default=",".join(_MODELS), help=f"comma-separated, of: {', '.join(_MODELS)}")
+    parser.add_argument("--inner", default="aot_eager,inductor", help="comma-separated: aot_eager, inductor")
+    parser.add_argument("--plans", default=",".join(_PLANS), help=f"comma-separated, of: {', '.join(_PLANS)}")
+    parser.add_argument("--json", default="", help="also write the rows to this file")
+    args = parser.parse_args(argv)
+    track_cpu_frees()  # frees of blocks from before the step count too
+    torch.set_num_threads(1)  # allocation order does not depend on the thread count then
+    rows = []
+    for name in args.models.split(","):
+        for inner in args.inner.split(","):
+            rows.append(measure(name, inner, None))
+            for plan in args.plans.split(","):
+                rows.append(measure(name, inner, plan))
+            print(table([r for r in rows if r["model"] == name and r["inner"] == inner]), flush=True)
+    print(f"\ntorch {torch.__version__}, CPU, offload_cpu=True, min_bytes=0, 1 thread; bytes above the step's start")
+    print(table(rows))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
