@@ -197,11 +197,22 @@ def _module_args(code: str, symbols: Mapping[str, int]) -> dict[str, tuple[int, 
 
 
 def _asserts(stmts: Sequence[tuple[int, str, str]], symbols: Mapping[str, int]) -> dict[str, tuple]:
+    """Size and stride asserted for each name, and for a name whose only assert is on a plain alias of it
+    (``buf1 = buf0`` then ``assert_size_stride(buf1, ...)``, how Inductor checks a custom op's result)."""
     out: dict[str, tuple] = {}
+    alias_of: dict[str, str] = {}
     for _, stmt, _ in stmts:
         if (m := _ASSERT.match(stmt)) and m.group(1) not in out:
             args = _split_args(m.group(2))
             out[m.group(1)] = (_ints(args[0], symbols, stmt), _ints(args[1], symbols, stmt))
+        elif (m := _ASSIGN.match(stmt)) and _NAME.match(m.group(2)):
+            alias_of[m.group(1)] = m.group(2)
+    for name, base in alias_of.items():
+        if name in out:
+            while base not in out and base in alias_of:
+                out[base] = out[name]
+                base = alias_of[base]
+            out.setdefault(base, out[name])
     return out
 
 
@@ -229,7 +240,8 @@ def _run(
     symbols: Mapping[str, int],
     temporaries: Mapping[str, int],
 ) -> list[list[int]]:
-    """Replay one ``call``; its argument names must be bound already. Returns what it returns."""
+    """Replay one ``call``; its argument names must be bound already. Returns the storages it returns,
+    each held once more for the caller."""
     asserts = _asserts(stmts, symbols)
     getitems: dict[str, list[tuple[int, str]]] = {}  # tuple name -> (index, element name)
     for _, stmt, _ in stmts:
@@ -241,6 +253,8 @@ def _run(
         scratch = 0
         if stmt.startswith("return"):
             result = [list(state.names.get(n, [])) if n else [] for n in _returned([(line, stmt, source)])]
+            for ids in result:
+                state.hold(ids)  # the caller's, once the frame's names are gone
         elif m := _DEL.match(stmt):
             for name in (n.strip() for n in m.group(1).split(",")):
                 state.unbind(name)
@@ -363,11 +377,7 @@ def simulate_output_code(
             f"num_fwd_outputs={num_fwd_outputs} does not fit: the forward returns {len(returned)} values "
             f"and the backward takes {len(bw_args)} arguments ({n_saved} not tangents)"
         )
-    saved = returned[num_fwd_outputs:]
-    for ids in returned[:num_fwd_outputs]:
-        state.hold(ids)  # the user's outputs
-    for ids in saved:
-        state.hold(ids)  # autograd's saved tensors
+    saved = returned[num_fwd_outputs:]  # held by autograd; the user's outputs by the user to the end
     for i in {i for ids in saved for i in ids}:
         if state.storages[i].phase == "forward":
             state.storages[i].category = "saved"
@@ -384,8 +394,7 @@ def simulate_output_code(
     for ids in saved:
         state.drop(ids)  # the backward frees them at its ``del``
     grads = _run("backward", bw, state, symbols, temporaries)
-    for ids in grads:
-        state.hold(ids)  # AccumulateGrad keeps them
+    for ids in grads:  # held by AccumulateGrad
         for i in ids:
             if state.storages[i].phase == "backward":
                 state.storages[i].category = "gradients"
