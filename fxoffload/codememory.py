@@ -51,7 +51,7 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from .codecheck import _base, _split_args, call_body
+from .codecheck import _base, _split_args, call_body, is_kernel
 from .memory import CATEGORIES, MemoryPoint, MemoryTimeline
 
 log = logging.getLogger(__name__)
@@ -180,6 +180,8 @@ def _statements(code: str) -> list[tuple[int, str, str]]:
         for stmt in (s.strip() for s in code_part.split(";")):
             if stmt:
                 out.append((i, stmt, source))
+                if is_kernel(stmt):
+                    source = ""  # the comment names the nodes of this kernel only
     return out
 
 
@@ -372,10 +374,11 @@ def simulate_output_code(
     n_saved = sum(1 for a in bw_args if not a.startswith("tangents_"))
     if num_fwd_outputs is None:
         num_fwd_outputs = len(returned) - n_saved
-    if not 0 <= num_fwd_outputs <= len(returned) or len(returned) - num_fwd_outputs > len(bw_args):
+    if len(returned) - num_fwd_outputs != n_saved:
         raise ValueError(
             f"num_fwd_outputs={num_fwd_outputs} does not fit: the forward returns {len(returned)} values "
-            f"and the backward takes {len(bw_args)} arguments ({n_saved} not tangents)"
+            f"and the backward takes {n_saved} saved ones (arguments other than tangents_*); "
+            f"pass the forward's user outputs, {len(returned) - n_saved} here"
         )
     saved = returned[num_fwd_outputs:]  # held by autograd; the user's outputs by the user to the end
     for i in {i for ids in saved for i in ids}:

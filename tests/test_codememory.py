@@ -1,0 +1,249 @@
+"""codememory.simulate_output_code: Inductor's wrapper code replayed, to the byte on hand-written code and
+against the CPU allocator on compiled models."""
+
+import copy
+import textwrap
+
+import pytest
+import torch
+
+import fxoffload
+from fxoffload.codememory import simulate_output_code, storage_bytes
+from fxoffload.measure import measure_memory, track_cpu_frees
+from fxoffload.models import example
+from fxoffload.temporaries import op_temporaries
+
+
+def wrapper(body: str, get_args: str = "") -> str:
+    """A module shaped like Inductor's: ``call`` inside a Runner class, then ``get_args``."""
+    body = textwrap.indent(textwrap.dedent(body).strip(), " " * 8)
+    args = textwrap.indent(textwrap.dedent(get_args).strip(), " " * 4)
+    return f"class Runner:\n    def call(self, args):\n{body}\n\n\ndef get_args():\n{args}\n    return []\n"
+
+
+def above_start(point) -> int:
+    return point.total - point.live["parameters"] - point.live["inputs"]
+
+
+# A linear layer and a relu: the weight (a parameter) and the input are the caller's; the forward saves
+# the weight, the matmul's output and a view of the relu's, and returns a scalar loss.
+FW = wrapper(
+    """
+    primals_1, primals_2 = args
+    args.clear()
+    assert_size_stride(primals_1, (64, 64), (64, 1), 'input')
+    buf0 = empty_strided_cpu((8, 64), (64, 1), torch.float32)
+    # Topologically Sorted Source Nodes: [mm], Original ATen: [aten.mm]
+    extern_kernels.mm(primals_2, primals_1, out=buf0)
+    buf1 = empty_strided_cpu((8, 64), (64, 1), torch.float32)
+    cpp_fused_relu_0(buf0, buf1)
+    buf3 = empty_strided_cpu((), (), torch.float32)
+    buf2 = buf1; del buf1  # reuse
+    cpp_fused_sum_1(buf2, buf3)
+    del primals_2
+    return (buf3, primals_1, buf0, reinterpret_tensor(buf2, (64, 8), (1, 64), 0), )
+    """,
+    """
+    primals_1 = rand_strided((64, 64), (64, 1), device='cpu', dtype=torch.float32)
+    primals_2 = rand_strided((8, 64), (64, 1), device='cpu', dtype=torch.float32)
+    """,
+)
+BW = wrapper(
+    """
+    primals_1, mm, relu, tangents_1 = args
+    args.clear()
+    buf0 = empty_strided_cpu((8, 64), (64, 1), torch.float32)
+    cpp_fused_threshold_backward_0(relu, tangents_1, buf0)
+    del relu
+    del tangents_1
+    buf1 = empty_strided_cpu((64, 64), (64, 1), torch.float32)
+    extern_kernels.mm(reinterpret_tensor(buf0, (64, 8), (1, 64), 0), mm, out=buf1)
+    del mm
+    del buf0
+    return (buf1, None, )
+    """,
+    """
+    primals_1 = rand_strided((64, 64), (64, 1), device='cpu', dtype=torch.float32)
+    mm = rand_strided((8, 64), (64, 1), device='cpu', dtype=torch.float32)
+    relu = rand_strided((64, 8), (1, 64), device='cpu', dtype=torch.float32)
+    tangents_1 = rand_strided((), (), device='cpu', dtype=torch.float32)
+    """,
+)
+
+
+def test_a_step_to_the_byte():
+    timeline = simulate_output_code(FW, BW, num_fwd_outputs=1, static_input_indices=(0,))
+    fw = [above_start(p) for p in timeline.points if p.phase == "forward"]
+    # args, clear, assert, buf0, mm, buf1, relu, buf3, reuse (2 statements), sum, del, return
+    assert fw == [0, 0, 0, 2048, 2048, 4096, 4096, 4100, 4100, 4100, 4100, 4100, 4100]
+    bw = [above_start(p) for p in timeline.points if p.phase == "backward"]
+    # The tangent (4 bytes) is there when the backward starts, besides the loss (4) and the two saved
+    # storages (2048 each); the saved weight is the caller's. ``del relu`` frees the relu's storage
+    # (the forward's view of it was its last other name), the gradient lives on.
+    assert bw == [4104, 4104, 6152, 6152, 4104, 4100, 20484, 20484, 18436, 16388, 16388]
+    peak = timeline.peak
+    assert peak.phase == "backward"
+    assert peak.node.startswith("backward line 6: buf1 = empty_strided_cpu((64, 64)")
+    assert peak.live == {"parameters": 16384, "inputs": 2048, "saved": 2048, "transient": 2052, "gradients": 16384}
+
+
+def test_num_fwd_outputs_defaults_to_what_the_backward_does_not_receive():
+    assert simulate_output_code(FW, BW) == simulate_output_code(FW, BW, num_fwd_outputs=1)
+    with pytest.raises(ValueError, match=r"num_fwd_outputs=3 does not fit: the forward returns 4 values and the backward takes 3 saved"):
+        simulate_output_code(FW, BW, num_fwd_outputs=3)
+
+
+BW_NOTHING = wrapper(
+    """
+    tangents_1, = args
+    args.clear()
+    return (None, )
+    """
+)
+
+
+def test_a_fallback_allocates_its_results_sized_by_the_asserts_in_its_first_arguments_dtype():
+    fw = wrapper(
+        """
+        primals_1, primals_2 = args
+        args.clear()
+        # Topologically Sorted Source Nodes: [native_layer_norm], Original ATen: [aten.native_layer_norm]
+        buf0 = torch.ops.aten.native_layer_norm.default(primals_1, [64], primals_2, None, 1e-05)
+        buf1 = buf0[0]
+        assert_size_stride(buf1, (8, 64), (64, 1), 'torch.ops.aten.native_layer_norm.default')
+        buf2 = buf0[2]
+        assert_size_stride(buf2, (8, 1), (1, 1), 'torch.ops.aten.native_layer_norm.default')
+        del buf0
+        del buf2
+        buf3 = empty_strided_cpu((8, 64), (64, 1), torch.float32)
+        cpp_fused_relu_0(buf1, buf3)
+        del buf1
+        return (buf3, )
+        """,
+        """
+        primals_1 = rand_strided((8, 64), (64, 1), device='cpu', dtype=torch.bfloat16)
+        primals_2 = rand_strided((64, ), (1, ), device='cpu', dtype=torch.bfloat16)
+        """,
+    )
+    timeline = simulate_output_code(fw, BW_NOTHING, temporaries={"native_layer_norm": 100, "other": 10**6})
+    totals = [above_start(p) for p in timeline.points if p.phase == "forward"]
+    # bf16 results: 1024 + 16 bytes, and 100 bytes of scratch while the op runs; element 1 is read by
+    # no line (no size known: none counted); ``del buf0`` drops the tuple, buf1 and buf2 stay.
+    assert totals == [0, 0, 1140, 1040, 1040, 1040, 1040, 1040, 1024, 3072, 3072, 2048, 2048]
+    assert timeline.points[0].live["inputs"] == 1024 + 128
+    assert timeline.peak.node == "forward line 10: buf3 = empty_strided_cpu((8, 64), (64, 1), torch.float32)"
+
+
+def test_offload_is_host_memory_reload_allocates_and_wait_aliases():
+    fw = wrapper(
+        """
+        primals_1, = args
+        args.clear()
+        buf0 = empty_strided_cpu((8, 64), (64, 1), torch.float16)
+        cpp_fused_relu_0(primals_1, buf0)
+        buf1 = torch.ops.fxoffload.offload.default(buf0, [], 0.0)
+        buf2 = buf1
+        assert_size_stride(buf2, (8, 64), (64, 1), 'torch.ops.fxoffload.offload.default')
+        buf3 = torch.ops.fxoffload.wait.default(buf2, buf0, [])
+        buf4 = buf3
+        del buf0
+        return (buf4, )
+        """,
+        "primals_1 = rand_strided((8, 64), (64, 1), device='cpu', dtype=torch.float16)",
+    )
+    bw = wrapper(
+        """
+        relu_host, tangents_1 = args
+        args.clear()
+        buf0 = torch.ops.fxoffload.reload.default(relu_host, device(type='cpu'), [], 0.0)
+        buf1 = buf0
+        assert_size_stride(buf1, (8, 64), (64, 1), 'torch.ops.fxoffload.reload.default')
+        buf2 = torch.ops.fxoffload.wait.default(buf1, relu_host, [])
+        buf3 = buf2
+        del buf0
+        del buf1
+        cpp_fused_threshold_backward_0(buf3, tangents_1)
+        del buf2
+        del buf3
+        return (None, )
+        """,
+        """
+        relu_host = rand_strided((8, 64), (64, 1), device='cpu', dtype=torch.float16)
+        tangents_1 = rand_strided((8, 64), (64, 1), device='cpu', dtype=torch.float16)
+        """,
+    )
+    timeline = simulate_output_code(fw, bw, num_fwd_outputs=0)
+    fw_totals = [above_start(p) for p in timeline.points if p.phase == "forward"]
+    assert fw_totals == [0, 0, 1024, 1024, 1024, 1024, 1024, 1024, 1024, 0, 0]
+    bw_totals = [above_start(p) for p in timeline.points if p.phase == "backward"]
+    # the tangent (1024) from the start; the reload's destination (1024, fp16 like its host source)
+    # until the last of its four names goes
+    assert bw_totals == [1024, 1024] + [2048] * 9 + [1024, 1024]
+
+
+def test_storage_spans_and_symbolic_sizes():
+    assert storage_bytes((8, 64), (1, 8), torch.float32) == 2048
+    assert storage_bytes((8, 4, 64, 1), (256, 64, 1, 2048), torch.float32) == 8192
+    assert storage_bytes((8, 64), (64 * 2, 1), torch.bfloat16) == (7 * 128 + 63 + 1) * 2  # a padded row
+    assert storage_bytes((0, 64), (64, 1), torch.float32) == 0
+    with pytest.raises(ValueError, match=r"size \(8,\) and stride \(64, 1\) must have the same length"):
+        storage_bytes((8,), (64, 1), torch.float32)
+
+    fw = wrapper(
+        """
+        primals_1, = args
+        buf0 = empty_strided_cpu((s0, 64), (64, 1), torch.float32)
+        buf1 = empty_strided_cpu((2*s0 + 1, ), (1, ), torch.int64)
+        return (buf0, )
+        """
+    )
+    timeline = simulate_output_code(fw, BW_NOTHING, symbols={"s0": 8})
+    assert timeline.peak_bytes == 8 * 64 * 4 + 17 * 8
+    with pytest.raises(ValueError, match=r"the size 's0' is symbolic; pass its value in symbols= \(known: none\)"):
+        simulate_output_code(fw, BW_NOTHING)
+
+
+def test_code_without_a_call_function_is_refused():
+    with pytest.raises(ValueError, match=r"bw_code: no 'def call\(...\)' with statements found"):
+        simulate_output_code(FW, "def forward(self, x):\n    return (x,)\n")
+    bad = FW.replace("torch.float32)\n        # Topo", "torch.floaty)\n        # Topo")
+    with pytest.raises(ValueError, match=r"'torch.floaty' is not a torch dtype"):
+        simulate_output_code(bad, BW)
+
+
+def _measured_and_predicted(name: str, policy: str) -> tuple[int, int, int]:
+    """CPU allocator's peak of a steady step above its start; the wrapper code's and the FX model's."""
+    torch.manual_seed(0)
+    model, batch = example(name)
+    model = copy.deepcopy(model)
+    backend = fxoffload.backend(offload_cpu=True, inner="inductor", policy=policy, min_bytes=0)
+    compiled = torch.compile(model, backend=backend)
+
+    def step():
+        out = compiled(*batch)
+        out = out[0] if isinstance(out, (tuple, list)) else out
+        (out if out.dim() == 0 else out.float().pow(2).mean()).backward()
+
+    for _ in range(2):
+        model.zero_grad(set_to_none=True)
+        step()
+    model.zero_grad(set_to_none=True)
+    measured = measure_memory(step).cpu.peak_bytes
+    (report,) = backend.reports
+    scratch = {n.name: b for n, b in op_temporaries(report.graphs, torch.device("cpu")).items()}
+    code = report.output_code
+    timeline = simulate_output_code(code["forward"], code["backward"], report.num_fwd_outputs, temporaries=scratch)
+    fx_timeline = report.memory_after or report.memory_before
+    return measured, above_start(timeline.peak), above_start(fx_timeline.peak)
+
+
+@pytest.mark.parametrize("name, policy", [("mlp", "none"), ("cnn", "none"), ("gpt", "all")])
+def test_predicted_within_5_percent_of_the_cpu_allocator(name, policy):
+    track_cpu_frees()  # frees of blocks from before the step count
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # allocation order does not depend on the thread count then
+    try:
+        measured, predicted, fx_predicted = _measured_and_predicted(name, policy)
+    finally:
+        torch.set_num_threads(threads)
+    assert abs(predicted / measured - 1) < 0.05, (name, policy, measured, predicted, fx_predicted)
