@@ -11,7 +11,6 @@ import fxoffload
 from fxoffload.codememory import simulate_output_code, storage_bytes
 from fxoffload.measure import measure_memory, track_cpu_frees
 from fxoffload.models import example
-from fxoffload.temporaries import op_temporaries
 
 
 def wrapper(body: str, get_args: str = "") -> str:
@@ -84,12 +83,15 @@ def test_a_step_to_the_byte():
     peak = timeline.peak
     assert peak.phase == "backward"
     assert peak.node.startswith("backward line 6: buf1 = empty_strided_cpu((64, 64)")
-    assert peak.live == {"parameters": 16384, "inputs": 2048, "saved": 2048, "transient": 2052, "gradients": 16384}
+    assert peak.live == {
+        "parameters": 16384, "inputs": 2048, "saved": 2048, "transient": 2052, "gradients": 16384
+    }  # fmt: skip
 
 
 def test_num_fwd_outputs_defaults_to_what_the_backward_does_not_receive():
     assert simulate_output_code(FW, BW) == simulate_output_code(FW, BW, num_fwd_outputs=1)
-    with pytest.raises(ValueError, match=r"num_fwd_outputs=3 does not fit: the forward returns 4 values and the backward takes 3 saved"):
+    fits = r"num_fwd_outputs=3 does not fit: the forward returns 4 values and the backward takes 3 saved"
+    with pytest.raises(ValueError, match=fits):
         simulate_output_code(FW, BW, num_fwd_outputs=3)
 
 
@@ -199,7 +201,8 @@ def test_storage_spans_and_symbolic_sizes():
     )
     timeline = simulate_output_code(fw, BW_NOTHING, symbols={"s0": 8})
     assert timeline.peak_bytes == 8 * 64 * 4 + 17 * 8
-    with pytest.raises(ValueError, match=r"the size 's0' is symbolic; pass its value in symbols= \(known: none\)"):
+    symbolic = r"the size 's0' is symbolic; pass its value in symbols= \(known: none\)"
+    with pytest.raises(ValueError, match=symbolic):
         simulate_output_code(fw, BW_NOTHING)
 
 
@@ -230,9 +233,10 @@ def _measured_and_predicted(name: str, policy: str) -> tuple[int, int, int]:
     model.zero_grad(set_to_none=True)
     measured = measure_memory(step).cpu.peak_bytes
     (report,) = backend.reports
-    scratch = {n.name: b for n, b in op_temporaries(report.graphs, torch.device("cpu")).items()}
     code = report.output_code
-    timeline = simulate_output_code(code["forward"], code["backward"], report.num_fwd_outputs, temporaries=scratch)
+    # No temporaries: op_temporaries measures the FX graph's layouts, and Inductor runs the convolutions
+    # channels-last (1 MiB of scratch measured for a convolution_backward that takes about 18 KB here).
+    timeline = simulate_output_code(code["forward"], code["backward"], report.num_fwd_outputs)
     fx_timeline = report.memory_after or report.memory_before
     return measured, above_start(timeline.peak), above_start(fx_timeline.peak)
 
@@ -246,4 +250,6 @@ def test_predicted_within_5_percent_of_the_cpu_allocator(name, policy):
         measured, predicted, fx_predicted = _measured_and_predicted(name, policy)
     finally:
         torch.set_num_threads(threads)
+    # CPU, torch 2.13, 1 thread: mlp 562184 measured / 562180 predicted, cnn 3424688 / 3406188 (-0.5%),
+    # gpt 3137288 / 3137284; the FX model said 626700, 4728940 and 3084304.
     assert abs(predicted / measured - 1) < 0.05, (name, policy, measured, predicted, fx_predicted)
