@@ -177,7 +177,7 @@ def _statements(code: str) -> list[tuple[int, str, str]]:
             if m := _SOURCE.match(text):
                 source = m.group(1)
             continue
-        code_part = re.sub(r"\s+#.*$", "", text) if "#" in text and "'" not in text else text
+        code_part = re.sub(r"\s+#[^'\"]*$", "", text)  # a trailing comment (no quote: not inside a string)
         for stmt in (s.strip() for s in code_part.split(";")):
             if stmt:
                 out.append((i, stmt, source))

@@ -157,7 +157,7 @@ def test_offload_is_host_memory_reload_allocates_and_wait_aliases():
         """
         relu_host, tangents_1 = args
         args.clear()
-        buf0 = torch.ops.fxoffload.reload.default(relu_host, device(type='cpu'), [], 0.0)
+        buf0 = torch.ops.fxoffload.reload.default(relu_host, device(type='cpu'), [], 0.0)  # a comment
         buf1 = buf0
         assert_size_stride(buf1, (8, 64), (64, 1), 'torch.ops.fxoffload.reload.default')
         buf2 = torch.ops.fxoffload.wait.default(buf1, relu_host, [])
