@@ -457,3 +457,10 @@ def lowering_without_caches() -> Iterator[None]:
 def inductor_compile_fx() -> Callable[..., Any]:
     """Inductor's own ``torch.compile`` backend, ``compile_fx``."""
     return _private_module("torch._inductor.compile_fx").compile_fx
+
+
+def profiler_active() -> bool:
+    """Whether a torch profiler (the user's, or ``measure_memory``'s) is collecting in this process:
+    a second session opened inside it corrupts the first (its trace export crashes the process)."""
+    enabled = getattr(torch._C._autograd, "_profiler_enabled", None)
+    return bool(enabled()) if enabled is not None else True  # unknown: assume one is, and stay out

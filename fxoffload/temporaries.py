@@ -14,7 +14,8 @@ was still allocated when it returned (its outputs). CUDA: the caching allocator'
 each op; this resets the device's peak statistics, so it runs only with ``calibrate=True`` (which
 runs every op on the device anyway). The inputs, and which ops are run at all, follow the
 calibration's safety rules (``cost._calibratable``, ``cost._real``): an op that cannot run alone
-counts no temporary.
+counts no temporary. A graph compiled while a profiler runs is not measured (a nested session
+crashes the process at its export): its prediction then lacks the scratch.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from ._compat import profiler_active
 from .cost import _calibratable, _real, _signature, real_tensors
 from .lifetimes import is_compute
 
@@ -56,6 +58,11 @@ def op_temporaries(graphs: Iterable[fx.GraphModule], device: torch.device) -> di
         key = _key(n, device)
         if key not in _measured and key not in pending:
             pending[key] = n
+    if pending and device.type == "cpu" and profiler_active():
+        # Compiled while a profiler runs (the user's, or a measured first step): a session of our own
+        # inside it would crash the process at its export. Not measured now; a later compile will.
+        log.debug("fxoffload: a profiler is running; %d ops' temporaries are not measured", len(pending))
+        return {n: _measured[k] for n in nodes if (k := _key(n, device)) in _measured and _measured[k] > 0}
     if pending:
         with real_tensors(), torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
             measured = _on_cpu(pending) if device.type == "cpu" else _on_cuda(pending, device)
