@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import shutil
 import sys
+import textwrap
 from pathlib import Path
 
 import torch
 
 from .explain import explain, explain_and_measure
-from .models import EXAMPLES, example
+from .models import EXAMPLE_MIN_BYTES, EXAMPLES, example
 from .options import POLICIES, parse_budget, parse_bytes
 from .report import save_reports
 
@@ -49,30 +51,72 @@ def _budget(text: str) -> int | float:
         raise argparse.ArgumentTypeError(str(e).replace("fxoffload: ", "")) from None
 
 
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """Defaults after each flag's help (except flags off by default and "unset"), the epilog as written."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        if action.default in (None, False, [], argparse.SUPPRESS) or "default" in (action.help or ""):
+            return action.help or ""
+        return super()._get_help_string(action)
+
+
+EXPLAIN_EXAMPLES = """\
+examples:
+  # the plan for the built-in GPT on this machine (on a CPU, nothing is offloaded without --offload-cpu)
+  python -m fxoffload explain --model gpt
+  # offload CPU tensors too, and measure one real training step beside the prediction
+  python -m fxoffload explain --model mlp --offload-cpu --measure
+  # your own model: make() in my_model.py returns (model, example_args); a budget of 60% of the peak
+  python -m fxoffload explain --model my_model.py:make --budget 0.6 --json plan.json
+"""
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m fxoffload", description="fxoffload: activation offloading for torch.compile")
+    parser = argparse.ArgumentParser(
+        prog="python -m fxoffload", description="fxoffload: activation offloading for torch.compile",
+        epilog=EXPLAIN_EXAMPLES, formatter_class=_HelpFormatter,
+    )  # fmt: skip
     sub = parser.add_subparsers(dest="command", required=True)
-    ex = sub.add_parser("explain", help="plan a model and print the summary and the table of saved tensors")
-    ex.add_argument("--model", default="gpt",
-                    help=f"a built-in example ({', '.join(EXAMPLES)}) or FILE.py:FUNCTION returning (model, args)")  # fmt: skip
-    ex.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
-    ex.add_argument("--policy", default="auto", choices=POLICIES)
-    ex.add_argument("--offload-module", action="append", default=[], metavar="PATTERN",
-                    help="offload what modules matching this fnmatch pattern produce, e.g. '*.mlp.*' (repeatable)")  # fmt: skip
-    ex.add_argument("--min-bytes", type=_size, default=None, help="e.g. 1MiB (default: the backend's, 1 MiB)")
-    ex.add_argument("--budget", type=_budget, default=None,
-                    help="memory budget for the predicted peak: a size (12GiB) or a fraction (0.6) of the peak")  # fmt: skip
-    ex.add_argument("--strict", action="store_true", help="fail when --budget cannot be reached")
-    ex.add_argument("--bandwidth", type=_size, default=None, help="host link bytes/s each way, e.g. 25GB")
-    ex.add_argument("--host-budget", type=_size, default=None, help="bound on host bytes, e.g. 8GiB")
-    ex.add_argument("--prefetch", type=int, default=None, help="compute nodes each copy overlaps with")
-    ex.add_argument("--offload-cpu", action="store_true", help="offload CPU tensors (machines without a GPU)")
-    ex.add_argument("--inner", default="inductor", choices=("inductor", "aot_eager"))
-    ex.add_argument("--calibrate", action="store_true", help="time the ops on the device instead of modelling them")
-    ex.add_argument("--measure", action="store_true",
-                    help="run steady training steps and show the measured peak beside the predicted one")  # fmt: skip
-    ex.add_argument("--plot", metavar="FILE", help="write the memory picture (PNG or SVG; needs matplotlib)")
-    ex.add_argument("--json", metavar="FILE", help="write the reports as JSON")
+    ex = sub.add_parser(
+        "explain", help="plan a model and print the summary and the table of saved tensors",
+        description="Compile one forward of a model with fxoffload and print what it would offload,\n"
+        "recompute or keep, and why. Runs no training step unless --measure is given.",
+        epilog=EXPLAIN_EXAMPLES, formatter_class=_HelpFormatter,
+    )  # fmt: skip
+    examples = ", ".join(f"{k}: {v}" for k, v in EXAMPLE_MIN_BYTES.items())
+    add = ex.add_argument
+    add("--model", default="gpt",
+        help=f"a built-in example ({', '.join(EXAMPLES)}) or FILE.py:FUNCTION returning (model, args)")
+    add("--device", default=None, help="cuda, cuda:N or cpu (default: cuda when available)")
+    add("--policy", default="auto", choices=POLICIES,
+        help="auto: what the cost model predicts hidden; all: every eligible tensor; none: unchanged")
+    add("--offload-module", action="append", default=[], metavar="PATTERN",
+        help="offload what modules matching this fnmatch pattern produce, e.g. '*.mlp.*' (repeatable)")
+    add("--min-bytes", type=_size, default=None, metavar="SIZE",
+        help=f"smaller saved tensors stay on the device, e.g. 1MiB (default: per built-in example, "
+        f"{examples}; 1 MiB, the backend's, for your own model)")
+    add("--budget", type=_budget, default=None, metavar="SIZE|FRACTION",
+        help="memory budget for the predicted peak: a size (12GiB) or a fraction (0.6) of the peak "
+        "(default: none)")
+    add("--strict", action="store_true", help="fail when --budget cannot be reached (default: warn)")
+    add("--bandwidth", type=_size, default=None, metavar="BYTES_PER_S",
+        help="host link bytes/s each way, e.g. 25GB (default: measured on a GPU, fixed on CPU)")
+    add("--host-budget", type=_size, default=None, metavar="SIZE",
+        help="bound on host bytes, e.g. 8GiB (default: unbounded)")
+    add("--prefetch", type=int, default=None, metavar="NODES",
+        help="compute nodes each copy overlaps with (default: placed by the cost model)")
+    add("--offload-cpu", action="store_true",
+        help="offload CPU tensors too, to see the data flow on a machine without a GPU")
+    add("--inner", default="inductor", choices=("inductor", "aot_eager"),
+        help="compiler of the rewritten graphs; aot_eager runs them eagerly (for debugging)")
+    add("--calibrate", action="store_true", help="time the ops on the device instead of modelling them")
+    add("--measure", action="store_true",
+        help="run steady training steps and show the measured peak beside the predicted one")
+    add("--all-rows", action="store_true",
+        help="print every saved tensor with every column (default: offloaded, recomputed and the largest "
+        "kept ones, fitted to the terminal)")
+    add("--plot", metavar="FILE", help="write the memory picture (PNG or SVG; needs matplotlib)")
+    add("--json", metavar="FILE", help="write the reports as JSON (every row and field)")
     return parser
 
 
@@ -86,6 +130,8 @@ def main(argv: list[str] | None = None) -> int:
     else:
         model, inputs = _load_factory(args.model)
     options = {"policy": args.policy, "offload_cpu": args.offload_cpu, "inner": args.inner, "calibrate": args.calibrate}
+    if args.model in EXAMPLES:
+        options["min_bytes"] = EXAMPLE_MIN_BYTES[args.model]  # an explicit --min-bytes wins, below
     for key in ("min_bytes", "host_budget", "prefetch", "bandwidth"):
         if getattr(args, key) is not None:
             options[key] = getattr(args, key)
@@ -93,6 +139,7 @@ def main(argv: list[str] | None = None) -> int:
         options.update(memory_budget=args.budget, strict=args.strict)
     if args.offload_module:
         options["offload_modules"] = tuple(args.offload_module)
+    width = max(40, shutil.get_terminal_size().columns)
     measured = None
     try:
         if args.measure:
@@ -104,10 +151,13 @@ def main(argv: list[str] | None = None) -> int:
     if not reports:
         print("fxoffload: no graph was planned: nothing requires grad, so nothing is saved for backward")
     for report in reports:
-        print(report.summary(), "\n")
-        print(report.table(), "\n")
+        # The short table says a graph-wide note itself; the summary's copy of it would repeat it.
+        summary = report.summary().splitlines()
+        summary = [line for line in summary if args.all_rows or not line.startswith("  note: ")]
+        print("\n".join(_fitted(summary, width)) + "\n")
+        print(report.table(rows="all" if args.all_rows else "short", width=width) + "\n")
     if measured is not None:
-        _print_measured(measured[device], reports, model, inputs)
+        _print_measured(measured[device], reports, model, inputs, width)
     if device == "cpu" and not args.offload_cpu:
         print("note: on CPU nothing is offloaded unless --offload-cpu is given")
     if args.json:
@@ -124,19 +174,29 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _print_measured(measured, reports, model, inputs) -> None:
+def _fitted(lines: list[str], width: int) -> list[str]:
+    """Each line wrapped to ``width`` columns, its continuation indented under its text."""
+    out = []
+    for line in lines:
+        indent = " " * (len(line) - len(line.lstrip()) + 4)
+        out.extend(textwrap.wrap(line, width, subsequent_indent=indent) or [""])
+    return out
+
+
+def _print_measured(measured, reports, model, inputs, width: int) -> None:
     from .plan import fmt_bytes
 
     where = "CPU, fxoffload's host buffers left out" if measured.device == "cpu" else measured.device
-    print(f"measured, one steady step ({where}):\n  {measured.summary()}")
+    lines = [f"measured, one steady step ({where}):", f"  {measured.summary()}"]
     if reports:
         tensors = [*(model.parameters() if isinstance(model, torch.nn.Module) else ()),
                    *(model.buffers() if isinstance(model, torch.nn.Module) else ()),
                    *(a for a in inputs if isinstance(a, torch.Tensor))]  # fmt: skip
         storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
         start, predicted = sum(storages.values()), max(r.predicted_peak_after for r in reports)
-        print(f"  predicted peak with fxoffload: {fmt_bytes(predicted)}, {fmt_bytes(predicted - start)} "
-              f"above the {fmt_bytes(start)} of parameters, buffers and inputs live at the start")  # fmt: skip
+        lines.append(f"  predicted peak with fxoffload: {fmt_bytes(predicted)}, {fmt_bytes(predicted - start)} "
+                     f"above the {fmt_bytes(start)} of parameters, buffers and inputs live at the start")  # fmt: skip
+    print("\n".join(_fitted(lines, width)))
 
 
 if __name__ == "__main__":

@@ -169,3 +169,7 @@ def example(name: str, device: str | torch.device = "cpu"):
 
 
 EXAMPLES = ("gpt", "cnn", "seq2seq", "mlp")
+
+# The min_bytes each built-in example is explained and demonstrated with (CLI and demo alike): their
+# tensors are KiB-sized, far below the backend's default of 1 MiB, so the default would offload nothing.
+EXAMPLE_MIN_BYTES = {"gpt": "16KiB", "cnn": "64KiB", "seq2seq": "8KiB", "mlp": "16KiB"}

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import shutil
+import textwrap
 
 import torch.fx as fx
 
@@ -144,32 +146,115 @@ class OffloadReport:
     def saved_bytes(self) -> int:
         return sum(r.nbytes for r in self.saved)
 
-    def table(self) -> str:
-        """One row per saved tensor, with its decision and the reason for it."""
-        rows = [
-            (r.name, "x".join(map(str, r.shape)) or "scalar", r.dtype, f"{r.nbytes / 2**20:.3f}",
-             r.producer, r.fw_last_use, r.bw_first_use or "-", r.idle_compute_nodes,
-             f"recompute {r.recompute_ms:.3f}" if r.decision == RECOMPUTE else f"{r.d2h_ms:.3f}/{r.h2d_ms:.3f}",
-             f"{r.fw_window_ms:.3f}/{r.bw_window_ms:.3f}", r.decision,
-             f"[{r.reason_code}] {r.reason}" if r.reason_code else r.reason)
-            for r in self.saved
-        ]  # fmt: skip
+    def table(self, rows: str = "all", width: int | None = None, kept: int = 5) -> str:
+        """The saved tensors, their decisions and the reasons, as a text table.
+
+        ``rows="all"``: one row per saved tensor with every column (copy times, compute windows, first
+        and last uses). ``rows="short"``: what a person reads first: the offloaded and recomputed
+        tensors, the ``kept`` largest kept ones, a count of the rest by reason code, parameters and
+        graph inputs in one line, and a reason shared by every row said once above the table.
+        ``width``: columns to fit (None: the terminal's, ``shutil.get_terminal_size``); the reason
+        column is wrapped ("all") or cut short ("short") to fit.
+        """
+        if rows not in ("all", "short"):
+            raise ValueError(f"fxoffload: table(rows={rows!r}): rows must be 'all' or 'short'")
+        if isinstance(kept, bool) or not isinstance(kept, int) or kept < 0:
+            raise ValueError(f"fxoffload: table(kept={kept!r}): kept must be an int >= 0 (rows shown)")
+        width = shutil.get_terminal_size().columns if width is None else width
+        if isinstance(width, bool) or not isinstance(width, int) or width < 40:
+            raise ValueError(f"fxoffload: table(width={width!r}): width must be an int >= 40 (columns)")
         header = (
             f"graph {self.graph_id}: policy={self.policy!r}, {len(self.offloaded)} of "
             f"{len(self.saved)} saved tensors offloaded, {fmt_bytes(self.offloaded_bytes)} of "
             f"{fmt_bytes(self.saved_bytes)}"
         )
+        if self.recomputed:
+            header += f", {len(self.recomputed)} recomputed"
         budget = "unbounded" if self.host_budget is None else fmt_bytes(self.host_budget)
-        header += f"\nhost memory: {fmt_bytes(self.host_bytes_total)} planned by this backend (host_budget: {budget})"
+        host = f"host memory: {fmt_bytes(self.host_bytes_total)} planned by this backend "
+        host += f"(host_budget: {budget})"
+        if rows == "short":
+            return self._short_table(header, host, width, kept)
+        header += f"\n{host}"
         if self.note:
             header += f"\n{self.note}"
-        body = tabulate(
-            rows,
-            headers=("saved tensor", "shape", "dtype", "MiB", "producer", "fw last use", "bw first use",
-                     "idle nodes", "copy ms out/in", "window ms fw/bw", "decision", "reason"),
-            maxcolwidths=[None] * 11 + [56],
+        body = [
+            (r.name, "x".join(map(str, r.shape)) or "scalar", r.dtype, f"{r.nbytes / 2**20:.3f}",
+             r.producer, r.fw_last_use, r.bw_first_use or "-", r.idle_compute_nodes,
+             f"recompute {r.recompute_ms:.3f}" if r.decision == RECOMPUTE
+             else f"{r.d2h_ms:.3f}/{r.h2d_ms:.3f}", f"{r.fw_window_ms:.3f}/{r.bw_window_ms:.3f}", r.decision,
+             f"[{r.reason_code}] {r.reason}" if r.reason_code else r.reason)
+            for r in self.saved
+        ]  # fmt: skip
+        headers = ("saved tensor", "shape", "dtype", "MiB", "producer", "fw last use", "bw first use",
+                   "idle nodes", "copy ms out/in", "window ms fw/bw", "decision", "reason")  # fmt: skip
+        # The reason column takes what the others leave of the width, never less than 40 columns.
+        others = _table_width([r[:-1] for r in body], headers[:-1])
+        reason_width = max(40, width - others - 2)
+        return f"{header}\n{tabulate(body, headers=headers, maxcolwidths=[None] * 11 + [reason_width])}"
+
+    def _short_table(self, header: str, host: str, width: int, kept: int) -> str:
+        lines = [header]
+        if self.offloaded or self.host_budget is not None:
+            lines.append(host)
+        # A reason every row shares (a graph left unchanged, policy="none") is said once, not per row.
+        reasons = {(r.reason_code, r.reason) for r in self.saved}
+        shared = len(reasons) == 1 and len(self.saved) > 1
+        if self.note or shared:
+            code, text = next(iter(reasons)) if shared else ("", self.note)
+            note = f"note: {text}" + (f" [{code}]" if shared and code else "")
+            lines.extend(textwrap.wrap(note, width, subsequent_indent="  "))
+        # Parameters, buffers and graph inputs (placeholders) stay whatever the policy: one line for all.
+        inputs = [r for r in self.saved if r.producer == "placeholder" and r.decision == Action.KEEP]
+        groups = [(f"offloaded: {_count(self.offloaded)}", self.offloaded)]
+        if self.recomputed:
+            groups.append((f"recomputed: {_count(self.recomputed)}", self.recomputed))
+        rest = sorted(
+            (r for r in self.saved if r.decision == Action.KEEP and r.producer != "placeholder"),
+            key=lambda r: -r.nbytes,
         )
-        return f"{header}\n{body}"
+        shown, hidden = rest[:kept], rest[kept:]
+        if shown:
+            title = f"kept, the {len(shown)} largest of {len(rest)}" if hidden else f"kept: {_count(shown)}"
+            groups.append((title, shown))
+        # A group whose rows share a reason code names it in its title; its rows give the sentence.
+        titled = {id(r): r.reason_code for _, group in groups if len({r.reason_code for r in group}) == 1
+                  for r in group if r.reason_code}  # fmt: skip
+        body = [
+            (r.name, "x".join(map(str, r.shape)) or "scalar", r.dtype, fmt_bytes(r.nbytes),
+             r.module_path or r.producer,
+             f"{r.recompute_ms:.3f} compute" if r.decision == RECOMPUTE
+             else f"{r.d2h_ms:.3f}/{r.h2d_ms:.3f}" if r.decision == OFFLOAD else "",
+             "" if shared else r.reason if id(r) in titled or not r.reason_code
+             else f"{r.reason_code}: {r.reason}")
+            for _, group in groups for r in group
+        ]  # fmt: skip
+        headers = ("saved tensor", "shape", "dtype", "size", "module", "copy ms", "reason")
+        if body:
+            room = max(20, width - _table_width([r[:-1] for r in body], headers[:-1]) - 2)
+            body = [(*r[:-1], _cut(r[-1], room)) for r in body]
+            if shared:
+                body, headers = [r[:-1] for r in body], headers[:-1]
+            table = tabulate(body, headers=headers, disable_numparse=True).splitlines()
+            lines.extend(table[:2])  # column names and the rule; a title line above each group's rows
+            at = 2
+            for title, group in groups:
+                code = titled.get(id(group[0])) if group and not shared else None
+                if group:  # an empty group (nothing offloaded) is already said in the first line
+                    lines.append(f"{title} [{code}]" if code else title)
+                lines.extend(table[at : at + len(group)])
+                at += len(group)
+        if hidden:
+            lines.append(
+                f"... and {len(hidden)} more kept, {fmt_bytes(sum(r.nbytes for r in hidden))} "
+                f"(codes: {_code_counts(hidden)})"
+            )
+        if inputs:
+            lines.append(
+                f"parameters, buffers and graph inputs: {len(inputs)} kept, "
+                f"{fmt_bytes(sum(r.nbytes for r in inputs))} (codes: {_code_counts(inputs)})"
+            )
+        return "\n".join(lines)
 
     @property
     def predicted_peak_before(self) -> int:
@@ -201,7 +286,7 @@ class OffloadReport:
         if self.memory_budget is not None:
             fits = "met" if self.predicted_peak_after <= self.memory_budget else "NOT met"
             lines.append(f"  memory_budget: {fmt_bytes(self.memory_budget)} ({fits})")
-        if self.device:
+        if self.device and self.offloaded:  # no stall to predict where nothing is copied
             lines.append(f"  predicted stall: {self.predicted_stall_ms:.3f} ms per step ({self.device})")
         lines.append(
             f"  offloaded: {len(self.offloaded)} of {len(self.saved)} saved tensors, "
@@ -279,6 +364,28 @@ class OffloadReport:
 
     def __str__(self) -> str:
         return self.table()
+
+
+def _table_width(rows, headers) -> int:
+    """Columns a tabulate table of these rows takes."""
+    return max(len(line) for line in tabulate(rows, headers=headers, disable_numparse=True).splitlines())
+
+
+def _cut(text: str, width: int) -> str:
+    """``text`` on one line of at most ``width`` columns, "..." where it was cut."""
+    text = " ".join(text.split())
+    return text if len(text) <= width else text[: max(0, width - 3)].rstrip() + "..."
+
+
+def _count(rows) -> str:
+    return f"{len(rows)} tensor{'s' if len(rows) != 1 else ''}, {fmt_bytes(sum(r.nbytes for r in rows))}"
+
+
+def _code_counts(rows) -> str:
+    counts: dict[str, int] = {}
+    for r in rows:
+        counts[r.reason_code or "-"] = counts.get(r.reason_code or "-", 0) + 1
+    return ", ".join(f"{code} {n}" for code, n in sorted(counts.items(), key=lambda kv: -kv[1]))
 
 
 _INSERTED = ("offload_default", "reload_default", "wait_default")

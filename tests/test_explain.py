@@ -1,6 +1,7 @@
 """explain(), the report file formats, the picture and the command line."""
 
 import importlib.util
+import os
 import subprocess
 import sys
 
@@ -65,8 +66,11 @@ def test_plot_without_matplotlib_says_how_to_get_it(monkeypatch):
         report.plot("never.png")
 
 
-def _cli(*argv):
-    return subprocess.run([sys.executable, "-m", "fxoffload", *argv], capture_output=True, text=True, timeout=600)
+def _cli(*argv, env=None):
+    env = {**os.environ, **(env or {})}
+    return subprocess.run(
+        [sys.executable, "-m", "fxoffload", *argv], capture_output=True, text=True, timeout=600, env=env
+    )
 
 
 def test_cli_explain(tmp_path):
@@ -74,10 +78,15 @@ def test_cli_explain(tmp_path):
     picture = tmp_path / "r.png"
     plot = ["--plot", str(picture)] if importlib.util.find_spec("matplotlib") else []
     result = _cli("explain", "--model", "mlp", "--offload-cpu", "--inner", "aot_eager", "--policy", "all",
-                  "--min-bytes", "0", "--json", str(out), *plot)  # fmt: skip
+                  "--min-bytes", "0", "--all-rows", "--json", str(out), *plot)  # fmt: skip
     assert result.returncode == 0, result.stderr[-2000:]
     assert "predicted peak without fxoffload" in result.stdout and "decision" in result.stdout
-    assert load_reports(str(out))[0].offloaded
+    (report,) = load_reports(str(out))
+    assert report.offloaded
+    # --all-rows: a line for every saved tensor, parameters and graph inputs included.
+    lines = result.stdout.splitlines()
+    for row in report.saved:
+        assert any(line.startswith(f"{row.name} ") for line in lines), row.name
     if plot:
         assert picture.read_bytes().startswith(b"\x89PNG")
 
@@ -85,9 +94,12 @@ def test_cli_explain(tmp_path):
 def test_cli_offload_module_patterns(tmp_path):
     out = tmp_path / "r.json"
     result = _cli("explain", "--model", "gpt", "--offload-cpu", "--inner", "aot_eager", "--min-bytes", "1GiB",
-                  "--offload-module", "blocks.0.*", "--offload-module", "*.fc", "--json", str(out))  # fmt: skip
+                  "--offload-module", "blocks.0.*", "--offload-module", "*.fc", "--json", str(out),
+                  env={"COLUMNS": "160"})  # fmt: skip
     assert result.returncode == 0, result.stderr[-2000:]
-    assert "offload     [user_module] produced by blocks.0.qkv, which matches" in result.stdout
+    # The short table: the offloaded group is titled with the code its rows share, each row says why.
+    assert "[user_module]" in result.stdout
+    assert "produced by blocks.0.qkv, which matches" in result.stdout
     (report,) = load_reports(str(out))
     paths = {r.name: r.module_path for r in report.saved}
     matching = {n for n, p in paths.items() if p.startswith("blocks.0.") or p.endswith(".fc")}
@@ -131,6 +143,45 @@ def test_cli_bad_arguments(argv, message):
 def test_cli_help():
     result = _cli("--help")
     assert result.returncode == 0 and "explain" in result.stdout
+
+
+def test_cli_explain_help_shows_defaults_and_examples():
+    result = _cli("explain", "--help")
+    assert result.returncode == 0, result.stderr[-2000:]
+    text = " ".join(result.stdout.split())  # argparse wraps the help to the terminal
+    assert "(default: gpt)" in text and "(default: auto)" in text and "(default: inductor)" in text
+    assert "gpt: 16KiB" in text and "(default: unbounded)" in text
+    assert "examples: # the plan for the built-in GPT" in text
+    assert "python -m fxoffload explain --model mlp --offload-cpu --measure" in text
+    # Every flag has a help text (--inner had none).
+    from fxoffload.__main__ import build_parser
+
+    (sub,) = [a for a in build_parser()._actions if a.dest == "command"]
+    flags = {a.option_strings[0]: a.help for a in sub.choices["explain"]._actions}
+    assert {"--inner", "--all-rows", "--min-bytes"} <= flags.keys()
+    assert all(flags.values()), [f for f, h in flags.items() if not h]
+
+
+def test_cli_example_min_bytes_offloads_and_the_short_table_fits(tmp_path):
+    """The built-in examples carry a min_bytes that makes them offload (the 1 MiB default is larger than
+    every tensor they save); the default table is the short one and fits a 110-column terminal."""
+    out = tmp_path / "r.json"
+    result = _cli("explain", "--model", "mlp", "--offload-cpu", "--inner", "aot_eager", "--json", str(out),
+                  env={"COLUMNS": "110"})  # fmt: skip
+    assert result.returncode == 0, result.stderr[-2000:]
+    (report,) = load_reports(str(out))
+    assert len(report.offloaded) > 0 and {r.reason_code for r in report.saved} >= {"min_bytes"}
+    assert all(len(line) <= 110 for line in result.stdout.splitlines()), result.stdout
+    assert f"offloaded: {len(report.offloaded)} tensors" in result.stdout
+    assert "parameters, buffers and graph inputs: 8 kept" in result.stdout
+    assert "decision" not in result.stdout  # the all-rows column names
+    # An explicit --min-bytes wins over the example's.
+    again = _cli("explain", "--model", "mlp", "--offload-cpu", "--inner", "aot_eager", "--min-bytes", "1MiB",
+                 "--json", str(out))  # fmt: skip
+    assert again.returncode == 0, again.stderr[-2000:]
+    (report,) = load_reports(str(out))
+    assert not report.offloaded and {r.reason_code for r in report.saved} >= {"min_bytes"}
+    assert "predicted stall" not in again.stdout  # nothing planned: no stall to predict
 
 
 def test_logs_and_trace_artifacts(tmp_path):

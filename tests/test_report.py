@@ -74,3 +74,46 @@ def test_json_carries_reason_codes_and_typed_decisions(gpt_report):
     old = json.loads(gpt_report.to_json())
     old["saved"] = rows
     assert [r.reason_code for r in OffloadReport.from_json(json.dumps(old)).saved] == [""] * len(rows)
+
+
+def test_short_table_fits_the_width_and_lists_every_offloaded_tensor(gpt_report):
+    text = gpt_report.table(rows="short", width=110, kept=3)
+    lines = text.splitlines()
+    assert max(len(line) for line in lines) <= 110, text
+    names = {line.split()[0] for line in lines if line.strip()}
+    assert {r.name for r in gpt_report.offloaded} <= names
+    assert f"offloaded: {len(gpt_report.offloaded)} tensors" in text
+    # Kept activations: the 3 largest, then a count of the rest by reason code.
+    kept = sorted((r for r in gpt_report.saved if r.decision == "keep" and r.producer != "placeholder"),
+                  key=lambda r: -r.nbytes)  # fmt: skip
+    assert {r.name for r in kept[:3]} <= names and not {r.name for r in kept[3:]} & names
+    assert f"... and {len(kept) - 3} more kept" in text and "(codes: min_bytes" in text
+    # Parameters and graph inputs: one line, no rows.
+    placeholders = [r for r in gpt_report.saved if r.producer == "placeholder"]
+    assert f"parameters, buffers and graph inputs: {len(placeholders)} kept" in text
+    assert not {r.name for r in placeholders} & names
+    # The full table keeps a row per saved tensor.
+    full = gpt_report.table(rows="all", width=110).splitlines()
+    assert {r.name for r in gpt_report.saved} <= {line.split()[0] for line in full if line.strip()}
+
+
+def test_short_table_says_a_graph_wide_note_once_and_no_stall_when_nothing_is_planned():
+    import fxoffload
+    from fxoffload.models import example
+
+    model, args = example("mlp")
+    (report,) = fxoffload.explain(model, *args, inner="aot_eager")  # CPU tensors, offload_cpu=False
+    text = report.table(rows="short", width=110)
+    assert text.count("no accelerator tensors") == 1 and "[no_accelerator]" in text, text
+    assert "reason" not in text.splitlines()[2]  # the column names: no reason column repeating the note
+    assert "predicted stall" not in report.summary()
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [(dict(rows="most"), "rows must be 'all' or 'short'"), (dict(width=10), "width must be an int >= 40"),
+     (dict(rows="short", kept=-1), "kept must be an int >= 0")],
+)  # fmt: skip
+def test_table_bad_arguments(gpt_report, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        gpt_report.table(**kwargs)
