@@ -13,7 +13,7 @@ import time
 import torch
 
 import fxoffload
-from fxoffload.models import GPT, PRESETS, gpt_batch
+from fxoffload.models import EXAMPLE_MIN_BYTES, GPT, PRESETS, gpt_batch
 from fxoffload.plan import fmt_bytes
 
 
@@ -52,6 +52,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--policy", default="all", choices=("auto", "all", "none"))
+    parser.add_argument("--all-rows", action="store_true", help="print every saved tensor with every column")
     args = parser.parse_args(argv)
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -62,40 +63,54 @@ def main(argv: list[str] | None = None) -> None:
     batch = gpt_batch(cfg, args.batch, device)
     if device == "cuda":
         backend = fxoffload.backend(policy=args.policy)
-        print(f"device: {torch.cuda.get_device_name()} (torch {torch.__version__})")
+        where = f"{torch.cuda.get_device_name()} (torch {torch.__version__})"
     else:
-        backend = fxoffload.backend(policy=args.policy, offload_cpu=True, min_bytes="16KiB")
-        print(
-            f"device: CPU (torch {torch.__version__}). No GPU here: running with offload_cpu=True, so CPU\n"
-            "activations are copied to separate host buffers and their storage released. The data flow\n"
-            "is the real one; the memory figures are not GPU figures."
-        )
-    print(f"model: GPT preset {preset!r} {cfg}, batch {args.batch}, {args.steps} training steps (AdamW)\n")
-
+        # The tiny preset is the "gpt" example; its tensors are far below the default min_bytes (1 MiB).
+        backend = fxoffload.backend(policy=args.policy, offload_cpu=True, min_bytes=EXAMPLE_MIN_BYTES["gpt"])
+        where = (f"CPU (torch {torch.__version__}); no GPU, so offload_cpu=True: activations are copied\n"
+                 "        to separate host buffers and their storage released (the real data flow, CPU figures)")
+    print(f"compiling and training twice (fxoffload, inductor), {args.steps} steps each...", flush=True)
     losses, times, peak, measured = train(model, backend, batch, args.steps, device)
     torch._dynamo.reset()
     ref_losses, ref_times, ref_peak, ref_measured = train(model, "inductor", batch, args.steps, device)
 
-    where = "CPU, fxoffload's host buffers left out" if device == "cpu" else "CUDA allocator"
-    print(f"measured peak of a steady step ({where}), above what was live at its start:\n"
-          f"    fxoffload {fmt_bytes(measured)}, inductor {fmt_bytes(ref_measured)}\n")  # fmt: skip
-
-    for report in backend.reports:
-        print(report.table(), "\n")
-    stats = fxoffload.host_pool_stats()
-    print(f"losses, fxoffload : {[round(v, 5) for v in losses]}")
-    print(f"losses, inductor  : {[round(v, 5) for v in ref_losses]}")
-    offloaded = sum(r.offloaded_bytes for r in backend.reports)
-    saved = sum(r.saved_bytes for r in backend.reports)
-    print(f"saved for backward: {fmt_bytes(saved)}; offloaded per step: {fmt_bytes(offloaded)}")
-    print(f"host pool: {stats.buffers} buffers, {fmt_bytes(stats.bytes_allocated)}, "
-          "allocated in the first step and reused after it")  # fmt: skip
+    # What a user came for first: memory, time, same losses, what was moved; then the short table.
+    size = ", ".join(f"{k} {getattr(cfg, k)}" for k in ("vocab", "seq", "dim", "heads", "layers"))
+    print(f"\nmodel : GPT preset {preset!r} ({size}), batch {args.batch}, {args.steps} AdamW steps")
+    print(f"device: {where}")
+    print(f"{'':34}{'inductor':>12}{'fxoffload':>12}")
+    cut = 1 - measured / ref_measured if ref_measured else 0.0
+    change = f"{cut:.0%} less" if cut >= 0 else f"{-cut:.0%} more"
+    print(f"{'peak memory of a steady step':34}{fmt_bytes(ref_measured):>12}{fmt_bytes(measured):>12}   {change}")
     if device == "cuda":
-        print(f"peak allocated    : fxoffload {peak / 2**20:.1f} MiB vs inductor {ref_peak / 2**20:.1f} MiB")
+        print(f"{'peak allocated, all steps':34}{fmt_bytes(ref_peak):>12}{fmt_bytes(peak):>12}")
     # Step 1 includes compilation; the rest are steady state.
     steady = (lambda ts: sorted(ts[1:])[len(ts[1:]) // 2] * 1e3 if len(ts) > 1 else float("nan"))
-    print(f"step time (median after the first): fxoffload {steady(times):.1f} ms, "
-          f"inductor {steady(ref_times):.1f} ms")  # fmt: skip
+    slower = steady(times) / steady(ref_times) - 1
+    print(f"{'step time, median after the first':34}{steady(ref_times):>9.1f} ms{steady(times):>9.1f} ms"
+          f"   {slower:+.0%}")  # fmt: skip
+    diff = max(abs(a - b) for a, b in zip(losses, ref_losses))
+    same = "identical" if diff == 0 else f"same within {diff:.1e}"
+    print(f"{'loss, last step':34}{ref_losses[-1]:>12.5f}{losses[-1]:>12.5f}   {same} over {len(losses)} steps")
+    offloaded = [r for report in backend.reports for r in report.offloaded]
+    recomputed = [r for report in backend.reports for r in report.recomputed]
+    saved = sum(r.saved_bytes for r in backend.reports)
+    count = sum(len(r.saved) for r in backend.reports)
+    stats = fxoffload.host_pool_stats()
+    moved, rebuilt = fmt_bytes(sum(r.nbytes for r in offloaded)), fmt_bytes(sum(r.nbytes for r in recomputed))
+    print(f"offloaded: {len(offloaded)} of {count} saved tensors, {moved} of {fmt_bytes(saved)}"
+          + (f"; recomputed: {len(recomputed)}, {rebuilt}" if recomputed else ""))  # fmt: skip
+    print(f"host pool: {stats.buffers} buffers, {fmt_bytes(stats.bytes_allocated)}, allocated in the first step "
+          "and reused")  # fmt: skip
+    print("(peak memory: allocator bytes above what was live at the step's start"
+          + (", fxoffload's host buffers left out)" if device == "cpu" else ")"))
+    if device == "cpu":
+        print("(step time: on a CPU the copies run on two threads that share the cores with compute)")
+    for report in backend.reports:
+        print()
+        print(report.table(rows="all" if args.all_rows else "short", kept=3))
+    if not args.all_rows:
+        print("\nevery saved tensor and column: python -m fxoffload.demo --all-rows")
 
 
 if __name__ == "__main__":
