@@ -68,7 +68,8 @@ def main(argv: list[str] | None = None) -> None:
         # The tiny preset is the "gpt" example; its tensors are far below the default min_bytes (1 MiB).
         backend = fxoffload.backend(policy=args.policy, offload_cpu=True, min_bytes=EXAMPLE_MIN_BYTES["gpt"])
         where = (f"CPU (torch {torch.__version__}); no GPU, so offload_cpu=True: activations are copied\n"
-                 "        to separate host buffers and their storage released (the real data flow, CPU figures)")
+                 "        to separate host buffers and their storage released (the real data flow, CPU"
+                 " figures)")  # fmt: skip
     print(f"compiling and training twice (fxoffload, inductor), {args.steps} steps each...", flush=True)
     losses, times, peak, measured = train(model, backend, batch, args.steps, device)
     torch._dynamo.reset()
@@ -78,20 +79,22 @@ def main(argv: list[str] | None = None) -> None:
     size = ", ".join(f"{k} {getattr(cfg, k)}" for k in ("vocab", "seq", "dim", "heads", "layers"))
     print(f"\nmodel : GPT preset {preset!r} ({size}), batch {args.batch}, {args.steps} AdamW steps")
     print(f"device: {where}")
-    print(f"{'':34}{'inductor':>12}{'fxoffload':>12}")
+    row = "{:34}{:>12}{:>12}   {}".format
+    print(row("", "inductor", "fxoffload", ""))
     cut = 1 - measured / ref_measured if ref_measured else 0.0
     change = f"{cut:.0%} less" if cut >= 0 else f"{-cut:.0%} more"
-    print(f"{'peak memory of a steady step':34}{fmt_bytes(ref_measured):>12}{fmt_bytes(measured):>12}   {change}")
+    print(row("peak memory of a steady step", fmt_bytes(ref_measured), fmt_bytes(measured), change))
     if device == "cuda":
-        print(f"{'peak allocated, all steps':34}{fmt_bytes(ref_peak):>12}{fmt_bytes(peak):>12}")
+        print(row("peak allocated, all steps", fmt_bytes(ref_peak), fmt_bytes(peak), ""))
     # Step 1 includes compilation; the rest are steady state.
     steady = (lambda ts: sorted(ts[1:])[len(ts[1:]) // 2] * 1e3 if len(ts) > 1 else float("nan"))
     slower = steady(times) / steady(ref_times) - 1
-    print(f"{'step time, median after the first':34}{steady(ref_times):>9.1f} ms{steady(times):>9.1f} ms"
-          f"   {slower:+.0%}")  # fmt: skip
+    print(row("step time, median after the first", f"{steady(ref_times):.1f} ms", f"{steady(times):.1f} ms",
+              f"{slower:+.0%}"))  # fmt: skip
     diff = max(abs(a - b) for a, b in zip(losses, ref_losses))
     same = "identical" if diff == 0 else f"same within {diff:.1e}"
-    print(f"{'loss, last step':34}{ref_losses[-1]:>12.5f}{losses[-1]:>12.5f}   {same} over {len(losses)} steps")
+    same = f"{same} over {len(losses)} steps"
+    print(row("loss, last step", f"{ref_losses[-1]:.5f}", f"{losses[-1]:.5f}", same))
     offloaded = [r for report in backend.reports for r in report.offloaded]
     recomputed = [r for report in backend.reports for r in report.recomputed]
     saved = sum(r.saved_bytes for r in backend.reports)
@@ -100,8 +103,8 @@ def main(argv: list[str] | None = None) -> None:
     moved, rebuilt = fmt_bytes(sum(r.nbytes for r in offloaded)), fmt_bytes(sum(r.nbytes for r in recomputed))
     print(f"offloaded: {len(offloaded)} of {count} saved tensors, {moved} of {fmt_bytes(saved)}"
           + (f"; recomputed: {len(recomputed)}, {rebuilt}" if recomputed else ""))  # fmt: skip
-    print(f"host pool: {stats.buffers} buffers, {fmt_bytes(stats.bytes_allocated)}, allocated in the first step "
-          "and reused")  # fmt: skip
+    pool = fmt_bytes(stats.bytes_allocated)
+    print(f"host pool: {stats.buffers} buffers, {pool}, allocated in the first step and reused")
     print("(peak memory: allocator bytes above what was live at the step's start"
           + (", fxoffload's host buffers left out)" if device == "cpu" else ")"))
     if device == "cpu":
