@@ -206,3 +206,22 @@ def test_cli_budget():
     assert result.returncode == 0, result.stderr[-2000:]
     assert "memory_budget:" in result.stdout and "(met)" in result.stdout
     assert "predicted stall" in result.stdout
+
+
+def test_user_guide_options_table_gives_every_option_a_unit_and_default():
+    import dataclasses
+    from pathlib import Path
+
+    from fxoffload.options import OffloadOptions
+
+    guide = (Path(__file__).parent.parent / "docs" / "user-guide.md").read_text()
+    section = guide.split("## Options", 1)[1].split("\n## ", 1)[0]
+    rows = {}
+    for line in section.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if line.startswith("| `") and len(cells) == 4:
+            rows[cells[0].strip("`")] = cells
+    fields = {f.name for f in dataclasses.fields(OffloadOptions)}
+    assert fields <= rows.keys(), f"add to the options table of docs/user-guide.md: {fields - rows.keys()}"
+    assert all(unit and default and meaning for _, unit, default, meaning in rows.values()), rows
+    assert rows["min_bytes"][2].startswith("`1 MiB`") and OffloadOptions().min_bytes == 2**20
