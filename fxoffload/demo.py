@@ -79,7 +79,9 @@ def main(argv: list[str] | None = None) -> None:
     size = ", ".join(f"{k} {getattr(cfg, k)}" for k in ("vocab", "seq", "dim", "heads", "layers"))
     print(f"\nmodel : GPT preset {preset!r} ({size}), batch {args.batch}, {args.steps} AdamW steps")
     print(f"device: {where}")
-    row = "{:34}{:>12}{:>12}   {}".format
+    def row(label: str, ref: str, ours: str, note: str) -> str:
+        return f"{label:34}{ref:>12}{ours:>12}   {note}".rstrip()
+
     print(row("", "inductor", "fxoffload", ""))
     cut = 1 - measured / ref_measured if ref_measured else 0.0
     change = f"{cut:.0%} less" if cut >= 0 else f"{-cut:.0%} more"
