@@ -230,6 +230,8 @@ class OffloadReport:
             for _, group in groups for r in group
         ]  # fmt: skip
         headers = ("saved tensor", "shape", "dtype", "size", "module", "copy ms", "reason")
+        if body and not any(r[5] for r in body):  # nothing copied or recomputed: no copy-time column
+            body, headers = [(*r[:5], r[6]) for r in body], (*headers[:5], headers[6])
         if body:
             room = max(20, width - _table_width([r[:-1] for r in body], headers[:-1]) - 2)
             body = [(*r[:-1], _cut(r[-1], room)) for r in body]
