@@ -218,7 +218,7 @@ def plan_offloads(
         else None
     )
     for t in sorted(asked.offloads, key=lambda t: (-t.nbytes, t.output_index)):
-        if host_bytes_available is not None and used + t.nbytes > host_bytes_available:
+        if host_bytes_available is not None and used + host_bytes(t) > host_bytes_available:
             reasons[t.name] = Reason(
                 C.HOST_BUDGET,
                 f"{reasons[t.name].text}, but it stays on the device: "
@@ -227,10 +227,10 @@ def plan_offloads(
             continue
         if checker is not None:
             checker.try_add(t)  # the planner's own choices share the link with it, hidden or not
-        used += t.nbytes
+        used += host_bytes(t)
         chosen.append(t)
     for t in sorted(eligible, key=lambda t: (-t.nbytes, t.output_index)):
-        if host_bytes_available is not None and used + t.nbytes > host_bytes_available:
+        if host_bytes_available is not None and used + host_bytes(t) > host_bytes_available:
             reasons[t.name] = Reason(C.HOST_BUDGET, _host_budget_text(used, host_bytes_available))
             continue
         if checker is not None and not checker.try_add(t):
@@ -246,7 +246,7 @@ def plan_offloads(
             )
             left.append(t)
             continue
-        used += t.nbytes
+        used += host_bytes(t)
         chosen.append(t)
         idle = f"idle for {t.idle_compute_nodes} compute nodes ({t.fw_compute_after} forward + {t.bw_compute_before} backward)"
         if checker is not None:

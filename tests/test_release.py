@@ -476,4 +476,4 @@ def test_host_budget_counts_real_host_bytes():
     on_cpu, on_cuda = plan_on("cpu"), plan_on("cuda")
     assert len(on_cpu.offloaded) == 3 and on_cpu.host_bytes == 9 << 20
     assert len(on_cuda.offloaded) == 2 and on_cuda.host_bytes == 8 << 20
-    assert "host_budget reached" in on_cuda.decisions[2].reason
+    assert on_cuda.decisions[2].reason.code == "host_budget"
