@@ -90,6 +90,8 @@ class _OffloadPartitioner(_compat.CustomPartitionerFn):
         """Inductor's wrapper code for the graphs of this pair, kept on the report (``output_code``)."""
         if self.report is not None:
             self.report.output_code[kind] = code
+            if self.options.memory_budget is not None and kind == "backward":
+                _check_compiled_budget(self.report)
 
     def uuid(self) -> Any:
         # Cache key part for Inductor; AOTAutograd's cache is off while we compile (see _compat).
@@ -247,6 +249,31 @@ def offload_pass(
     )  # fmt: skip
     _reissue(caught)
     return fw, bw, alternative
+
+
+def _check_compiled_budget(report: OffloadReport) -> None:
+    """The plan fits ``memory_budget`` on the FX model; Inductor then fuses, reuses and frees
+    buffers its own way. Once both graphs are compiled, the peak of the code that will run is
+    replayed (``report.compiled_memory``): past the budget (3% tolerance), say so with the figures."""
+    budget = report.memory_budget
+    compiled = report.compiled_memory()
+    if budget is None or compiled is None or not compiled.points:
+        return
+    peak = compiled.peak
+    if peak.total <= budget * 1.03:
+        log.info(
+            "fxoffload: graph %d: Inductor's code peaks at %s, within memory_budget %s",
+            report.graph_id, fmt_bytes(peak.total), fmt_bytes(budget),
+        )  # fmt: skip
+        return
+    warnings.warn(
+        f"fxoffload: graph {report.graph_id}: memory_budget {fmt_bytes(budget)} is not met by the code "
+        f"Inductor generated: it peaks at {fmt_bytes(peak.total)} ({peak.node}), where the plan predicted "
+        f"{fmt_bytes(report.predicted_peak_after)} on the FX graph (Inductor fuses, reuses and frees buffers "
+        "its own way). Expect the step to peak about there; a smaller memory_budget leaves room for it.",
+        RuntimeWarning,
+        stacklevel=2,
+    )
 
 
 def _reissue(caught: list[warnings.WarningMessage]) -> None:
