@@ -150,17 +150,28 @@ def measure_memory(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Measure
         for i in cuda:
             torch.cuda.synchronize(i)
     host_after = host_buffer_ranges()
-    fd, path = tempfile.mkstemp(suffix=".json", prefix="fxoffload-measure-")
+    events = trace_events(prof)
+    devices = [cpu_memory_from_trace(events, host_before, host_after, tracked)]
+    devices += [_cuda_end(i, start[i]) for i in cuda]
+    return MeasuredMemory(tuple(devices), result)
+
+
+def trace_events(prof: Any) -> list[dict[str, Any]]:
+    """The Chrome-trace events of a finished ``torch.profiler.profile`` session (its public export)."""
+    fd, path = tempfile.mkstemp(suffix=".json", prefix="fxoffload-trace-")
     os.close(fd)
     try:
         prof.export_chrome_trace(path)
         with open(path) as f:
-            events = json.load(f).get("traceEvents", [])
+            return json.load(f).get("traceEvents", [])
     finally:
         os.unlink(path)
-    devices = [cpu_memory_from_trace(events, host_before, host_after, tracked)]
-    devices += [_cuda_end(i, start[i]) for i in cuda]
-    return MeasuredMemory(tuple(devices), result)
+
+
+def cpu_memory_events(events: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The CPU allocator's ``[memory]`` instants (``Addr``, ``Bytes``: negative for a free), in order."""
+    cpu = [e for e in events if e.get("name") == "[memory]" and e.get("args", {}).get("Device Type") == _CPU]
+    return sorted(cpu, key=lambda e: (e["ts"], e["args"].get("Ev Idx", 0)))
 
 
 def cpu_memory_from_trace(
@@ -178,8 +189,7 @@ def cpu_memory_from_trace(
     a host buffer took its address still counts. Frees of blocks not allocated in the trace count
     only when ``freed_earlier_seen`` (the allocator knew every block's size, see ``track_cpu_frees``).
     """
-    cpu = [e for e in events if e.get("name") == "[memory]" and e.get("args", {}).get("Device Type") == _CPU]
-    memory = sorted(cpu, key=lambda e: (e["ts"], e["args"].get("Ev Idx", 0)))
+    memory = cpu_memory_events(events)
     blocks = [(int(e["args"]["Addr"]), int(e["args"]["Bytes"])) for e in memory]
     # The allocation (position in ``memory``) of every block live at the end, by address.
     live_at_end: dict[int, int] = {}

@@ -20,10 +20,7 @@ crashes the process at its export): its prediction then lacks the scratch.
 
 from __future__ import annotations
 
-import json
 import logging
-import os
-import tempfile
 from collections.abc import Iterable
 from typing import Any
 
@@ -33,6 +30,7 @@ import torch.fx as fx
 from ._compat import profiler_active
 from .cost import _calibratable, _real, _signature, real_tensors
 from .lifetimes import is_compute
+from .measure import cpu_memory_events, trace_events
 
 log = logging.getLogger(__name__)
 
@@ -96,22 +94,12 @@ def _on_cpu(pending: dict[tuple[Any, ...], fx.Node]) -> dict[tuple[Any, ...], in
                 ran.add(i)
             except Exception as e:  # runs alone or not at all: the model counts no temporary then
                 log.debug("fxoffload: %s did not run alone (%s): no temporary counted", node.name, e)
-    fd, path = tempfile.mkstemp(suffix=".json", prefix="fxoffload-temporaries-")
-    os.close(fd)
-    try:
-        prof.export_chrome_trace(path)
-        with open(path) as f:
-            events = json.load(f).get("traceEvents", [])
-    finally:
-        os.unlink(path)
+    events = trace_events(prof)
     ranges = {
         int(e["name"][len(_RANGE):]): (e["ts"], e["ts"] + e.get("dur", 0))
         for e in events if e.get("ph") == "X" and str(e.get("name", "")).startswith(_RANGE)
     }  # fmt: skip
-    memory = sorted(
-        (e for e in events if e.get("name") == "[memory]" and e.get("args", {}).get("Device Type") == 0),
-        key=lambda e: (e["ts"], e["args"].get("Ev Idx", 0)),
-    )
+    memory = cpu_memory_events(events)
     out: dict[tuple[Any, ...], int] = {}
     for i, key in enumerate(keys):
         if i not in ran or i not in ranges:
