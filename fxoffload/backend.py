@@ -21,10 +21,10 @@ from .mutation import protect_mutated_reads
 from .options import OffloadOptions
 from .plan import OffloadPlan, PlanCosts, fmt_bytes, plan_offloads, replan_after_recompute
 from .reasons import Reason, ReasonCode
-from .temporaries import op_temporaries
 from .recompute import recompute_options, recompute_sources
 from .report import OffloadReport, PassTimings
 from .rewrite import apply_plan, hoist_saved_views
+from .temporaries import op_temporaries
 
 log = logging.getLogger(__name__)
 
