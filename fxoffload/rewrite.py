@@ -63,14 +63,23 @@ def apply_plan(
     bw_index = {n: i for i, n in enumerate(bw_order)}
     output = fw.graph.output_node()
     outputs = list(output.args[0])
+    # Storages the forward returns and keeps (the outputs that are not offloaded): alive to its end.
+    offloaded = {d.saved.name for d in chosen}
+    fw_kept = {storage_root(o) for o in outputs if isinstance(o, fx.Node) and o.name not in offloaded}
+    fw_alive = _Liveness(fw_index, fw_kept)
+    bw_alive = _Liveness(bw_index, {storage_root(o) for o in bw.graph.output_node().all_input_nodes})
     for decision in chosen:
         t = decision.saved
         timing = decision.timing if prefetch is None else None
         fw_at = timing.fw_wait_after if timing else None
         bw_at = timing.bw_issue_after if timing else None
-        host = _rewrite_forward(fw.graph, fw_order, fw_index, fw_nodes[t.name], prefetch or 0, fw_at, cpu_link[0])
+        host = _rewrite_forward(
+            fw.graph, fw_order, fw_index, fw_nodes[t.name], prefetch or 0, fw_at, cpu_link[0], fw_alive
+        )
         outputs[t.output_index] = host
-        _rewrite_backward(bw.graph, bw_order, bw_index, bw_nodes[t.name], host, prefetch or 0, bw_at, cpu_link[1])
+        _rewrite_backward(
+            bw.graph, bw_order, bw_index, bw_nodes[t.name], host, prefetch or 0, bw_at, cpu_link[1], bw_alive
+        )
     output.args = (tuple(outputs),) + tuple(output.args[1:])
     for gm in (fw, bw):
         gm.graph.lint()
@@ -117,6 +126,7 @@ def _rewrite_forward(
     prefetch: int,
     wait_after: int | None = None,
     bandwidth: float = 0.0,
+    alive: _Liveness | None = None,
 ) -> fx.Node:
     # Every reader of the storage, through any alias: a saved view of ``relu`` frees relu's storage.
     users = [u for u in storage_users(storage_root(x)) if u in index and u is not x]
@@ -137,7 +147,8 @@ def _rewrite_forward(
     # reordering moves the copy down to its wait).
     stop = index[anchor] + 1 if anchor is not None else len(order)
     c = _issue_before(graph, order, index, index[last] + 1, stop, copy)
-    edges = [n for n in dict.fromkeys((c, anchor)) if n is not None and materialised(n)]
+    at = index[anchor] + 0.5 if anchor is not None else len(order)  # where the wait goes
+    edges = _after_edges(c, anchor, at, order, index, alive)
     if _broken == "reload_before_written":
         return copy  # no wait: the host copy is saved before it is written
     keepalive = copy if _broken == "source_released_at_issue" else x
@@ -160,6 +171,7 @@ def _rewrite_backward(
     prefetch: int,
     issue_after: int | None = None,
     bandwidth: float = 0.0,
+    alive: _Liveness | None = None,
 ) -> None:
     with graph.inserting_before(placeholder):
         host_in = graph.placeholder(f"{placeholder.name}_host")
@@ -209,9 +221,76 @@ def _rewrite_backward(
         graph.erase_node(placeholder)
         return
     with graph.inserting_before(first):
-        done = _call(graph, ops.wait, (copy, host_in, [c] if c is not None else []))
+        done = _call(graph, ops.wait, (copy, host_in, _after_edges(c, None, index[first] - 0.5, order, index, alive)))
     placeholder.replace_all_uses_with(done)
     graph.erase_node(placeholder)
+
+
+class _Liveness:
+    """Whether a storage of the graph, as it was before the rewrite, is still alive at a position:
+    read by a node at or after it, or returned (``kept``: alive to the end). Taken before the
+    rewrite adds its own readers."""
+
+    def __init__(self, index: dict[fx.Node, int], kept: set[fx.Node]) -> None:
+        self._last: dict[fx.Node, float] = {root: float("inf") for root in kept}
+        for n, i in index.items():
+            root = storage_root(n)
+            if root not in self._last or self._last[root] < i:
+                self._last[root] = float(i)
+            for inp in n.all_input_nodes:
+                root = storage_root(inp)
+                if self._last.get(root, -1.0) < i:
+                    self._last[root] = float(i)
+
+    def alive_at(self, n: fx.Node, position: float) -> bool:
+        return self._last.get(storage_root(n), -1.0) >= position
+
+
+def _after_edges(
+    c: fx.Node | None,
+    anchor: fx.Node | None,
+    position: float,
+    order: list[fx.Node],
+    index: dict[fx.Node, int],
+    alive: _Liveness | None,
+) -> list[fx.Node]:
+    """The data edges of a wait at ``position`` that must come after ``c`` (the kernel the copy
+    overlaps) and ``anchor`` (the node the plan put the wait behind).
+
+    An edge keeps its tensor alive until the wait, so only tensors alive there anyway are used: the
+    anchor (just computed) when ``c`` is among its ancestors; ``c`` itself when it lives that long;
+    else a materialised descendant of ``c`` that does. If there is none, the wait gets no edge to
+    ``c`` and may be scheduled before it (less overlap, never a wrong result): holding memory that
+    the plan does not count would make its predicted peak wrong, and could raise the peak itself.
+    """
+    edges = [anchor] if anchor is not None and materialised(anchor) else []
+    if c is None or not materialised(c) or c in edges:
+        return edges
+    if alive is None or alive.alive_at(c, position):
+        return [c, *edges]
+    if edges and _descends_from(anchor, c, index):
+        return edges
+    for i in range(min(int(position), len(order) - 1), index[c], -1):
+        m = order[i]
+        if m in index and materialised(m) and m.op != "placeholder" and isinstance(m.meta.get("val"), torch.Tensor):
+            if alive.alive_at(m, position) and _descends_from(m, c, index):
+                return [m, *edges]
+    return edges
+
+
+def _descends_from(n: fx.Node, ancestor: fx.Node, index: dict[fx.Node, int]) -> bool:
+    """True when ``ancestor`` is ``n`` or one of its inputs, transitively (searched back to its position)."""
+    floor = index.get(ancestor, -1)
+    stack, seen = [n], set()
+    while stack:
+        m = stack.pop()
+        if m is ancestor:
+            return True
+        if m in seen or index.get(m, -1) < floor:
+            continue
+        seen.add(m)
+        stack.extend(m.all_input_nodes)
+    return False
 
 
 def _first_materialised(order: list[fx.Node], start: int, stop: int) -> int:

@@ -66,12 +66,6 @@ def test_memory_budget_fraction_is_met_and_results_unchanged():
     assert_same(got, train_step(model, batch), rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="since the rewrite places waits and reloads where Inductor keeps them (order edges, 2026-11), "
-    "the budget fit's intervals and the simulated rewritten graph disagree by ~5%: one memory model "
-    "that takes the plan as data is issue 11",
-)
 def test_memory_budget_in_bytes():
     report, _, _ = _plan(bandwidth="1GB", memory_budget="4MiB")
     assert report.memory_budget == 4 * 2**20
