@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from .explain import explain, explain_and_measure
+from .explain import OPTIMIZERS, explain, explain_and_measure, explain_step, where_memory_goes
 from .models import EXAMPLE_MIN_BYTES, EXAMPLES, example
 from .options import POLICIES, parse_budget, parse_bytes
 from .report import save_reports
@@ -66,6 +66,8 @@ examples:
   python -m fxoffload explain --model gpt
   # offload CPU tensors too, and measure one real training step beside the prediction
   python -m fxoffload explain --model mlp --offload-cpu --measure
+  # why memory grows in the backward and what holds it after an AdamW step, with figures
+  python -m fxoffload explain --model seq2seq --offload-cpu --inner aot_eager --optimizer adamw
   # your own model: make() in my_model.py returns (model, example_args); a budget of 60% of the peak
   python -m fxoffload explain --model my_model.py:make --budget 0.6 --json plan.json
 """
@@ -112,6 +114,9 @@ def build_parser() -> argparse.ArgumentParser:
     add("--calibrate", action="store_true", help="time the ops on the device instead of modelling them")
     add("--measure", action="store_true",
         help="run steady training steps and show the measured peak beside the predicted one")
+    add("--optimizer", choices=tuple(OPTIMIZERS), default=None,
+        help="with --measure: measure a step that ends with this optimizer's step() and say what is live "
+        "after it (parameters, gradients, optimizer state) and why the backward grows (implies --measure)")
     add("--all-rows", action="store_true",
         help="print every saved tensor with every column (default: offloaded, recomputed and the largest "
         "kept ones, fitted to the terminal)")
@@ -140,9 +145,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.offload_module:
         options["offload_modules"] = tuple(args.offload_module)
     width = max(40, shutil.get_terminal_size().columns)
-    measured = None
+    measured = step = None
     try:
-        if args.measure:
+        if args.optimizer:
+            reports, step = explain_step(model, *inputs, optimizer=args.optimizer, **options)
+        elif args.measure:
             reports, measured = explain_and_measure(model, *inputs, **options)
         else:
             reports = explain(model, *inputs, **options)
@@ -158,6 +165,8 @@ def main(argv: list[str] | None = None) -> int:
         print(report.table(rows="all" if args.all_rows else "short", width=width) + "\n")
     if measured is not None:
         _print_measured(measured[device], reports, model, inputs, width)
+    if args.measure or step is not None:
+        print("\n".join(_fitted(where_memory_goes(reports, step).splitlines(), width)))
     if device == "cpu" and not args.offload_cpu:
         print("note: on CPU nothing is offloaded unless --offload-cpu is given")
     if args.json:

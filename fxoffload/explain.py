@@ -3,15 +3,22 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+import dataclasses
+import gc
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
+import torch.fx as fx
 
 from .backend import OffloadBackend
-from .measure import MeasuredMemory, measure_memory
+from .lifetimes import _tensor_bytes, storage_root, storage_users
+from .measure import DeviceMemory, MeasuredMemory, measure_memory
 from .options import OffloadOptions
+from .plan import fmt_bytes
 from .report import OffloadReport
+
+OPTIMIZERS = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamw": torch.optim.AdamW}
 
 
 def explain(model_or_fn: Callable[..., Any], *example_args: Any, **options: Any) -> list[OffloadReport]:
@@ -62,6 +69,248 @@ def explain_and_measure(
             for a, grad in zip(inputs, input_grads):
                 a.grad = grad
     return list(backend.reports), measured
+
+
+@dataclasses.dataclass(frozen=True)
+class StepMemory:
+    """One steady training step with an optimizer, measured in two parts, and what it leaves live.
+
+    ``backward``: the compiled forward and the backward, measured from a start with no gradients, so
+    its ``end_bytes`` is what the backward left live (the gradients). ``optimizer_step``: the
+    optimizer's ``step()`` right after, measured on its own (its peak is the update's temporaries).
+    The byte counts after the step are read from the tensors themselves (storage bytes, each storage
+    once)."""
+
+    device: str  # the device measured, "cpu" or "cuda:0"
+    optimizer: str  # the optimizer's class name
+    backward: DeviceMemory
+    optimizer_step: DeviceMemory
+    parameter_bytes: int  # the model's parameters
+    gradient_bytes: int  # their .grad after the step: kept until zero_grad(set_to_none=True)
+    gradients: int  # parameters holding a .grad
+    optimizer_state_bytes: int  # every tensor in optimizer.state (exp_avg, exp_avg_sq, step, ...)
+    optimizer_state_tensors: int
+    # Of optimizer_state_bytes: the state tensors shaped like their parameter (Adam's moments, SGD's
+    # momentum) and the rest (the per-parameter ``step`` counters).
+    optimizer_state_like_params_bytes: int
+    optimizer_state_other_bytes: int
+
+    @property
+    def after_step_bytes(self) -> int:
+        """Bytes live after the optimizer step that belong to training: parameters, their gradients
+        and the optimizer's state."""
+        return self.parameter_bytes + self.gradient_bytes + self.optimizer_state_bytes
+
+
+def explain_step(
+    model: torch.nn.Module, *example_args: Any, optimizer: str | Callable[..., Any] = "adamw", **options: Any
+) -> tuple[list[OffloadReport], StepMemory]:
+    """``explain``, and one steady training step with an optimizer measured from the allocators: a
+    compiled forward, the backward of the sum of its tensor outputs, then ``optimizer.step()``.
+
+    ``optimizer``: "sgd", "adam", "adamw" (torch's defaults; SGD with momentum 0.9 so it keeps
+    state), or a callable taking the parameters and returning an optimizer. Two warm-up steps create
+    the optimizer's state, then the gradients are set to None and the step is measured. Parameters,
+    buffers, gradients and the random number generators are restored afterwards; the optimizer is
+    dropped. Returns the reports and a ``StepMemory``; ``where_memory_goes`` reads both.
+    """
+    if not isinstance(model, torch.nn.Module):
+        raise ValueError(
+            f"fxoffload.explain_step: the model must be a torch.nn.Module (its parameters are what the "
+            f"optimizer updates), got {type(model).__name__}"
+        )
+    make = _optimizer_factory(optimizer)
+    backend = OffloadBackend(OffloadOptions.from_dict(options))
+    compiled = torch.compile(model, backend=backend)
+    params = [p for p in model.parameters() if p.requires_grad]
+    if not params:
+        raise ValueError("fxoffload.explain_step: no parameter of the model requires grad; nothing to optimize")
+    device = str(params[0].device) if params[0].device.type != "cuda" else f"cuda:{params[0].device.index or 0}"
+
+    def forward_backward() -> None:
+        out = _unwrapped(compiled, example_args)
+        outputs = out if isinstance(out, (tuple, list)) else (out,)
+        loss = sum(t.sum() for t in outputs if isinstance(t, torch.Tensor) and t.requires_grad)
+        if isinstance(loss, torch.Tensor):
+            loss.backward()
+
+    with _restored(model):
+        opt = make(params)
+        try:
+            for _ in range(2):
+                opt.zero_grad(set_to_none=True)
+                forward_backward()
+                opt.step()
+            opt.zero_grad(set_to_none=True)
+            gc.collect()
+            backward = measure_memory(forward_backward)[device]
+            stepped = measure_memory(opt.step)[device]
+            grads = [p.grad for p in params if p.grad is not None]
+            state = [t for s in opt.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
+            shapes = {(p.shape, p.dtype) for p in params}
+            like = [t for t in state if (t.shape, t.dtype) in shapes and t.dim() > 0]
+            result = StepMemory(
+                device, type(opt).__name__, backward, stepped, _storage_bytes(params), _storage_bytes(grads),
+                len(grads), _storage_bytes(state), len(state), _storage_bytes(like),
+                _storage_bytes([t for t in state if not any(t is u for u in like)]),
+            )  # fmt: skip
+        finally:
+            del opt
+    return list(backend.reports), result
+
+
+def where_memory_goes(reports: Sequence[OffloadReport], step: StepMemory | None = None) -> str:
+    """Why device memory grows during the backward and what holds it after the optimizer step, in
+    figures: each graph's predicted timeline with fxoffload (saved activations at the start of its
+    backward, what is live at its backward peak against its forward peak, the gradients at its end),
+    and, with ``step`` (``explain_step``), the measured step and the bytes live after it. Every figure
+    is computed from the timelines, the graphs or the measurement."""
+    lines = ["where the memory goes (predicted by the memory model, with fxoffload):"]
+    if not reports:
+        lines.append("  no graph was planned: nothing requires grad")
+    for r in reports:
+        lines.extend(f"  {line}" for line in _backward_growth(r))
+    if step is not None:
+        lines.extend(_after_step(reports, step))
+    return "\n".join(lines)
+
+
+def _backward_growth(r: OffloadReport) -> list[str]:
+    kinds, host = r.device_kinds("after"), r.host_in_flight("after")
+    points = r.memory_after.points if r.memory_after else ()
+    fw = [i for i, p in enumerate(points) if p.phase == "forward"]
+    bw = [i for i, p in enumerate(points) if p.phase == "backward"]
+    if not fw or not bw:
+        return [f"graph {r.graph_id}: no timeline"]
+    total = [sum(k.values()) for k in kinds]
+    fpeak, bpeak = max(fw, key=total.__getitem__), max(bw, key=total.__getitem__)
+    start, end, at = kinds[bw[0]], kinds[bw[-1]], kinds[bpeak]
+    lines = [
+        f"graph {r.graph_id}: forward peak {fmt_bytes(total[fpeak])} at {points[fpeak].node}; backward peak "
+        f"{fmt_bytes(total[bpeak])} at {points[bpeak].node}, "
+        + (f"{fmt_bytes(total[bpeak] - total[fpeak])} above the forward's" if total[bpeak] >= total[fpeak]
+           else f"{fmt_bytes(total[fpeak] - total[bpeak])} below the forward's"),
+        f"  start of the backward: saved activations {fmt_bytes(start['saved'])} on the device"
+        + (f" (+ {fmt_bytes(host[bw[0]])} of host copies)" if host and host[bw[0]] else "")
+        + f", gradients {fmt_bytes(start['gradients'])}",
+    ]  # fmt: skip
+    partial = _gradient_partials(r, bpeak - len(fw))
+    lines.append(
+        f"  at the backward peak: saved activations {fmt_bytes(at['saved'])} still live "
+        f"({fmt_bytes(start['saved'] - at['saved'])} freed since the start), gradients {fmt_bytes(at['gradients'])}, "
+        f"transients {fmt_bytes(at['transient'])}"
+        + (f", of which {fmt_bytes(partial)} are gradients being summed over a weight's several uses "
+           f"(the operands and partial sums of the adds that produce a gradient)" if partial else "")
+    )  # fmt: skip
+    lines.append(
+        f"  end of the backward: gradients {fmt_bytes(end['gradients'])}, saved activations "
+        f"{fmt_bytes(end['saved'])}, transients {fmt_bytes(end['transient'])}"
+    )
+    grown = (at["gradients"] - start["gradients"]) + (at["transient"] - start["transient"])
+    lines.append(
+        f"  so: by its peak the backward freed {fmt_bytes(start['saved'] - at['saved'])} of saved activations "
+        f"and allocated {fmt_bytes(grown)} of its own (gradients {fmt_bytes(at['gradients'] - start['gradients'])}, "
+        f"transients {fmt_bytes(at['transient'] - start['transient'])}): "
+        + ("it grows because it allocates more than it frees" if grown > start["saved"] - at["saved"]
+           else "it frees more than it allocates")
+    )  # fmt: skip
+    return lines
+
+
+def _gradient_partials(r: OffloadReport, at: int) -> int:
+    """Device bytes live at backward node ``at`` of report ``r`` that are contributions to a gradient
+    still being summed: the operands and results of the ``aten.add`` trees whose root is a backward
+    output (a weight used several times, like a recurrent cell's at every step, gets one contribution
+    per use), live from their node to their last reader. 0 without the graphs (a report from JSON)."""
+    if r.graphs is None:
+        return 0
+    bw = r.graphs[1]
+    nodes = [n for n in bw.graph.nodes if n.op != "output"]
+    index = {n: i for i, n in enumerate(nodes)}
+    outputs = [o for o in bw.graph.output_node().args[0] if isinstance(o, fx.Node)]
+    add = torch.ops.aten.add.Tensor
+    parts: set[fx.Node] = set()
+    stack = [storage_root(o) for o in outputs]
+    grads = set(stack)
+    while stack:
+        n = stack.pop()
+        if n.op == "call_function" and n.target is add:
+            for a in n.args[:2]:
+                if isinstance(a, fx.Node) and storage_root(a) not in parts and storage_root(a).op == "call_function":
+                    parts.add(storage_root(a))
+                    stack.append(storage_root(a))
+    live = 0
+    for n in parts - grads:
+        val = n.meta.get("val")
+        if not isinstance(val, torch.Tensor) or n not in index:
+            continue
+        last = max((index[u] for u in storage_users(n) if u in index), default=index[n])
+        if index[n] <= at <= last:
+            live += _tensor_bytes(val)
+    return live
+
+
+def _after_step(reports: Sequence[OffloadReport], step: StepMemory) -> list[str]:
+    where = "CPU" if step.device == "cpu" else step.device
+    b, o = step.backward, step.optimizer_step
+    lines = [
+        f"measured, one steady step with {step.optimizer} ({where}, relative to what was live at its start):",
+        f"  forward + backward: peak {fmt_bytes(b.peak_bytes)}"
+        + (f" (in {b.peak_op})" if b.peak_op else "")
+        + f"; live at the end of the backward: {fmt_bytes(b.end_bytes)} more than at the start, of which the "
+        f"gradients are {fmt_bytes(step.gradient_bytes)} ({step.gradients} tensors)",
+        f"  optimizer.step(): peak {fmt_bytes(o.peak_bytes)} above its start (the update's temporaries), "
+        f"{fmt_bytes(o.end_bytes)} more at its end",
+    ]  # fmt: skip
+    predicted = [
+        (r.peak_breakdown("after"), r) for r in reports if r.memory_after is not None and r.memory_after.points
+    ]
+    if predicted:
+        above = max(p.total - p.device["parameters"] - p.device["inputs"] for p, _ in predicted)
+        lines.append(
+            f"  the compiled graphs predict at most {fmt_bytes(above)} above their parameters and inputs; the "
+            f"measured peak is {fmt_bytes(b.peak_bytes - above)} "
+            + ("more: memory no compiled graph covers (code that runs eagerly, autograd's buffers) or model error"
+               if b.peak_bytes >= above else "less")
+        )  # fmt: skip
+    state = (
+        f"{step.optimizer} state {fmt_bytes(step.optimizer_state_bytes)} ({step.optimizer_state_tensors} tensors: "
+        f"{fmt_bytes(step.optimizer_state_like_params_bytes)} shaped like the parameters, "
+        f"{_ratio(step.optimizer_state_like_params_bytes, step.parameter_bytes)} of their bytes, and "
+        f"{fmt_bytes(step.optimizer_state_other_bytes)} of other state such as step counters)"
+    )
+    lines.append(
+        f"  live after the optimizer step: parameters {fmt_bytes(step.parameter_bytes)}, gradients "
+        f"{fmt_bytes(step.gradient_bytes)} (kept until zero_grad(set_to_none=True)), {state}: "
+        f"{fmt_bytes(step.after_step_bytes)} in all, {_ratio(step.after_step_bytes, step.parameter_bytes)} "
+        f"the parameters"
+    )
+    return lines
+
+
+def _ratio(a: int, b: int) -> str:
+    return f"{a / b:.2f}x" if b else "n/a"
+
+
+def _storage_bytes(tensors: Sequence[torch.Tensor]) -> int:
+    """Bytes of the distinct storages of ``tensors`` (a view and its base counted once)."""
+    seen: dict[int, int] = {}
+    for t in tensors:
+        storage = t.untyped_storage()
+        seen[storage.data_ptr()] = max(seen.get(storage.data_ptr(), 0), storage.nbytes())
+    return sum(seen.values())
+
+
+def _optimizer_factory(optimizer: str | Callable[..., Any]) -> Callable[..., Any]:
+    if callable(optimizer):
+        return optimizer
+    if isinstance(optimizer, str) and optimizer.lower() in OPTIMIZERS:
+        cls = OPTIMIZERS[optimizer.lower()]
+        return (lambda params: cls(params, lr=1e-3, momentum=0.9)) if cls is torch.optim.SGD else cls
+    raise ValueError(
+        f"fxoffload: optimizer={optimizer!r}: use one of {', '.join(OPTIMIZERS)} or a callable taking the "
+        f"parameters and returning a torch.optim.Optimizer"
+    )
 
 
 def _unwrapped(compiled: Callable[..., Any], example_args: tuple[Any, ...]) -> Any:

@@ -5,15 +5,19 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import re
 import shutil
 import textwrap
+from typing import Any
 
 import torch.fx as fx
 
 from tabulate import tabulate
 
+from . import ops
 from .codememory import simulate_output_code
-from .memory import MemoryPoint, MemoryTimeline
+from .lifetimes import _tensor_bytes, storage_users
+from .memory import CATEGORIES, MemoryPoint, MemoryTimeline
 from .plan import OFFLOAD, RECOMPUTE, OffloadPlan, PlanCosts, fmt_bytes
 from .reasons import Action
 from .schedule import copy_seconds, windows
@@ -46,6 +50,58 @@ class SavedRow:
     module_path: str = ""  # the module that produced it ("layers.0.mlp.fc1"), "" if none
     recompute_refused: str = ""  # why it cannot be recomputed, when that was considered
     recompute_refused_code: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class HostCopy:
+    """The host copy of one offloaded tensor, over the points of ``OffloadReport.memory_after``.
+
+    Host memory, not device memory: the memory model leaves it out of every device figure."""
+
+    name: str  # the saved tensor it copies (forward node)
+    host_name: str  # the backward placeholder that holds it
+    nbytes: int  # bytes of the host copy (the tensor's bytes, as ``host_bytes_total`` counts them)
+    first: int  # point of ``memory_after`` where ``fxoffload.offload`` takes it (forward)
+    last: int  # point after which it is released: its placeholder's last backward reader
+    # Points over which its reload's device destination is live (-1: no reload). The memory model counts
+    # that destination as "transient"; breakdowns and the plot count it with the saved activations.
+    reload_first: int = -1
+    reload_last: int = -1
+
+
+# The kinds a breakdown shows, in this order; "host" is host memory and not part of the device total.
+KINDS = ("parameters", "inputs", "gradients", "saved", "transient", "host")
+_KIND_NAMES = {"saved": "saved activations", "transient": "transients", "host": "host copies in flight"}
+TIMELINES = ("before", "after", "compiled")
+
+
+@dataclasses.dataclass(frozen=True)
+class PeakBreakdown:
+    """What is live at the peak of one timeline of a report, by kind (``OffloadReport.peak_breakdown``)."""
+
+    timeline: str  # "before", "after" (the FX memory model) or "compiled" (replay of Inductor's code)
+    phase: str  # "forward" or "backward"
+    node: str  # the FX node running at the peak, or the line of Inductor's code
+    index: int  # the peak's point in that timeline
+    device: dict[str, int]  # device bytes per kind (``memory.CATEGORIES``); they sum to ``total``
+    # Bytes of offloaded tensors held on the host at that point (host memory, not in ``total``);
+    # None where it cannot be told (the compiled code's offloads do not match the plan's).
+    host_bytes: int | None
+
+    @property
+    def total(self) -> int:
+        return sum(self.device.values())
+
+    def kinds(self) -> str:
+        """``parameters 6.3 KiB, ..., transients 16.0 KiB; host copies in flight 8.0 KiB (host memory)``."""
+        return _kinds_text(self.device, self.host_bytes)
+
+
+def _kinds_text(device: dict[str, int], host: int | None) -> str:
+    text = ", ".join(f"{_KIND_NAMES.get(k, k)} {fmt_bytes(device.get(k, 0))}" for k in KINDS[:-1] if device.get(k))
+    if host:
+        text += f"; {_KIND_NAMES['host']} {fmt_bytes(host)} (host memory)"
+    return text
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,6 +147,8 @@ class OffloadReport:
     graphs: tuple[fx.GraphModule, fx.GraphModule] | None = dataclasses.field(
         default=None, compare=False, repr=False
     )
+    # The host copy of every offloaded tensor and when it is held, over ``memory_after``'s points.
+    host_copies: tuple[HostCopy, ...] = ()
 
     @classmethod
     def from_plan(
@@ -132,6 +190,7 @@ class OffloadReport:
             len(fw.graph.nodes), len(bw.graph.nodes),
             host_budget, host_bytes_before + plan.host_bytes, memory_before, memory_after,
             plan.stall * 1e3, plan.memory_budget, _device_line(costs), plan.recompute_seconds * 1e3,
+            host_copies=_host_copies(fw, bw, memory_after),
         )  # fmt: skip
 
     @property
@@ -285,28 +344,99 @@ class OffloadReport:
             return None
 
     def timeline(self) -> list[dict[str, object]]:
-        """Predicted live device bytes after every node, without and with fxoffload, as data."""
+        """Predicted live device bytes after every node, without and with fxoffload, as data; "host" is
+        the bytes of offloaded tensors held on the host at that node (not in "total")."""
         out: list[dict[str, object]] = []
         for which, timeline in (("before", self.memory_before), ("after", self.memory_after)):
+            host = self.host_in_flight(which) or []
             for i, p in enumerate(timeline.points if timeline else ()):
-                out.append({"graph": which, "step": i, "phase": p.phase, "node": p.node, "total": p.total, **p.live})
+                out.append({"graph": which, "step": i, "phase": p.phase, "node": p.node, "total": p.total, **p.live,
+                            "host": host[i] if i < len(host) else 0})  # fmt: skip
         return out
 
+    def _timeline(self, which: str) -> MemoryTimeline | None:
+        if which not in TIMELINES:
+            raise ValueError(
+                f"fxoffload: timeline {which!r}: choose 'before' (predicted without fxoffload), 'after' "
+                f"(predicted with it) or 'compiled' (replay of Inductor's generated code)"
+            )
+        if which == "compiled":
+            return self.compiled_memory()
+        return self.memory_before if which == "before" else self.memory_after
+
+    def host_in_flight(self, which: str = "after") -> list[int] | None:
+        """Bytes of offloaded tensors held on the host at every point of a timeline ("before", "after" or
+        "compiled"): from where each ``fxoffload.offload`` runs in the forward to the last backward
+        reader of its host copy. Host memory, never in the device figures. None when the timeline is
+        missing, or when the replayed code's offloads do not match the plan's (see ``_compiled_host``)."""
+        timeline = self._timeline(which)
+        if timeline is None:
+            return None
+        n = len(timeline.points)
+        if which == "before" or not self.host_copies:
+            return [0] * n
+        if which == "compiled":
+            return _compiled_host(timeline, self.host_copies)
+        delta = [0] * (n + 1)
+        for c in self.host_copies:
+            delta[max(0, c.first)] += c.nbytes
+            delta[min(n, c.last + 1)] -= c.nbytes
+        out, running = [], 0
+        for d in delta[:n]:
+            running += d
+            out.append(running)
+        return out
+
+    def device_kinds(self, which: str = "after") -> list[dict[str, int]] | None:
+        """Device bytes per kind at every point of a timeline: the memory model's categories, except
+        that a reloaded tensor's device copy (which the model counts as "transient") is counted with the
+        saved activations, from its reload to its last reader. The replay of Inductor's code
+        ("compiled") keeps its own categories (reloads there are transients)."""
+        timeline = self._timeline(which)
+        if timeline is None:
+            return None
+        kinds = [{k: p.live.get(k, 0) for k in CATEGORIES} for p in timeline.points]
+        if which == "after":
+            for c in self.host_copies:
+                points = range(c.reload_first, min(len(kinds), c.reload_last + 1)) if c.reload_first >= 0 else ()
+                for i in points:
+                    moved = min(c.nbytes, kinds[i]["transient"])
+                    kinds[i]["transient"] -= moved
+                    kinds[i]["saved"] += moved
+        return kinds
+
+    def peak_breakdown(self, which: str = "after") -> PeakBreakdown | None:
+        """What is live at the peak of a timeline, by kind: parameters, inputs, gradients, saved
+        activations and transients on the device (they sum to the peak), and the host copies in flight
+        there (host memory, apart); reloaded tensors count as saved activations (``device_kinds``). ``which``: "after" (the memory model on the rewritten graphs, what
+        runs), "before" (without fxoffload) or "compiled" (the replay of Inductor's generated code; None
+        until both graphs are compiled and with ``inner="aot_eager"``)."""
+        timeline = self._timeline(which)
+        if timeline is None or not timeline.points:
+            return None
+        index = max(range(len(timeline.points)), key=lambda i: timeline.points[i].total)
+        peak = timeline.points[index]
+        host = self.host_in_flight(which)
+        return PeakBreakdown(
+            which, peak.phase, peak.node, index, self.device_kinds(which)[index], None if host is None else host[index]
+        )
+
     def summary(self) -> str:
-        """Predicted peak before and after, split by category, bytes offloaded and host memory."""
+        """Predicted peak before and after, where it is and what is live there by kind, the peak of
+        Inductor's code when replayed, bytes offloaded and host memory."""
         lines = [f"graph {self.graph_id} (policy={self.policy!r})"]
-        for label, timeline in (("without fxoffload", self.memory_before), ("with fxoffload", self.memory_after)):
-            if not timeline or not timeline.points:
+        for label, which in (("without fxoffload", "before"), ("with fxoffload", "after")):
+            peak = self.peak_breakdown(which)
+            if peak is None:
                 continue
-            peak = timeline.peak
-            parts = ", ".join(f"{k} {fmt_bytes(v)}" for k, v in peak.live.items() if v)
             lines.append(
-                f"  predicted peak {label}: {fmt_bytes(peak.total)} at {peak.phase} node {peak.node} ({parts})"
+                f"  predicted peak {label}: {fmt_bytes(peak.total)} at {peak.phase} node {peak.node} ({peak.kinds()})"
             )
         compiled = self.compiled_memory()
         if compiled is not None and compiled.points:
-            peak = compiled.peak
-            lines.append(f"  peak of Inductor's generated code: {fmt_bytes(peak.total)} at {peak.phase} {peak.node}")
+            peak = self.peak_breakdown("compiled")
+            node = _cut(peak.node, 72)
+            lines.append(f"  peak of Inductor's generated code: {fmt_bytes(peak.total)} at {node} ({peak.kinds()})")
         if self.memory_budget is not None:
             reached = compiled.peak_bytes if compiled is not None else self.predicted_peak_after
             fits = "met" if reached <= self.memory_budget else "NOT met"
@@ -328,36 +458,78 @@ class OffloadReport:
             lines.append(f"  note: {self.note}")
         return "\n".join(lines)
 
-    def plot(self, path: str) -> str:
-        """Draw predicted device memory over the step, without and with fxoffload, to a PNG or SVG.
+    def plot(self, path: str, measured: Any = None) -> str:
+        """Draw device memory over the step to a PNG or SVG: the prediction with fxoffload stacked by kind
+        (parameters, inputs, gradients, saved activations, transients), the total without fxoffload as a
+        line, the host copies in flight as a dashed line (host memory, not stacked), the peak marked with
+        what is live there, offload and reload nodes marked, and the peak of Inductor's replayed code as a
+        dotted level when there is one.
 
-        Offload and reload nodes are marked on the "with" curve. Needs matplotlib
-        (``pip install 'fxoffload[plot]'``). Returns ``path``.
+        ``measured``: a measured peak to mark as a level: bytes (an int, drawn as given), or a
+        ``DeviceMemory`` / ``MeasuredMemory`` from ``fxoffload.measure_memory`` (its peak is above what
+        was live at its start, so it is drawn on top of this graph's parameters and inputs). Needs
+        matplotlib (``pip install 'fxoffload[plot]'``). Returns ``path``.
         """
+        level = _measured_level(self, measured)  # bad input fails before matplotlib is asked for
         plt = _pyplot()
-        fig, ax = plt.subplots(figsize=(10, 4.5))
+        fig, ax = plt.subplots(figsize=(13, 5))
         mib = 2**20
-        for label, timeline, style in (
-            ("without fxoffload", self.memory_before, dict(color="tab:gray", lw=1.5)),
-            ("with fxoffload", self.memory_after, dict(color="tab:blue", lw=1.5)),
-        ):
-            if not timeline or not timeline.points:
-                continue
-            totals = [p.total / mib for p in timeline.points]
-            xs = _original_positions(timeline)
-            ax.step(xs, totals, where="post", label=f"{label} (peak {fmt_bytes(timeline.peak_bytes)})", **style)
-            if timeline is self.memory_after:
-                for name, marker, color in (("offload", "v", "tab:orange"), ("reload", "^", "tab:green")):
-                    marks = [i for i, p in enumerate(timeline.points) if p.node.startswith(f"{name}_default")]
+        after = self.memory_after if self.memory_after and self.memory_after.points else None
+        before = self.memory_before if self.memory_before and self.memory_before.points else None
+        if before is not None:
+            ax.step(_original_positions(before), [p.total / mib for p in before.points], where="post",
+                    color="tab:gray", lw=1.5,
+                    label=f"without fxoffload, total (peak {fmt_bytes(before.peak_bytes)})")  # fmt: skip
+        if after is not None:
+            xs = _original_positions(after)
+            bottom = [0.0] * len(xs)
+            colors = {"parameters": "#9ecae1", "inputs": "#c6dbef", "gradients": "#fdae6b", "saved": "#74c476",
+                      "transient": "#bcbddc"}  # fmt: skip
+            kinds = self.device_kinds("after")
+            for kind in CATEGORIES:
+                values = [k[kind] / mib for k in kinds]
+                if not any(values):
+                    continue
+                top = [b + v for b, v in zip(bottom, values)]
+                ax.fill_between(xs, bottom, top, step="post", color=colors.get(kind), lw=0,
+                                label=f"with fxoffload: {_KIND_NAMES.get(kind, kind)}")  # fmt: skip
+                bottom = top
+            totals = [p.total / mib for p in after.points]
+            ax.step(xs, totals, where="post", color="tab:blue", lw=1,
+                    label=f"with fxoffload, total (peak {fmt_bytes(after.peak_bytes)})")  # fmt: skip
+            host = self.host_in_flight("after") or []
+            if any(host):
+                ax.step(xs, [h / mib for h in host], where="post", color="tab:brown", ls="--", lw=1.2,
+                        label="host copies in flight (host memory, not stacked)")  # fmt: skip
+            for name, marker, color in (("offload", "v", "tab:orange"), ("reload", "^", "tab:green")):
+                marks = [i for i, p in enumerate(after.points) if p.node.startswith(f"{name}_default")]
+                if marks:
                     ax.scatter([xs[i] for i in marks], [totals[i] for i in marks], marker=marker, color=color,
                                s=18, zorder=3, label=name)  # fmt: skip
-                split = xs[sum(p.phase == "forward" for p in timeline.points)]
-                ax.axvline(split, color="black", ls=":", lw=1)
-                ax.text(split, ax.get_ylim()[1] * 0.98, " backward", va="top", fontsize=8)
+            peak = self.peak_breakdown("after")
+            ax.axvline(xs[peak.index], color="tab:red", lw=0.8, alpha=0.6)
+            ax.scatter([xs[peak.index]], [peak.total / mib], marker="o", color="tab:red", s=30, zorder=4,
+                       label=f"predicted peak {fmt_bytes(peak.total)}, {peak.phase} {peak.node}")  # fmt: skip
+            right = xs[peak.index] > (xs[0] + xs[-1]) / 2  # the text on the side with room
+            ax.annotate("\n".join(textwrap.wrap(peak.kinds(), 48)), (xs[peak.index], peak.total / mib),
+                        xytext=(-6 if right else 6, -6), textcoords="offset points", fontsize=7, va="top",
+                        ha="right" if right else "left")  # fmt: skip
+            split = xs[sum(p.phase == "forward" for p in after.points)] if any(
+                p.phase == "backward" for p in after.points) else xs[-1]  # fmt: skip
+            ax.axvline(split, color="black", ls=":", lw=1)
+            ax.text(split, max(totals) * 1.02, " backward", va="bottom", fontsize=8)
+        compiled = self.compiled_memory()
+        if compiled is not None and compiled.points:
+            ax.axhline(compiled.peak_bytes / mib, color="tab:purple", ls=":", lw=1.2,
+                       label=f"peak of Inductor's generated code {fmt_bytes(compiled.peak_bytes)}")  # fmt: skip
+        if level is not None:
+            value, label = level
+            ax.axhline(value / mib, color="black", ls="-.", lw=1.2, label=label)
         ax.set_xlabel("graph node (forward, then backward)")
-        ax.set_ylabel("predicted live device memory (MiB)")
+        ax.set_ylabel("live device memory (MiB)")
+        ax.set_ylim(bottom=0)
         ax.set_title(f"fxoffload graph {self.graph_id}: {len(self.offloaded)} of {len(self.saved)} saved tensors offloaded")
-        ax.legend(loc="upper left", fontsize=8)
+        ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=7)  # beside the curves, not on them
         fig.tight_layout()
         fig.savefig(path)
         plt.close(fig)
@@ -381,6 +553,7 @@ class OffloadReport:
                 data[key] = MemoryTimeline(tuple(MemoryPoint(**p) for p in data[key]["points"]))
         if data.get("timings") is not None:
             data["timings"] = PassTimings(**data["timings"])
+        data["host_copies"] = tuple(HostCopy(**c) for c in data.get("host_copies", ()))
         return cls(**data)
 
     def graph_code(self) -> str:
@@ -451,6 +624,104 @@ def _original_positions(timeline: MemoryTimeline) -> list[float]:
             x, extra = x + 1, 0
             xs.append(float(x))
     return xs
+
+
+def _host_copies(fw: fx.GraphModule, bw: fx.GraphModule, after: MemoryTimeline | None) -> tuple[HostCopy, ...]:
+    """Every offloaded tensor's host copy over the points of ``after`` (the memory model on the rewritten
+    ``fw``, ``bw``: one point per node but the outputs). The forward returns the host copy (an
+    ``offload``, through its ``wait``) among its saved values; the backward receives the saved values
+    first, in the same order, as placeholders before the ``tangents_*``."""
+    fw_nodes = [n for n in fw.graph.nodes if n.op != "output"]
+    bw_nodes = [n for n in bw.graph.nodes if n.op != "output"]
+    names = [(p.phase, p.node) for p in after.points] if after is not None else []
+    if names != [("forward", n.name) for n in fw_nodes] + [("backward", n.name) for n in bw_nodes]:
+        return ()  # not the timeline of these graphs (the graphs were left unchanged)
+    outputs = list(fw.graph.output_node().args[0])
+    saved_in = [n for n in bw_nodes if n.op == "placeholder" and not n.name.startswith("tangents")]
+    saved_out = outputs[len(outputs) - len(saved_in) :]
+    fw_index = {n: i for i, n in enumerate(fw_nodes)}
+    bw_index = {n: len(fw_nodes) + i for i, n in enumerate(bw_nodes)}
+    copies = []
+    for out, held in zip(saved_out, saved_in):
+        copy = out
+        while isinstance(copy, fx.Node) and copy.op == "call_function" and copy.target is ops.wait:
+            copy = copy.args[0]
+        if not (isinstance(copy, fx.Node) and copy.op == "call_function" and copy.target is ops.offload):
+            continue
+        last = max((bw_index[u] for u in held.users if u in bw_index), default=len(fw_nodes))
+        reloads = [u for u in held.users if u.op == "call_function" and u.target is ops.reload]
+        # The reload's destination lives from the reload to its last reader through any alias (its wait).
+        reload_first = bw_index[reloads[0]] if reloads else -1
+        reload_last = max((bw_index[u] for u in storage_users(reloads[0]) if u in bw_index), default=reload_first)
+        source = copy.args[0]
+        copies.append(HostCopy(source.name if isinstance(source, fx.Node) else copy.name, held.name,
+                               _tensor_bytes(copy.meta["val"]), fw_index[copy], last,
+                               reload_first, reload_last if reloads else -1))  # fmt: skip
+    return tuple(copies)
+
+
+_OFFLOAD_CALL = "torch.ops.fxoffload.offload.default("
+
+
+def _compiled_host(timeline: MemoryTimeline, copies: tuple[HostCopy, ...]) -> list[int] | None:
+    """Host copies in flight at every line of Inductor's replayed code (``codememory`` points, labelled
+    with their statement): the plan's copies are taken, in forward order, at the forward's
+    ``fxoffload.offload`` lines, in their order (Inductor may reorder offloads of different sizes: then
+    the forward figures between them are off, the backward's are not), and released after the last
+    backward line naming the placeholder that holds them (its ``del``). None when the code has another
+    number of offloads than the plan, or never names a copy's placeholder."""
+    points = timeline.points
+    starts = [i for i, p in enumerate(points) if p.phase == "forward" and _OFFLOAD_CALL in p.node]
+    if len(starts) != len(copies):
+        return None
+    delta = [0] * (len(points) + 1)
+    for start, c in zip(starts, sorted(copies, key=lambda c: c.first)):
+        word = re.compile(rf"\b{re.escape(c.host_name)}\b")
+        named = [i for i, p in enumerate(points) if p.phase == "backward" and word.search(p.node.split(": ", 1)[-1])]
+        if not named:
+            return None
+        delta[start] += c.nbytes
+        delta[named[-1] + 1] -= c.nbytes
+    out, running = [], 0
+    for d in delta[:-1]:
+        running += d
+        out.append(running)
+    return out
+
+
+def _measured_level(report: OffloadReport, measured: Any) -> tuple[int, str] | None:
+    """The level (bytes) and legend of a measured peak given to ``plot``."""
+    from .measure import DeviceMemory, MeasuredMemory
+
+    if measured is None:
+        return None
+    if isinstance(measured, int) and not isinstance(measured, bool):
+        if measured < 0:
+            raise ValueError(f"fxoffload: plot(measured={measured}): a measured peak in bytes must be >= 0")
+        return measured, f"measured peak {fmt_bytes(measured)}"
+    if isinstance(measured, MeasuredMemory):
+        devices = {r.device for r in report.saved} or {"cpu"}
+        found = [d for d in measured.devices if d.device in devices]
+        if not found:
+            raise ValueError(
+                f"fxoffload: plot(measured=...): no figures for this graph's device ({', '.join(sorted(devices))}); "
+                f"measured: {', '.join(d.device for d in measured.devices)}"
+            )
+        measured = found[0]
+    if isinstance(measured, DeviceMemory):
+        # Parameters and inputs are live through the whole step; the first points are their placeholders.
+        timeline = report.memory_after or report.memory_before
+        points = timeline.points if timeline is not None else ()
+        start = max((p.live["parameters"] + p.live["inputs"] for p in points), default=0)
+        where = "CPU" if measured.device == "cpu" else measured.device
+        return start + measured.peak_bytes, (
+            f"measured peak ({where}) {fmt_bytes(measured.peak_bytes)} above the start, "
+            f"drawn on this graph's {fmt_bytes(start)} of parameters and inputs"
+        )
+    raise ValueError(
+        f"fxoffload: plot(measured={type(measured).__name__}): pass bytes (an int), a DeviceMemory or a "
+        f"MeasuredMemory (fxoffload.measure_memory), or None"
+    )
 
 
 def _pyplot():
