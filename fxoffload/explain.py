@@ -236,9 +236,10 @@ def _gradient_partials(r: OffloadReport, at: int) -> int:
         n = stack.pop()
         if n.op == "call_function" and n.target is add:
             for a in n.args[:2]:
-                if isinstance(a, fx.Node) and storage_root(a) not in parts and storage_root(a).op == "call_function":
-                    parts.add(storage_root(a))
-                    stack.append(storage_root(a))
+                root = storage_root(a) if isinstance(a, fx.Node) else None
+                if root is not None and root not in parts and root.op == "call_function":
+                    parts.add(root)
+                    stack.append(root)
     live = 0
     for n in parts - grads:
         val = n.meta.get("val")

@@ -408,9 +408,10 @@ class OffloadReport:
     def peak_breakdown(self, which: str = "after") -> PeakBreakdown | None:
         """What is live at the peak of a timeline, by kind: parameters, inputs, gradients, saved
         activations and transients on the device (they sum to the peak), and the host copies in flight
-        there (host memory, apart); reloaded tensors count as saved activations (``device_kinds``). ``which``: "after" (the memory model on the rewritten graphs, what
-        runs), "before" (without fxoffload) or "compiled" (the replay of Inductor's generated code; None
-        until both graphs are compiled and with ``inner="aot_eager"``)."""
+        there (host memory, apart); reloaded tensors count as saved activations (``device_kinds``).
+        ``which``: "after" (the memory model on the rewritten graphs, what runs), "before" (without
+        fxoffload) or "compiled" (the replay of Inductor's generated code; None until both graphs are
+        compiled, and with ``inner="aot_eager"``)."""
         timeline = self._timeline(which)
         if timeline is None or not timeline.points:
             return None
@@ -677,7 +678,9 @@ def _compiled_host(timeline: MemoryTimeline, copies: tuple[HostCopy, ...]) -> li
     delta = [0] * (len(points) + 1)
     for start, c in zip(starts, sorted(copies, key=lambda c: c.first)):
         word = re.compile(rf"\b{re.escape(c.host_name)}\b")
-        named = [i for i, p in enumerate(points) if p.phase == "backward" and word.search(p.node.split(": ", 1)[-1])]
+        named = [
+            i for i, p in enumerate(points) if p.phase == "backward" and word.search(p.node.split(": ", 1)[-1])
+        ]
         if not named:
             return None
         delta[start] += c.nbytes
