@@ -1,0 +1,81 @@
+"""Offloading never costs memory: the measured peak of a steady step with a plan is at most the measured
+peak of the same compiler without fxoffload (issue 11, part 2).
+
+Measured from the CPU allocator's own events (``fxoffload.measure_memory``, fxoffload's host buffers
+left out, as a GPU run would show them), one thread, after two warm-up steps.
+"""
+
+import copy
+import functools
+
+import pytest
+import torch
+
+import fxoffload
+from fxoffload.measure import measure_memory, track_cpu_frees
+from fxoffload.models import example
+
+
+def _steady_peak(name: str, backend) -> int:
+    """Bytes above the start at the peak of the third training step of ``example(name)``."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model, batch = example(name)
+    model = copy.deepcopy(model)
+    compiled = torch.compile(model, backend=backend)
+
+    def step():
+        out = compiled(*batch)
+        out = out[0] if isinstance(out, (tuple, list)) else out
+        (out if out.dim() == 0 else out.float().pow(2).mean()).backward()
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # allocation order does not depend on the thread count then
+    try:
+        for _ in range(2):
+            model.zero_grad(set_to_none=True)
+            step()
+        model.zero_grad(set_to_none=True)
+        return measure_memory(step).cpu.peak_bytes
+    finally:
+        torch.set_num_threads(threads)
+
+
+@functools.cache
+def _baseline(name: str, inner: str) -> int:
+    return _steady_peak(name, inner)  # backend="inductor" / "aot_eager": no fxoffload at all
+
+
+# CPU, torch 2.13, 1 thread (bytes, baseline -> policy "all"): mlp inductor 562184 -> 570376 (+1.5%:
+# Inductor's peak-memory reordering defers the last layers' weight-gradient matmuls to the end of the
+# backward, where one of them still reads an 8 KiB reloaded input; see the xfail below), mlp
+# aot_eager 569096 -> 569096, gpt inductor 7848968 -> 3137288, gpt aot_eager 8540680 -> 2905876,
+# cnn aot_eager 4729200 -> 3165232.
+_MLP_INDUCTOR = pytest.mark.xfail(
+    strict=True,
+    raises=AssertionError,
+    reason="issue 11 part 2 open: Inductor reorders the offloaded MLP's backward; +8 KiB at its peak",
+)
+CASES = [
+    pytest.param("mlp", "inductor", "all", marks=_MLP_INDUCTOR),
+    pytest.param("mlp", "inductor", "auto", marks=_MLP_INDUCTOR),
+    ("mlp", "aot_eager", "all"),
+    ("mlp", "aot_eager", "auto"),
+    ("gpt", "inductor", "all"),
+    ("gpt", "aot_eager", "all"),
+    ("cnn", "aot_eager", "all"),
+]
+
+
+@pytest.mark.parametrize("name, inner, policy", CASES)
+def test_offloading_never_raises_the_measured_peak(name, inner, policy):
+    track_cpu_frees()  # frees of blocks from before the step count
+    backend = fxoffload.backend(offload_cpu=True, inner=inner, policy=policy, min_bytes=0)
+    with_plan = _steady_peak(name, backend)
+    (report,) = backend.reports
+    assert report.offloaded, "nothing was offloaded: the comparison would test nothing"
+    baseline = _baseline(name, inner)
+    assert with_plan <= baseline, (
+        f"{name}, {inner}, policy={policy}: {with_plan} bytes measured with fxoffload, {baseline} without "
+        f"({with_plan / baseline - 1:+.2%})"
+    )
