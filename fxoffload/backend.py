@@ -16,10 +16,10 @@ import torch.fx as fx
 from . import _compat
 from .cost import calibrate, device_rates, node_start_times
 from .lifetimes import GraphLifetimes, analyze_saved_tensors
-from .memory import MemoryTimeline, simulate
+from .memory import MemoryTimeline, simulate, with_plan
 from .mutation import protect_mutated_reads
 from .options import OffloadOptions
-from .plan import OffloadPlan, PlanCosts, fmt_bytes, plan_offloads, replan_after_recompute
+from .plan import OffloadPlan, PlanCosts, fmt_bytes, off_device, plan_offloads, replan_after_recompute
 from .reasons import Reason, ReasonCode
 from .recompute import recompute_options, recompute_sources
 from .report import OffloadReport, PassTimings
@@ -132,7 +132,7 @@ class _OffloadPartitioner(_compat.CustomPartitionerFn):
         pass_s = time.perf_counter() - start - repartition_s
         with _graph_ids_lock:
             graph_id = next(_graph_ids)
-        memory_before = plan.costs.baseline
+        memory_before = (plan.partition_costs or plan.costs).baseline  # before any change
         changed = plan.offloaded or plan.recomputed
         start = time.perf_counter()
         temporaries = plan.costs.temporaries if plan.costs is not None else {}
@@ -172,7 +172,8 @@ def offload_pass(
     ``repartition(names)`` runs torch's partitioner again with the forward nodes ``names`` tagged
     for recomputation; without it (a pair with no joint graph behind it) nothing is recomputed.
     The pair is rewritten in place unless the plan recomputes something: then the returned pair is
-    the new partition. The plan's ``costs.baseline`` is the predicted memory before any change.
+    the new partition. The predicted memory before any change is ``(plan.partition_costs or
+    plan.costs).baseline``; ``plan.costs.baseline`` is that of the pair the plan was made for.
     """
     # 1. Lifetimes of the saved tensors (saved views first moved next to their bases, which changes
     #    no memory without offloading, so the baseline is taken after it).
@@ -208,47 +209,80 @@ def offload_pass(
     def offload_only() -> OffloadPlan:
         return plan_offloads(lifetimes, options, host_bytes_available=host_bytes_available, costs=costs)
 
-    # 4. Recomputation is torch's partitioner's job: tag, partition again, plan the new pair.
+    # 4. Recomputation is torch's partitioner's job: tag, partition again, plan the new pair. The fit
+    #    estimated the new pair from the first one; the memory model on the new pair (the plan as
+    #    data, ``with_plan``) is the truth. Where it misses the budget, the first plan is made again
+    #    for a target lowered by the miss (``_REPLANS`` times at most). An offload-only plan of the
+    #    first pair may still do better: the lowest peak wins, and only it is rewritten.
     assert repartition is not None
-    names = frozenset(d.saved.name for d in plan.recomputed)
-    try:
-        new_fw, new_bw = repartition(names)
-    except Exception as e:  # never fail a compile over an optimisation: plan without it
-        log.warning("fxoffload: partitioning again to recompute %s failed (%s); offloading only", sorted(names), e)
-        plan = offload_only()
-        _rewrite(fw, bw, plan, options)
-        return fw, bw, plan
-    new_lifetimes = _lifetimes(new_fw, new_bw, num_fwd_outputs, static)
-    new_costs = plan_costs(new_fw, new_bw, new_lifetimes, options, num_fwd_outputs, static)
-    sources = recompute_sources(new_bw, names, frozenset(t.name for t in new_lifetimes.saved))
-    with_recompute = replan_after_recompute(
-        plan, new_lifetimes, new_costs, options, sources, host_bytes_available=host_bytes_available
-    )
-    _rewrite(new_fw, new_bw, with_recompute, options)
-    peak = simulate(new_fw, new_bw, num_fwd_outputs, static, new_costs.temporaries).peak_bytes
-    budget = with_recompute.memory_budget
-    if budget is None or peak <= budget:
-        return new_fw, new_bw, with_recompute
-    # The fit works on predicted intervals; the new partition is the truth. An offload-only plan of
-    # the first pair may still fit where this one does not: keep the lower peak.
+    budget = plan.memory_budget
+    tries: list[tuple[int, fx.GraphModule, fx.GraphModule, OffloadPlan]] = []
+    target = budget
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        try:
-            alternative = offload_only()
-        except ValueError:  # strict=True and unreachable without recomputation
-            return new_fw, new_bw, with_recompute
-    if alternative.fit_peak is not None and alternative.fit_peak >= peak:
-        return new_fw, new_bw, with_recompute  # not worth a second rewrite
-    _rewrite(fw, bw, alternative, options)
-    peak_offload_only = simulate(fw, bw, num_fwd_outputs, static, costs.temporaries).peak_bytes
-    if peak_offload_only >= peak:
-        return new_fw, new_bw, with_recompute
-    log.info(
-        "fxoffload: the plan with recomputation peaks at %s, over the budget %s; offloading only peaks at %s",
-        fmt_bytes(peak), fmt_bytes(budget), fmt_bytes(peak_offload_only),
-    )  # fmt: skip
-    _reissue(caught)
-    return fw, bw, alternative
+        for attempt in range(_REPLANS + 1):
+            names = frozenset(d.saved.name for d in plan.recomputed)
+            try:
+                new_fw, new_bw = repartition(names)
+            except Exception as e:  # never fail a compile over an optimisation: plan without it
+                log.warning(
+                    "fxoffload: partitioning again to recompute %s failed (%s); offloading only", sorted(names), e
+                )
+                break
+            new_lifetimes = _lifetimes(new_fw, new_bw, num_fwd_outputs, static)
+            new_costs = plan_costs(new_fw, new_bw, new_lifetimes, options, num_fwd_outputs, static)
+            sources = recompute_sources(new_bw, names, frozenset(t.name for t in new_lifetimes.saved))
+            second = replan_after_recompute(
+                plan, new_lifetimes, new_costs, options, sources, host_bytes_available=host_bytes_available
+            )
+            peak = with_plan(new_costs.baseline, off_device(second)).peak_bytes
+            tries.append((peak, new_fw, new_bw, dataclasses.replace(second, memory_budget=budget)))
+            if budget is None or peak <= budget or target is None or attempt == _REPLANS:
+                break
+            target -= peak - budget
+            log.info(
+                "fxoffload: recomputing %d tensors, the new partition peaks at %s, over the budget %s; "
+                "planning again for %s", len(names), fmt_bytes(peak), fmt_bytes(budget), fmt_bytes(max(target, 0)),
+            )  # fmt: skip
+            if target <= 0:
+                break
+            try:
+                plan = plan_offloads(
+                    lifetimes, options.replace(memory_budget=target), host_bytes_available=host_bytes_available,
+                    costs=costs, recompute=recompute, recompute_refused=why_not,
+                )  # fmt: skip
+            except ValueError:  # strict=True and the lower target unreachable: judged below on the budget
+                break
+            if not plan.recomputed:
+                break
+        if not tries or (budget is not None and min(t[0] for t in tries) > budget):
+            try:
+                alternative = offload_only()
+                tries.append((with_plan(costs.baseline, off_device(alternative)).peak_bytes, fw, bw, alternative))
+            except ValueError:  # strict=True and unreachable without recomputation
+                if not tries:
+                    raise
+    peak, best_fw, best_bw, best = min(tries, key=lambda t: t[0])
+    if budget is not None and peak > budget:
+        at = with_plan(best.costs.baseline, off_device(best)).peak
+        message = (
+            f"fxoffload: memory_budget {fmt_bytes(budget)} cannot be reached: the smallest predicted peak is "
+            f"{fmt_bytes(peak)} (at {at.phase} node {at.node}); applying that plan"
+        )
+        if options.strict:
+            raise ValueError(message.replace("; applying that plan", " (strict=True)"))
+        warnings.warn(message, RuntimeWarning, stacklevel=2)
+    elif len(tries) > 1:
+        log.info("fxoffload: of %d plans tried for memory_budget %s, the chosen one peaks at %s",
+                 len(tries), fmt_bytes(budget or 0), fmt_bytes(peak))  # fmt: skip
+    for w in caught:  # the fit's own warnings are about the attempts' targets; the above replaces them
+        if "cannot be reached" not in str(w.message):
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+    _rewrite(best_fw, best_bw, best, options)
+    return best_fw, best_bw, best
+
+
+_REPLANS = 2  # plans made again for a lower target when recomputation misses the budget
 
 
 def _check_compiled_budget(report: OffloadReport) -> None:

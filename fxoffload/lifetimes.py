@@ -39,7 +39,9 @@ class SavedTensor:
     is_dense: bool  # non-overlapping and dense: its storage bytes can be copied as they are
     shares_storage_with: tuple[str, ...]  # other saved tensors in the same storage
     fw_position: int  # index of the producer among the forward nodes
-    fw_last_use: int  # index of the last forward node using the storage (>= fw_position)
+    # index of the last forward node using the storage, or of that node's last getitem when it
+    # returns several tensors (>= fw_position)
+    fw_last_use: int
     fw_last_user: str
     fw_compute_after: int  # compute nodes in the forward after the last use
     bw_first_use: int  # index of the first backward node using it; -1: unused in backward
@@ -180,7 +182,13 @@ def analyze_saved_tensors(
         root = storage_root(node)
         fw_users = [u for u in storage_users(root) if u.op != "output"]
         last = max(fw_users, key=fw_index.__getitem__, default=node)
-        last_i = max(fw_index[last], fw_index[node])
+        # A reader returning several tensors stands for its getitems (next to it, see
+        # hoist_saved_views): the copy is issued after them, where its results are named.
+        results = [
+            fw_index[g] for u in fw_users if not isinstance(_val(u), torch.Tensor) for g in u.users
+            if g.target is operator.getitem and isinstance(_val(g), torch.Tensor) and g in fw_index
+        ]  # fmt: skip
+        last_i = max([fw_index[last], fw_index[node], *results])
         bw_node = bw_placeholders[node.name]
         bw_users = [u for u in storage_users(bw_node) if u.op != "output"]
         first = min(bw_users, key=bw_index.__getitem__, default=None)
@@ -204,7 +212,7 @@ def analyze_saved_tensors(
                 shares_storage_with=tuple(n for n in by_storage[root] if n != node.name),
                 fw_position=fw_index[node],
                 fw_last_use=last_i,
-                fw_last_user=fw_nodes[last_i].name,
+                fw_last_user=(last if fw_index[last] >= fw_index[node] else node).name,
                 fw_compute_after=fw_compute_prefix[-1] - fw_compute_prefix[last_i + 1],
                 bw_first_use=first_i,
                 bw_first_user=first.name if first is not None else "",

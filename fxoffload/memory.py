@@ -12,6 +12,11 @@ Rules (sizes from fake values, symbolic sizes at their hints):
 - Host tensors (the outputs of ``fxoffload.offload`` and the backward placeholders holding them) are
   not device memory. A ``fxoffload.reload`` allocates its device destination when it is issued.
 
+A plan is data to this model: ``with_plan(baseline, off)`` is the timeline of the pair once the
+plan's tensors are off the device over the points ``off`` gives (``plan.off_device``). The planner's
+budget fit compares plans with it, without rewriting graphs; ``simulate`` on the rewritten pair gives
+the same figure at every node the pair had (``tests/test_memory.py`` holds the two together).
+
 The model predicts allocated bytes (what ``torch.cuda.max_memory_allocated`` measures), not reserved
 bytes: the caching allocator's rounding and fragmentation come on top.
 """
@@ -20,7 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import operator
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 import torch
 import torch.fx as fx
@@ -196,3 +201,35 @@ def simulate(
         for owner in frees_saved.pop(i, ()):
             live["saved"] -= _bytes(owner)
     return MemoryTimeline(tuple(points))
+
+
+@dataclasses.dataclass(frozen=True)
+class OffDevice:
+    """``nbytes`` of saved tensor ``name`` off the device from point ``first`` to point ``last`` of a
+    timeline (inclusive; forward points, then backward points: one per node before the output)."""
+
+    name: str
+    nbytes: int
+    first: int
+    last: int
+
+
+def with_plan(baseline: MemoryTimeline, off: Iterable[OffDevice]) -> MemoryTimeline:
+    """The timeline ``baseline`` (the pair before any change) with the tensors of ``off`` off the
+    device over their points, taken from its "saved" bytes. Pure; linear in points + intervals."""
+    points = baseline.points
+    delta = [0] * (len(points) + 1)
+    for o in off:
+        lo, hi = max(o.first, 0), min(o.last, len(points) - 1)
+        if lo <= hi:
+            delta[lo] -= o.nbytes
+            delta[hi + 1] += o.nbytes
+    out, running = [], 0
+    for p, d in zip(points, delta):
+        running += d
+        if running:
+            live = dict(p.live)
+            live["saved"] += running
+            p = MemoryPoint(p.phase, p.node, live)
+        out.append(p)
+    return MemoryTimeline(tuple(out))

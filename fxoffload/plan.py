@@ -17,7 +17,7 @@ import torch.fx as fx
 from .cost import DeviceRates
 from .host_memory import size_class
 from .lifetimes import GraphLifetimes, SavedTensor
-from .memory import MemoryTimeline
+from .memory import MemoryTimeline, OffDevice, with_plan
 from .options import OffloadOptions
 from .policy import user_choice
 from .reasons import Action, Reason, ReasonCode
@@ -405,7 +405,8 @@ def replan_after_recompute(
     except for the tensors a recomputed one is rebuilt from (``sources``: recomputed name -> saved
     tensors of the new pair it reads), which stay on the device. A tensor the partitioner still saves
     although it was tagged is kept with that reason. The returned plan's ``costs.baseline`` is the
-    memory before any change (``first``'s).
+    new pair's memory before any offload; ``partition_costs.baseline`` the memory before any change
+    (``first``'s).
     """
     assert first.costs is not None
     now = {t.name for t in lifetimes.saved}
@@ -435,7 +436,7 @@ def replan_after_recompute(
     return dataclasses.replace(
         second,
         decisions=second.decisions + tuple(recomputed),
-        costs=dataclasses.replace(costs, baseline=first.costs.baseline),
+        costs=costs,
         memory_budget=first.memory_budget,
         partition_costs=first.costs,
     )
@@ -492,6 +493,38 @@ def _recompute_ends(
         if not changed:
             break
     return ends
+
+
+def _offload_interval(t: SavedTensor, timing: TransferTiming | None, fw_points: int) -> OffDevice:
+    """Where offloading ``t`` takes it off the device: from the point after its forward wait (the
+    source is released there) to the node its reload is issued after; without a schedule, the
+    estimate of ``_estimated_interval``."""
+    if timing is None:
+        lo, hi = _estimated_interval(t, fw_points)
+    else:
+        # The wait comes after the node the copy is issued after at the earliest (the rewrite).
+        lo, hi = max(timing.fw_wait_after, t.fw_last_use + 1) + 1, fw_points + timing.bw_issue_after
+    return OffDevice(t.name, t.nbytes, lo, hi)
+
+
+def _recompute_interval(t: SavedTensor, end: int, fw_points: int) -> OffDevice:
+    return OffDevice(t.name, t.nbytes, _estimated_interval(t, fw_points)[0], end)
+
+
+def off_device(plan: OffloadPlan) -> tuple[OffDevice, ...]:
+    """The plan as data for the memory model (``memory.with_plan(plan.costs.baseline, ...)``): where
+    each offloaded or recomputed tensor is off the device. A plan made for a second partition
+    (``partition_costs`` set) has its recomputations in its baseline already."""
+    if plan.costs is None or plan.costs.baseline is None:
+        return ()
+    fw_points = sum(p.phase == "forward" for p in plan.costs.baseline.points)
+    off = [_offload_interval(d.saved, d.timing, fw_points) for d in plan.offloaded]
+    recomputes = {d.saved.name: d.recompute for d in plan.recomputed if d.recompute is not None}
+    if recomputes and plan.partition_costs is None:
+        saved = {d.saved.name: d.saved for d in plan.decisions}
+        ends = _recompute_ends(recomputes, saved, fw_points)
+        off += [_recompute_interval(saved[name], end, fw_points) for name, end in ends.items()]
+    return tuple(off)
 
 
 def _covers(interval: tuple[int, int], point: int) -> bool:
@@ -565,17 +598,17 @@ def _fit_budget(
         return not any(s in taken and s not in recomputes for s in option.sources)
 
     while True:
-        # The check: memory with the intervals of the real schedule of everything chosen so far.
-        tree = _MinTree.of([-float(p.total) for p in points])  # -live bytes: its min is minus the peak
+        # The check: the memory model with everything chosen so far off the device where the real
+        # schedule puts it (``with_plan``, the model the rewritten graph is held to).
         schedule = schedule_transfers(
             [*chosen, *extra], costs.fw_starts, costs.bw_starts, costs.rates, options.max_inflight_reloads,
             wait_at_once=frozenset(t.name for t in extra),
         )  # fmt: skip
-        for timing, t in zip(schedule.timings, [*chosen, *extra]):
-            tree.add(timing.fw_wait_after + 1, fw_points + timing.bw_issue_after, float(t.nbytes))
         applied = _recompute_ends(recomputes, all_saved, fw_points)
-        for name, hi in applied.items():
-            tree.add(_estimated_interval(all_saved[name], fw_points)[0], hi, float(all_saved[name].nbytes))
+        off = [_offload_interval(t, timing, fw_points) for timing, t in zip(schedule.timings, [*chosen, *extra])]
+        off += [_recompute_interval(all_saved[name], hi, fw_points) for name, hi in applied.items()]
+        checked = with_plan(costs.baseline, off)
+        tree = _MinTree.of([-float(p.total) for p in checked.points])  # -live bytes: its min is minus the peak
         if -tree.min(0, len(points) - 1) <= budget:
             break
         # A greedy round on estimated intervals.

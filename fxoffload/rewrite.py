@@ -93,14 +93,15 @@ def hoist_saved_views(fw: fx.GraphModule, num_fwd_outputs: int) -> None:
     use the end of the forward. A view computes nothing, so moving it up is free; it changes no
     memory without offloading (a saved view keeps its base alive until the backward anyway), and
     with offloading the base can be copied out and released as soon as its real readers are done.
+    The getitems of multi-output ops are moved next to their op first, for the same reason.
     """
     graph = fw.graph
+    moved = False
     outputs = graph.output_node().args[0]
     saved_views = [o for o in outputs[num_fwd_outputs:] if isinstance(o, fx.Node) and is_view(o)]
     # Positions, kept up to date without renumbering the graph after each move (that made this
     # quadratic): a moved view takes a position just after its latest input.
     index: dict[fx.Node, float] = {n: float(i) for i, n in enumerate(graph.nodes)}
-    moved = False
     for view_node in saved_views:
         chain = []
         node = view_node
@@ -113,6 +114,17 @@ def hoist_saved_views(fw: fx.GraphModule, num_fwd_outputs: int) -> None:
                 latest.append(view)
                 index[view] = index[latest] + 1e-3
                 moved = True
+    # Then the getitems of a multi-output op right after it (before the views just moved): the op
+    # allocates all its results while it runs, so a getitem placed later only made the op's
+    # readers look later than they are.
+    for n in list(graph.nodes):
+        getitems = [u for u in n.users if u.target is operator.getitem] if n.op == "call_function" else []
+        at = n
+        for g in sorted(getitems, key=lambda g: g.args[1]):
+            if at.next is not g:
+                at.append(g)
+                moved = True
+            at = g
     if moved:
         graph.lint()
         fw.recompile()
@@ -136,11 +148,16 @@ def _rewrite_forward(
     with graph.inserting_after(last):
         # Edges only to nodes every compiler materialises: an edge to a fusible node would make the
         # compiler write out a buffer it would otherwise fuse away.
-        copy = _call(graph, ops.offload, (x, [d for d in deps if materialised(d)], bandwidth))
+        # (Each alive there anyway, or a descendant that is, so the edges hold no memory: a reader
+        # after the copy is no race, the wait does not free the source, it ends the copy's claim.)
+        after = [_alive_edge(d, index[last] + 0.5, order, index, alive) for d in deps if materialised(d)]
+        copy = _call(graph, ops.offload, (x, list(dict.fromkeys(a for a in after if a is not None)), bandwidth))
     if wait_after is None:
         anchor = _compute_anchor(order, index[last], prefetch, step=+1)
-    else:  # the scheduled node, or the first materialised one after it, but never before the copy
-        anchor = _compute_anchor(order, max(wait_after, index[last] + 1) - 1, 1, step=+1)
+    else:  # right after the scheduled node, or the node after the copy if that comes later: where
+        # the plan (``plan.off_device``) releases the source
+        at = max(wait_after, index[last] + 1)
+        anchor = _tensor_result(order[at]) if at < len(order) and order[at].op != "output" else None
     # Between the copy and its wait the plan put compute; if some of it is materialised, the copy is
     # issued before ``c``, the first such node, and waited on after it: that kernel runs between the
     # two whatever order the compiler picks (without the edge to ``c``, Inductor's peak-memory
@@ -186,8 +203,9 @@ def _rewrite_backward(
         anchor = _compute_anchor(order, index[first], prefetch, step=-1)
     elif issue_after < 0:
         anchor = None  # issued at the start of the backward
-    else:  # the scheduled node, or the last materialised one before it
-        anchor = _compute_anchor(order, min(issue_after, index[first] - 1) + 1, 1, step=-1)
+    else:  # right after the scheduled node (before the first use at the latest): where the plan
+        # (``plan.off_device``) has the destination allocated
+        anchor = _tensor_result(order[min(issue_after, index[first] - 1)])
     device = placeholder.meta["val"].device
     if anchor is not None:
         # Lower bounds: the anchor if it is materialised, and the inputs of the first use computed by
@@ -266,16 +284,25 @@ def _after_edges(
     edges = [anchor] if anchor is not None and materialised(anchor) else []
     if c is None or not materialised(c) or c in edges:
         return edges
-    if alive is None or alive.alive_at(c, position):
-        return [c, *edges]
-    if edges and _descends_from(anchor, c, index):
+    if edges and _descends_from(anchor, c, index) and not (alive is None or alive.alive_at(c, position)):
         return edges
-    for i in range(min(int(position), len(order) - 1), index[c], -1):
+    edge = _alive_edge(c, position, order, index, alive)
+    return [edge, *edges] if edge is not None else edges
+
+
+def _alive_edge(
+    n: fx.Node, position: float, order: list[fx.Node], index: dict[fx.Node, int], alive: _Liveness | None
+) -> fx.Node | None:
+    """A data edge at ``position`` that orders after ``n`` and holds no memory: ``n`` when it is
+    alive there anyway, else the latest materialised descendant of ``n`` that is; None if none is."""
+    if alive is None or alive.alive_at(n, position):
+        return n
+    for i in range(min(int(position), len(order) - 1), index[n], -1):
         m = order[i]
         if m in index and materialised(m) and m.op != "placeholder" and isinstance(m.meta.get("val"), torch.Tensor):
-            if alive.alive_at(m, position) and _descends_from(m, c, index):
-                return [m, *edges]
-    return edges
+            if alive.alive_at(m, position) and _descends_from(m, n, index):
+                return m
+    return None
 
 
 def _descends_from(n: fx.Node, ancestor: fx.Node, index: dict[fx.Node, int]) -> bool:

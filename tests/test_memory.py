@@ -1,13 +1,16 @@
 """The memory model against timelines computed by hand."""
 
+import warnings
+
+import pytest
 import torch
 import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from fxoffload.lifetimes import analyze_saved_tensors
-from fxoffload.memory import simulate
+from fxoffload.lifetimes import analyze_saved_tensors, is_compute
+from fxoffload.memory import simulate, with_plan
 from fxoffload.options import OffloadOptions
-from fxoffload.plan import plan_offloads
+from fxoffload.plan import off_device, plan_offloads
 from fxoffload.rewrite import apply_plan
 
 aten = torch.ops.aten
@@ -151,3 +154,75 @@ def test_inductor_code_replay_agrees_with_the_allocator_and_checks_the_budget(re
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         _check_compiled_budget(dataclasses.replace(report, memory_budget=replay.peak_bytes))
+
+
+# One memory model: the plan as data (``with_plan`` on the baseline, ``off_device(plan)``) against
+# the same model run on the pair the rewrite produced. Rates fixed, so the plans are deterministic.
+_RATES = {"compute_rates": {"flops": 1e13, "memory_bandwidth": 1e12}, "min_bytes": "16KiB"}
+
+
+def _planned_and_rewritten(monkeypatch, name, inner, options):
+    import importlib
+
+    from fxoffload.models import GPT, GPTConfig, example, gpt_batch
+
+    from .conftest import cpu_backend
+
+    backend_module = importlib.import_module("fxoffload.backend")
+    real, seen = backend_module.offload_pass, []
+
+    def spy(fw, bw, num_fwd_outputs, static, options, **kwargs):
+        fw, bw, plan = real(fw, bw, num_fwd_outputs, static, options, **kwargs)
+        seen.append((fw, bw, plan, num_fwd_outputs, tuple(static)))
+        return fw, bw, plan
+
+    monkeypatch.setattr(backend_module, "offload_pass", spy)
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    if name == "gpt3":
+        cfg = GPTConfig(layers=3)
+        model, batch = GPT(cfg), gpt_batch(cfg, 8)
+    else:
+        model, batch = example(name)
+    compiled = torch.compile(model, backend=cpu_backend(inner=inner, **{**_RATES, **options}))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # an unreachable budget is not what this tests
+        compiled(*batch)
+    (fw, bw, plan, num_fwd_outputs, static) = seen[-1]
+    planned = with_plan(plan.costs.baseline, off_device(plan))
+    rewritten = simulate(fw, bw, num_fwd_outputs, static, plan.costs.temporaries)
+    return plan, planned, rewritten, fw, bw
+
+
+@pytest.mark.parametrize(
+    "name, inner, options",
+    [
+        ("gpt3", "aot_eager", {"policy": "auto", "bandwidth": "1GB", "memory_budget": 0.6}),
+        ("gpt3", "aot_eager", {"policy": "auto", "bandwidth": "1GB", "memory_budget": "4MiB"}),  # recomputes
+        ("gpt3", "aot_eager", {"policy": "all"}),
+        ("cnn", "aot_eager", {"policy": "auto", "memory_budget": 0.7, "min_bytes": 0}),
+        ("seq2seq", "aot_eager", {"policy": "all", "min_bytes": 0}),
+        ("gpt3", "inductor", {"policy": "auto", "bandwidth": "1GB", "memory_budget": 0.6}),
+    ],
+)
+def test_the_plan_as_data_is_the_rewritten_pair(monkeypatch, name, inner, options):
+    plan, planned, rewritten, fw, bw = _planned_and_rewritten(monkeypatch, name, inner, options)
+    assert plan.offloaded
+    # Same peak, to the byte, and the budget fit's own figure is that peak.
+    assert rewritten.peak_bytes == planned.peak_bytes
+    if plan.fit_peak is not None:
+        assert plan.fit_peak == planned.peak_bytes
+    # The same figure at every node that computes (the rewrite's copies and waits come between them;
+    # getitems, views and the backward's placeholders allocate nothing and may see a wait a node
+    # later), so the model compares plans without rewriting graphs.
+    computes = {
+        (phase, n.name) for phase, gm in (("forward", fw), ("backward", bw)) for n in gm.graph.nodes if is_compute(n)
+    }
+    got = {(p.phase, p.node): p.total for p in rewritten.points}
+    differ = [
+        (p.phase, p.node, p.total, got[(p.phase, p.node)])
+        for p in planned.points
+        if (p.phase, p.node) in computes and got.get((p.phase, p.node), p.total) != p.total
+    ]
+    assert not differ, differ[:5]
+    assert sum((p.phase, p.node) in got for p in planned.points if (p.phase, p.node) in computes) > 30
