@@ -440,6 +440,18 @@ def inductor_codegen_only(sink: Callable[[str], None] | None) -> Iterator[None]:
 
 
 @contextlib.contextmanager
+def backward_lowered_at_compile() -> Iterator[bool]:
+    """AOTAutograd lowers the backward while the forward compiles, not at the first backward call
+    (``functorch.config.force_non_lazy_backward_lowering``). Yields False, changing nothing, where
+    this torch has no such option: the backward is then lowered lazily."""
+    if not hasattr(functorch_config, "force_non_lazy_backward_lowering"):
+        yield False
+        return
+    with functorch_config.patch(force_non_lazy_backward_lowering=True):
+        yield True
+
+
+@contextlib.contextmanager
 def lowering_without_caches() -> Iterator[None]:
     """Inductor's and AOTAutograd's caches off, so the code is really generated, and the backward
     lowered at compile time (``force_non_lazy_backward_lowering``): no backward is ever run."""
