@@ -10,13 +10,13 @@ import logging
 
 from . import ops
 from .backend import OffloadBackend, backend, fxoffload_backend, offload_pass, reports
-from .explain import explain, explain_and_measure
+from .explain import explain, explain_and_measure, explain_step, where_memory_goes
 from .lifetimes import SavedTensor, analyze_saved_tensors
-from .memory import MemoryTimeline, simulate
+from .memory import MemoryTimeline, OffDevice, simulate, with_plan
 from .measure import DeviceMemory, MeasuredMemory, measure_memory, track_cpu_frees
 from .ops import host_pool_stats, release_host_memory
 from .options import OffloadOptions
-from .plan import Decision, OffloadPlan, plan_offloads
+from .plan import Decision, OffloadPlan, off_device, plan_offloads
 from .report import OffloadReport, SavedRow
 
 __version__ = "0.1.0"
@@ -31,14 +31,17 @@ __all__ = [
     "SavedRow",
     "MeasuredMemory",
     "MemoryTimeline",
+    "OffDevice",
     "SavedTensor",
     "analyze_saved_tensors",
     "backend",
     "explain",
     "explain_and_measure",
+    "explain_step",
     "fxoffload_backend",
     "measure_memory",
     "host_pool_stats",
+    "off_device",
     "offload_pass",
     "ops",
     "plan_offloads",
@@ -46,6 +49,8 @@ __all__ = [
     "reports",
     "simulate",
     "track_cpu_frees",
+    "where_memory_goes",
+    "with_plan",
 ]
 
 logging.getLogger(__name__).addHandler(logging.NullHandler())
