@@ -20,7 +20,9 @@ from .lifetimes import GraphLifetimes, analyze_saved_tensors
 from .memory import MemoryTimeline, simulate, with_plan
 from .mutation import protect_mutated_reads
 from .options import OffloadOptions
-from .plan import OffloadPlan, PlanCosts, fmt_bytes, off_device, plan_offloads, replan_after_recompute
+from .plan import (
+    OffloadPlan, PlanCosts, fmt_bytes, off_device, plan_offloads, replan_after_recompute, unreachable_budget,
+)
 from .reasons import Reason, ReasonCode
 from .recompute import recompute_options, recompute_sources
 from .report import BUDGET_TOLERANCE, OffloadReport, PassTimings
@@ -351,14 +353,7 @@ def offload_pass(
                     raise
     peak, best_fw, best_bw, best = min(tries, key=lambda t: t[0])
     if budget is not None and peak > budget:
-        at = with_plan(best.costs.baseline, off_device(best)).peak
-        message = (
-            f"fxoffload: memory_budget {fmt_bytes(budget)} cannot be reached: the smallest predicted peak is "
-            f"{fmt_bytes(peak)} (at {at.phase} node {at.node}); applying that plan"
-        )
-        if options.strict:
-            raise ValueError(message.replace("; applying that plan", " (strict=True)"))
-        warnings.warn(message, RuntimeWarning, stacklevel=2)
+        unreachable_budget(budget, peak, with_plan(best.costs.baseline, off_device(best)).peak, options.strict)
     elif len(tries) > 1:
         log.info("fxoffload: of %d plans tried for memory_budget %s, the chosen one peaks at %s",
                  len(tries), fmt_bytes(budget or 0), fmt_bytes(peak))  # fmt: skip

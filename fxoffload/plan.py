@@ -17,7 +17,7 @@ import torch.fx as fx
 from .cost import DeviceRates
 from .host_memory import size_class
 from .lifetimes import GraphLifetimes, SavedTensor
-from .memory import MemoryTimeline, OffDevice, with_plan
+from .memory import MemoryPoint, MemoryTimeline, OffDevice, with_plan
 from .options import OffloadOptions
 from .policy import user_choice
 from .reasons import Action, Reason, ReasonCode
@@ -645,12 +645,17 @@ def _fit_budget(
             break
     reachable = int(-tree.min(0, len(points) - 1))
     if reachable > budget:
-        at = points[tree.argmin()]
-        message = (
-            f"fxoffload: memory_budget {fmt_bytes(budget)} cannot be reached: the smallest predicted peak "
-            f"is {fmt_bytes(reachable)} (at {at.phase} node {at.node}); applying that plan"
-        )
-        if options.strict:
-            raise ValueError(message.replace("; applying that plan", " (strict=True)"))
-        warnings.warn(message, RuntimeWarning, stacklevel=2)
+        unreachable_budget(budget, reachable, points[tree.argmin()], options.strict)
     return _BudgetFit(extra, recomputes, stall_estimate, reachable)
+
+
+def unreachable_budget(budget: int, peak: int, at: MemoryPoint, strict: bool) -> None:
+    """Say that ``budget`` cannot be reached, with the smallest predicted ``peak`` (at point ``at``):
+    a RuntimeWarning, or a ValueError with ``strict=True``."""
+    message = (
+        f"fxoffload: memory_budget {fmt_bytes(budget)} cannot be reached: the smallest predicted peak "
+        f"is {fmt_bytes(peak)} (at {at.phase} node {at.node}); applying that plan"
+    )
+    if strict:
+        raise ValueError(message.replace("; applying that plan", " (strict=True)"))
+    warnings.warn(message, RuntimeWarning, stacklevel=3)

@@ -1,5 +1,6 @@
 import copy
 import re
+import warnings
 
 import pytest
 import torch
@@ -62,3 +63,24 @@ def pytest_collection_modifyitems(config, items):
 def returned_names(code: str) -> set[str]:
     """Names in the ``return`` of generated graph code: the forward's outputs, saved tensors included."""
     return set(re.findall(r"\w+", code.rsplit("return", 1)[-1]))
+
+
+def measured_steady_step(model, step, warmup=2):
+    """The CPU allocator's peak of one ``step()`` after ``warmup`` ones, above what was live when it
+    started (``fxoffload.measure_memory``, one thread, frees of earlier blocks counted), and the
+    warnings the warm-up steps gave (where the compiles happen)."""
+    from fxoffload.measure import measure_memory, track_cpu_frees
+
+    track_cpu_frees()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # allocation order does not depend on the thread count then
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for _ in range(warmup):
+                model.zero_grad(set_to_none=True)
+                step()
+        model.zero_grad(set_to_none=True)
+        return measure_memory(step).cpu.peak_bytes, caught
+    finally:
+        torch.set_num_threads(threads)

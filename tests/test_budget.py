@@ -8,14 +8,14 @@ at 0.01 GB/s nothing is hidden, so the budget alone decides what is offloaded.
 
 import importlib
 import re
-import warnings
 
 import pytest
 import torch
 
 import fxoffload
-from fxoffload.measure import measure_memory, track_cpu_frees
 from fxoffload.models import example
+
+from .conftest import measured_steady_step
 
 backend_module = importlib.import_module("fxoffload.backend")
 OPTIONS = {"offload_cpu": True, "inner": "inductor", "policy": "auto", "min_bytes": 0, "bandwidth": "0.01GB"}
@@ -23,28 +23,12 @@ OPTIONS = {"offload_cpu": True, "inner": "inductor", "policy": "auto", "min_byte
 
 def _compile_and_measure(**options):
     """The report, the warnings of the compile and the measured peak of a steady step, above its start."""
-    track_cpu_frees()
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        torch._dynamo.reset()
-        torch.manual_seed(0)
-        model, batch = example("gpt")
-        backend = fxoffload.backend(**{**OPTIONS, **options})
-        compiled = torch.compile(model, backend=backend)
-
-        def step():
-            compiled(*batch).backward()
-
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            for _ in range(2):
-                model.zero_grad(set_to_none=True)
-                step()
-        model.zero_grad(set_to_none=True)
-        measured = measure_memory(step).cpu.peak_bytes
-    finally:
-        torch.set_num_threads(threads)
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model, batch = example("gpt")
+    backend = fxoffload.backend(**{**OPTIONS, **options})
+    compiled = torch.compile(model, backend=backend)
+    measured, caught = measured_steady_step(model, lambda: compiled(*batch).backward())
     (report,) = backend.reports
     said = [str(w.message) for w in caught if "fxoffload" in str(w.message)]
     return report, said, measured

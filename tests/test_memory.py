@@ -110,45 +110,29 @@ def test_offloaded_tensor_leaves_the_device_between_phases():
     assert points[("backward", "g")].total == 2604
 
 
-def test_inductor_code_replay_agrees_with_the_allocator_and_checks_the_budget(recwarn):
+def test_inductor_code_replay_agrees_with_the_allocator_and_checks_the_budget():
     """With Inductor the report also replays the code that runs (``compiled_memory``): its peak is
     the measured one (the CPU allocator's events) to within 5%, and a budget that code misses is said
     at compile time, with the figures."""
     import dataclasses
-    import warnings
-
-    import pytest
 
     import fxoffload
     from fxoffload.backend import _check_compiled_budget
-    from fxoffload.measure import measure_memory, track_cpu_frees
     from fxoffload.models import example
 
-    track_cpu_frees()
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        torch._dynamo.reset()
-        model, batch = example("gpt")
-        backend = fxoffload.backend(offload_cpu=True, inner="inductor", policy="auto", min_bytes=0, memory_budget=0.7)
-        compiled = torch.compile(model, backend=backend)
+    from .conftest import measured_steady_step
 
-        def step():
-            compiled(*batch).backward()
-
-        for _ in range(2):
-            model.zero_grad(set_to_none=True)
-            step()
-        model.zero_grad(set_to_none=True)
-        measured = measure_memory(step).cpu.peak_bytes
-    finally:
-        torch.set_num_threads(threads)
+    torch._dynamo.reset()
+    model, batch = example("gpt")
+    backend = fxoffload.backend(offload_cpu=True, inner="inductor", policy="auto", min_bytes=0, memory_budget=0.7)
+    compiled = torch.compile(model, backend=backend)
+    measured, caught = measured_steady_step(model, lambda: compiled(*batch).backward())
     (report,) = backend.reports
     replay = report.compiled_memory()
     start = replay.peak.live["parameters"] + replay.peak.live["inputs"]
     assert abs((replay.peak_bytes - start) / measured - 1) < 0.05, (replay.peak_bytes - start, measured)
     assert "peak of Inductor's generated code" in report.summary()
-    assert not [w for w in recwarn if "is not met by the code" in str(w.message)]
+    assert not [w for w in caught if "is not met by the code" in str(w.message)]
     with pytest.warns(RuntimeWarning, match=r"memory_budget .* is not met by the code Inductor generated: it peaks at"):
         _check_compiled_budget(dataclasses.replace(report, memory_budget=replay.peak_bytes // 2))
     with warnings.catch_warnings():
