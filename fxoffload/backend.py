@@ -92,9 +92,10 @@ class OffloadBackend:
         memory model; Inductor then fuses, reuses and frees buffers its own way. Both graphs are
         lowered now (not at the first backward call) and the generated code is replayed
         (``report.compiled_memory``, within 1% of the CPU allocator on the suite's models): if its
-        peak misses the budget, the plan is made again for a target lowered by the miss and
+        peak is over the budget, the plan is made again for a target lowered by the miss and
         compiled again, ``_COMPILED_REPLANS`` times at most; the lowest peak is kept, and the report
-        says what was tried (``report.replans``). A miss left over is warned about with the figures.
+        says what was tried (``report.replans``). A peak left more than 3% over is warned about
+        with the figures.
         """
         pristine = copy.deepcopy(gm)  # compile_fx may change the graph it is given
         tries: list[tuple[int, Callable[..., Any], OffloadReport, int]] = []
@@ -132,7 +133,9 @@ class OffloadBackend:
                 budget = target = report.memory_budget
             peak = timeline.peak_bytes
             tries.append((peak, compiled, report, attempt))
-            if peak <= budget * (1 + BUDGET_TOLERANCE) or attempt == _COMPILED_REPLANS:
+            # Planned again past the budget itself: the tolerance is for the measurement, and the
+            # replay may be a little under it (scratch of ops it cannot see).
+            if peak <= budget or attempt == _COMPILED_REPLANS:
                 break
             if report.predicted_peak_after > target:
                 break  # the plan is the fit's smallest peak already: a lower target changes nothing
