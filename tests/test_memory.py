@@ -210,3 +210,41 @@ def test_the_plan_as_data_is_the_rewritten_pair(monkeypatch, name, inner, option
     ]
     assert not differ, differ[:5]
     assert sum((p.phase, p.node) in got for p in planned.points if (p.phase, p.node) in computes) > 30
+
+
+@pytest.mark.parametrize(
+    "name, options",
+    [
+        ("mlp", {"policy": "none"}),
+        ("gpt", {"policy": "all"}),
+        ("cnn", {"policy": "auto"}),
+        ("gpt", {"policy": "auto", "bandwidth": "0.01GB", "memory_budget": 0.45}),  # the budget decides
+    ],
+)
+def test_the_prediction_is_the_measured_peak_with_aot_eager(name, options):
+    """aot_eager runs the FX graphs as they are: the memory model's peak is the CPU allocator's, and a
+    budget the plan fits is met when measured (CPU, 1 thread; 0.1% allows for the allocator's rounding)."""
+    import fxoffload
+    from fxoffload.models import example
+
+    from .conftest import measured_steady_step
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model, batch = example(name)
+    backend = fxoffload.backend(offload_cpu=True, inner="aot_eager", min_bytes=0, **options)
+    compiled = torch.compile(model, backend=backend)
+
+    def step():
+        out = compiled(*batch)
+        out = out[0] if isinstance(out, (tuple, list)) else out
+        (out if out.dim() == 0 else out.float().pow(2).mean()).backward()
+
+    measured, _ = measured_steady_step(model, step)
+    (report,) = backend.reports
+    peak = (report.memory_after or report.memory_before).peak
+    start = peak.live["parameters"] + peak.live["inputs"]  # live before the step starts
+    assert abs((peak.total - start) / measured - 1) < 1e-3, (peak.total - start, measured, report.summary())
+    if report.memory_budget is not None:
+        assert report.offloaded or report.recomputed
+        assert measured + start <= report.memory_budget * 1.03, (measured + start, report.summary())
