@@ -121,7 +121,8 @@ def _budget_verdict(r: dict) -> str:
     return "warned" if r.get("warned") else "NO"
 
 
-def table(rows: list[dict]) -> str:
+def table(rows: list[dict], tablefmt: str = "simple") -> str:
+    """The rows as a table (``tablefmt``: tabulate's, e.g. "github" for docs/results.md)."""
     baseline = {(r["model"], r["inner"]): r["measured_peak"] for r in rows if r["plan"] == "baseline"}
     out = []
     for r in rows:
@@ -142,7 +143,7 @@ def table(rows: list[dict]) -> str:
             "budget MiB": f"{r['budget'] / 2**20:.2f}" if "budget" in r else "",  # above the start, too
             "budget met": "" if "budget" not in r else _budget_verdict(r),
         })  # fmt: skip
-    return tabulate(out, headers="keys")
+    return tabulate(out, headers="keys", tablefmt=tablefmt)
 
 
 def main(argv: list[str] | None = None) -> None:
