@@ -439,12 +439,17 @@ def inductor_codegen_only(sink: Callable[[str], None] | None) -> Iterator[None]:
         yield
 
 
+def can_lower_backward_at_compile() -> bool:
+    """Whether this torch has ``functorch.config.force_non_lazy_backward_lowering``."""
+    return hasattr(functorch_config, "force_non_lazy_backward_lowering")
+
+
 @contextlib.contextmanager
 def backward_lowered_at_compile() -> Iterator[bool]:
     """AOTAutograd lowers the backward while the forward compiles, not at the first backward call
     (``functorch.config.force_non_lazy_backward_lowering``). Yields False, changing nothing, where
     this torch has no such option: the backward is then lowered lazily."""
-    if not hasattr(functorch_config, "force_non_lazy_backward_lowering"):
+    if not can_lower_backward_at_compile():
         yield False
         return
     with functorch_config.patch(force_non_lazy_backward_lowering=True):

@@ -79,6 +79,12 @@ def test_planning_again_stops_when_the_fx_fit_is_at_its_smallest_peak(caplog):
     assert [s for s in said if "is not met by the code Inductor generated" in s], said
 
 
+def test_strict_refuses_a_budget_the_code_misses():
+    with pytest.raises(Exception, match=r"memory_budget [\d.]+ MiB is not met by the code Inductor generated: "
+                       r"it peaks at [\d.]+ MiB .*\(strict=True\)"):  # fmt: skip
+        _compile_and_measure(memory_budget=0.3, strict=True)
+
+
 @pytest.mark.parametrize("bad", [0.0, 1.5, "many"])
 def test_a_bad_budget_names_what_is_allowed(bad):
     with pytest.raises(ValueError, match="memory_budget"):
