@@ -144,10 +144,12 @@ def test_measured_waiting_matches_the_predicted_stall_and_auto_hides_its_copies(
     """A link so slow (20 MB/s) that copies cannot hide: policy="all" predicts a stall and the compute
     thread really waits about that long; policy="auto" picks what it predicts hidden and does not wait.
 
-    "Does not wait" (docs/results.md, "Overlap"): under 5% of what "all" waits, and per copy under 10%
+    "Does not wait" (docs/results.md, "Overlap"): under 5% of what "all" waits, and per copy under half
     of the copy's own time. A copy that is not hidden waits most of its copy time (at 20 MB/s, 0.8 ms
-    for the smallest offloadable 16 KiB), a hidden one the microseconds a wait takes: the per-copy
-    bound fails for a single un-hidden pick, while a loaded machine's jitter stays far below it."""
+    for the smallest offloadable 16 KiB), so the per-copy bound fails for a single un-hidden pick. A
+    hidden one waits what the cost model got wrong about the compute it overlaps: 0.08 to 0.22 ms of
+    its 0.8 ms here (CPU, 2 cores, the same at the start of 2026-11-23; 10% of the copy time was the
+    bound then, and a CI run measured 0.10 ms)."""
     from bench.overlap import wait_per_copy
 
     every = _overlap("all")
@@ -158,7 +160,7 @@ def test_measured_waiting_matches_the_predicted_stall_and_auto_hides_its_copies(
     assert auto["predicted_stall_s"] == 0 and auto["offloaded"] > 0 and auto["copies"] > 0
     assert auto["wait_d2h_s"] + auto["wait_h2d_s"] < 0.05 * waited, auto
     copy_time = (auto["copy_d2h_s"] + auto["copy_h2d_s"]) / auto["copies"]
-    assert wait_per_copy(auto) < 0.1 * copy_time, auto
+    assert wait_per_copy(auto) < 0.5 * copy_time, auto
     assert wait_per_copy(every) > 0.5 * (every["copy_d2h_s"] + every["copy_h2d_s"]) / every["copies"], every
 
 
