@@ -142,6 +142,8 @@ def test_inductor_code_replay_agrees_with_the_allocator_and_checks_the_budget():
 
 # One memory model: the plan as data (``with_plan`` on the baseline, ``off_device(plan)``) against
 # the same model run on the pair the rewrite produced. Rates fixed, so the plans are deterministic.
+# The plan and the rewrite come before the inner compiler, so aot_eager's partitions stand for both
+# (an Inductor GPT case agreed too, 2026-11-23, and cost 30 s of the suite's 15 min on a cold cache).
 _RATES = {"compute_rates": {"flops": 1e13, "memory_bandwidth": 1e12}, "min_bytes": "16KiB"}
 
 
@@ -186,7 +188,6 @@ def _planned_and_rewritten(monkeypatch, name, inner, options):
         ("gpt3", "aot_eager", {"policy": "all"}),
         ("cnn", "aot_eager", {"policy": "auto", "memory_budget": 0.7, "min_bytes": 0}),
         ("seq2seq", "aot_eager", {"policy": "all", "min_bytes": 0}),
-        ("gpt3", "inductor", {"policy": "auto", "bandwidth": "1GB", "memory_budget": 0.6}),
     ],
 )
 def test_the_plan_as_data_is_the_rewritten_pair(monkeypatch, name, inner, options):
