@@ -50,11 +50,7 @@ def explain_and_measure(
     input_grads = [a.grad for a in inputs]
 
     def step() -> None:
-        out = _unwrapped(compiled, example_args)
-        outputs = out if isinstance(out, (tuple, list)) else (out,)
-        loss = sum(t.sum() for t in outputs if isinstance(t, torch.Tensor) and t.requires_grad)
-        if isinstance(loss, torch.Tensor):
-            loss.backward()
+        _forward_backward(compiled, example_args)
         for a in inputs:
             a.grad = None
         if isinstance(model_or_fn, torch.nn.Module):
@@ -128,11 +124,7 @@ def explain_step(
     device = str(params[0].device) if params[0].device.type != "cuda" else f"cuda:{params[0].device.index or 0}"
 
     def forward_backward() -> None:
-        out = _unwrapped(compiled, example_args)
-        outputs = out if isinstance(out, (tuple, list)) else (out,)
-        loss = sum(t.sum() for t in outputs if isinstance(t, torch.Tensor) and t.requires_grad)
-        if isinstance(loss, torch.Tensor):
-            loss.backward()
+        _forward_backward(compiled, example_args)
 
     with _restored(model):
         opt = make(params)
@@ -312,6 +304,15 @@ def _optimizer_factory(optimizer: str | Callable[..., Any]) -> Callable[..., Any
         f"fxoffload: optimizer={optimizer!r}: use one of {', '.join(OPTIMIZERS)} or a callable taking the "
         f"parameters and returning a torch.optim.Optimizer"
     )
+
+
+def _forward_backward(compiled: Callable[..., Any], example_args: tuple) -> None:
+    """One compiled forward and a backward of the sum of its tensor outputs that require grad."""
+    out = _unwrapped(compiled, example_args)
+    outputs = out if isinstance(out, (tuple, list)) else (out,)
+    loss = sum(t.sum() for t in outputs if isinstance(t, torch.Tensor) and t.requires_grad)
+    if isinstance(loss, torch.Tensor):
+        loss.backward()
 
 
 def _unwrapped(compiled: Callable[..., Any], example_args: tuple[Any, ...]) -> Any:
