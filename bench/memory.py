@@ -5,7 +5,8 @@ is measured with ``fxoffload.measure_memory`` (the CPU allocator's own allocatio
 fxoffload's host buffers left out: what a device would hold). The prediction is the report's memory
 timeline (``memory_before`` without fxoffload's changes, ``memory_after`` with them), less the
 parameters and inputs that were live when the step started, so that both count the bytes above the
-start; with Inductor, also the replay of the code it generated (``report.compiled_memory()``).
+start; with Inductor, the replay of the code it generated (``report.compiled_memory()``), with the FX
+model's figure beside it.
 ``baseline`` is the same compiler without fxoffload. Budgets are shown above the start too.
 
     python -m bench.memory                               # every model, both inner compilers
@@ -127,18 +128,20 @@ def table(rows: list[dict], tablefmt: str = "simple") -> str:
     out = []
     for r in rows:
         base = baseline.get((r["model"], r["inner"]))
-        predicted = r.get("predicted_peak")
+        # fxoffload's prediction for this compiler: the replay of Inductor's code where there is one
+        # (what ``memory_budget`` is held to under Inductor), else the FX graphs' memory model.
+        predicted = r.get("code_peak", r.get("predicted_peak"))
+        fx_model = r.get("predicted_peak") if "code_peak" in r else None
+        measured = r["measured_peak"]
         out.append({
             "model": r["model"], "inner": r["inner"], "plan": r["plan"],
             "offloaded": r.get("offloaded", ""), "recomputed": r.get("recomputed", ""),
             "planned again": r.get("replans", "") or "",
-            "measured MiB": f"{r['measured_peak'] / 2**20:.2f}",
+            "measured MiB": f"{measured / 2**20:.2f}",
             "predicted MiB": "" if predicted is None else f"{predicted / 2**20:.2f}",
-            "predicted/measured": "" if not predicted or not r["measured_peak"] else
-            f"{predicted / r['measured_peak'] - 1:+.1%}",
-            "Inductor code MiB": f"{r['code_peak'] / 2**20:.2f}" if "code_peak" in r else "",
-            "code/measured": "" if "code_peak" not in r or not r["measured_peak"] else
-            f"{r['code_peak'] / r['measured_peak'] - 1:+.1%}",
+            "predicted/measured": "" if not predicted or not measured else f"{predicted / measured - 1:+.1%}",
+            "predicted from": "" if predicted is None else ("Inductor code" if "code_peak" in r else "FX graphs"),
+            "FX model/measured": "" if not fx_model or not measured else f"{fx_model / measured - 1:+.1%}",
             "vs baseline": "" if base is None or r["plan"] == "baseline" else f"{r['measured_peak'] / base - 1:+.1%}",
             "budget MiB": f"{r['budget'] / 2**20:.2f}" if "budget" in r else "",  # above the start, too
             "budget met": "" if "budget" not in r else _budget_verdict(r),

@@ -305,21 +305,40 @@ def plan_offloads(
             reasons[name] = Reason(C.RECOMPUTE_SOURCE, f"{kept}; {before.text}" if before else kept)
 
     wait_at_once = frozenset(t.name for t in extra)
-    timings, stall = _schedule(chosen, costs, options, wait_at_once)
-    names = {t.name for t in chosen}
-    decisions = tuple(
-        Decision(t, RECOMPUTE, reasons[t.name], recompute=recomputed[t.name])
-        if t.name in recomputed
-        else Decision(
-            t, OFFLOAD if t.name in names else KEEP, reasons[t.name], timings.get(t.name),
-            recompute_refused=refused.get(t.name),
-        )
-        for t in saved
-    )  # fmt: skip
-    return OffloadPlan(
-        decisions, label, stall=stall, memory_budget=budget, costs=costs, wait_at_once=wait_at_once,
-        fit_peak=fit_peak,
-    )  # fmt: skip
+
+    def planned(chosen: list[SavedTensor]) -> OffloadPlan:
+        timings, stall = _schedule(chosen, costs, options, wait_at_once)
+        names = {t.name for t in chosen}
+        decisions = tuple(
+            Decision(t, RECOMPUTE, reasons[t.name], recompute=recomputed[t.name])
+            if t.name in recomputed
+            else Decision(
+                t, OFFLOAD if t.name in names else KEEP, reasons[t.name], timings.get(t.name),
+                recompute_refused=refused.get(t.name),
+            )
+            for t in saved
+        )  # fmt: skip
+        return OffloadPlan(
+            decisions, label, stall=stall, memory_budget=budget, costs=costs, wait_at_once=wait_at_once,
+            fit_peak=fit_peak,
+        )  # fmt: skip
+
+    plan = planned(chosen)
+    mine = [t for t in chosen if t not in asked.offloads]
+    if auto and budget is None and mine and costs is not None and costs.baseline is not None:
+        # "auto" offloads to lower the peak. Where the plan cannot (the peak is where none of its
+        # tensors is off the device: the MLP's, at the end of the backward, every gradient live),
+        # the copies buy nothing, and the order they impose on the compiler can cost memory.
+        peak = with_plan(costs.baseline, off_device(plan)).peak
+        if peak.total >= costs.baseline.peak_bytes:
+            for t in mine:
+                reasons[t.name] = Reason(
+                    C.PEAK_NOT_LOWERED,
+                    f"offloading would not lower the predicted peak ({fmt_bytes(peak.total)} at "
+                    f"{peak.phase} node {peak.node}, with or without it); {reasons[t.name].text}",
+                )
+            plan = planned([t for t in chosen if t not in mine])
+    return plan
 
 
 @dataclasses.dataclass

@@ -57,6 +57,7 @@ class ReasonCode(_StrEnum):
     HIDDEN = "hidden"
     IDLE_WINDOW = "idle_window"
     POLICY_ALL = "policy_all"
+    PEAK_NOT_LOWERED = "peak_not_lowered"
     BUDGET_OFFLOAD = "budget_offload"
     BUDGET_RECOMPUTE = "budget_recompute"
     RECOMPUTE_SOURCE = "recompute_source"

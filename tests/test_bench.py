@@ -189,3 +189,20 @@ def test_copies_from_trace():
     assert out["dtoh_GBps"] == pytest.approx(20.0) and out["dtoh_ms"] == pytest.approx(0.2)
     assert out["htod_GBps"] == pytest.approx(20.0) and out["htod_MiB"] == pytest.approx(1e6 / 2**20)
     assert copies_from_trace({"traceEvents": []})["dtoh_GBps"] == 0.0
+
+
+def test_memory_bench_rows(restore_threads):
+    """``python -m bench.memory``'s rows: measured and predicted peaks of the same step agree on the
+    MLP under aot_eager (the FX model is its prediction there), and the table says which model."""
+    from bench.memory import measure
+    from bench.memory import table as memory_table
+    from fxoffload.measure import track_cpu_frees
+
+    track_cpu_frees()
+    torch.set_num_threads(1)
+    rows = [measure("mlp", "aot_eager", None), measure("mlp", "aot_eager", "all")]
+    baseline, planned = rows
+    assert planned["offloaded"] > 0
+    assert abs(planned["predicted_peak"] / planned["measured_peak"] - 1) < 0.01, planned
+    text = memory_table(rows)
+    assert "FX graphs" in text and "predicted/measured" in text

@@ -184,20 +184,21 @@ def test_cli_explain_help_shows_defaults_and_examples():
 
 
 def test_cli_example_min_bytes_offloads_and_the_short_table_fits(tmp_path):
-    """The built-in examples carry a min_bytes that makes them offload (the 1 MiB default is larger than
-    every tensor they save); the default table is the short one and fits a 110-column terminal."""
+    """The built-in examples carry a min_bytes that makes them offload (the CNN's 64 KiB; the 1 MiB
+    default would leave most of what they save); the default table is the short one and fits a
+    110-column terminal."""
     out = tmp_path / "r.json"
-    result = _cli("explain", "--model", "mlp", "--offload-cpu", "--inner", "aot_eager", "--json", str(out),
+    result = _cli("explain", "--model", "cnn", "--offload-cpu", "--inner", "aot_eager", "--json", str(out),
                   env={"COLUMNS": "110"})  # fmt: skip
     assert result.returncode == 0, result.stderr[-2000:]
     (report,) = load_reports(str(out))
     assert len(report.offloaded) > 0 and {r.reason_code for r in report.saved} >= {"min_bytes"}
     assert all(len(line) <= 110 for line in result.stdout.splitlines()), result.stdout
     assert f"offloaded: {len(report.offloaded)} tensors" in result.stdout
-    assert "parameters, buffers and graph inputs: 8 kept" in result.stdout
+    assert "parameters, buffers and graph inputs: 9 kept" in result.stdout
     assert "decision" not in result.stdout  # the all-rows column names
     # An explicit --min-bytes wins over the example's.
-    again = _cli("explain", "--model", "mlp", "--offload-cpu", "--inner", "aot_eager", "--min-bytes", "1MiB",
+    again = _cli("explain", "--model", "cnn", "--offload-cpu", "--inner", "aot_eager", "--min-bytes", "4MiB",
                  "--json", str(out))  # fmt: skip
     assert again.returncode == 0, again.stderr[-2000:]
     (report,) = load_reports(str(out))

@@ -62,9 +62,7 @@ _MLP_INDUCTOR = pytest.mark.xfail(
 )
 CASES = [
     pytest.param("mlp", "inductor", "all", marks=_MLP_INDUCTOR),
-    pytest.param("mlp", "inductor", "auto", marks=_MLP_INDUCTOR),
     ("mlp", "aot_eager", "all"),
-    ("mlp", "aot_eager", "auto"),
     ("gpt", "inductor", "all"),
     ("gpt", "aot_eager", "all"),
     ("cnn", "aot_eager", "all"),
@@ -83,3 +81,18 @@ def test_offloading_never_raises_the_measured_peak(name, inner, policy):
         f"{name}, {inner}, policy={policy}: {with_plan} bytes measured with fxoffload, {baseline} without "
         f"({with_plan / baseline - 1:+.2%})"
     )
+
+
+@pytest.mark.parametrize("inner", ["inductor", "aot_eager"])
+def test_auto_leaves_a_graph_it_cannot_help_unchanged(inner):
+    """The MLP's peak is at the end of its backward, where every gradient is live and none of its
+    saved tensors is: offloading cannot lower it, so "auto" offloads nothing and says why (before this
+    rule it offloaded 11 tensors and, under Inductor, measured +1.5%)."""
+    track_cpu_frees()
+    backend = fxoffload.backend(offload_cpu=True, inner=inner, policy="auto", min_bytes=0)
+    measured = _steady_peak("mlp", backend)
+    (report,) = backend.reports
+    assert not report.offloaded
+    codes = {r.reason_code for r in report.saved}
+    assert "peak_not_lowered" in codes and "hidden" not in codes, codes
+    assert measured == _baseline("mlp", inner)
