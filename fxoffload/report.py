@@ -638,24 +638,27 @@ def _original_positions(timeline: MemoryTimeline) -> list[float]:
 def _host_copies(fw: fx.GraphModule, bw: fx.GraphModule, after: MemoryTimeline | None) -> tuple[HostCopy, ...]:
     """Every offloaded tensor's host copy over the points of ``after`` (the memory model on the rewritten
     ``fw``, ``bw``: one point per node but the outputs). The forward returns the host copy (an
-    ``offload``, through its ``wait``) among its saved values; the backward receives the saved values
-    first, in the same order, as placeholders before the ``tangents_*``."""
+    ``offload``, through its ``wait``) among its saved values; the backward receives it in the
+    placeholder the rewrite named after the saved tensor (``<name>_host``, as ``apply_plan`` finds
+    the saved tensor's placeholder by its forward name)."""
     fw_nodes = [n for n in fw.graph.nodes if n.op != "output"]
     bw_nodes = [n for n in bw.graph.nodes if n.op != "output"]
     names = [(p.phase, p.node) for p in after.points] if after is not None else []
     if names != [("forward", n.name) for n in fw_nodes] + [("backward", n.name) for n in bw_nodes]:
         return ()  # not the timeline of these graphs (the graphs were left unchanged)
-    outputs = list(fw.graph.output_node().args[0])
-    saved_in = [n for n in bw_nodes if n.op == "placeholder" and not n.name.startswith("tangents")]
-    saved_out = outputs[len(outputs) - len(saved_in) :]
+    placeholders = {n.name: n for n in bw_nodes if n.op == "placeholder"}
     fw_index = {n: i for i, n in enumerate(fw_nodes)}
     bw_index = {n: len(fw_nodes) + i for i, n in enumerate(bw_nodes)}
     copies = []
-    for out, held in zip(saved_out, saved_in):
+    for out in fw.graph.output_node().args[0]:
         copy = out
         while isinstance(copy, fx.Node) and copy.op == "call_function" and copy.target is ops.wait:
             copy = copy.args[0]
         if not (isinstance(copy, fx.Node) and copy.op == "call_function" and copy.target is ops.offload):
+            continue
+        source = copy.args[0]
+        held = placeholders.get(f"{source.name}_host") if isinstance(source, fx.Node) else None
+        if held is None:
             continue
         last = max((bw_index[u] for u in held.users if u in bw_index), default=len(fw_nodes))
         reloads = [u for u in held.users if u.op == "call_function" and u.target is ops.reload]
@@ -663,8 +666,7 @@ def _host_copies(fw: fx.GraphModule, bw: fx.GraphModule, after: MemoryTimeline |
         reload_first = bw_index[reloads[0]] if reloads else -1
         reload_users = storage_users(reloads[0]) if reloads else []
         reload_last = max((bw_index[u] for u in reload_users if u in bw_index), default=reload_first)
-        source = copy.args[0]
-        copies.append(HostCopy(source.name if isinstance(source, fx.Node) else copy.name, held.name,
+        copies.append(HostCopy(source.name, held.name,
                                _tensor_bytes(copy.meta["val"]), fw_index[copy], last,
                                reload_first, reload_last if reloads else -1))  # fmt: skip
     return tuple(copies)

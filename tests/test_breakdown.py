@@ -97,6 +97,24 @@ def test_compiled_replay_has_a_breakdown_and_host_copies():
     torch._dynamo.reset()
 
 
+def test_host_copies_with_dynamic_shapes():
+    """With a dynamic batch the forward also returns symbolic sizes and the backward takes them as
+    placeholders, so saved values and backward placeholders no longer pair by position: each host
+    copy is found by its placeholder's name, with its reload."""
+    torch._dynamo.reset()
+    model, x = _mlp()
+    backend = cpu_backend(inner="aot_eager")
+    step = torch.compile(model, backend=backend, dynamic=True)
+    step(x).sum().backward()
+    (report,) = backend.reports
+    assert report.offloaded
+    assert sorted(c.name for c in report.host_copies) == sorted(r.name for r in report.offloaded)
+    for c in report.host_copies:
+        assert c.host_name == f"{c.name}_host" and 0 <= c.first < c.reload_first <= c.last and c.reload_first <= c.reload_last
+    assert max(report.host_in_flight("after")) == report.offloaded_bytes
+    torch._dynamo.reset()
+
+
 def test_plot_marks_the_peak_kinds_and_a_measured_peak(mlp_report, tmp_path):
     matplotlib = pytest.importorskip("matplotlib")
     report, step, x = mlp_report
