@@ -63,6 +63,11 @@ class GraphLifetimes:
     fw_nodes: int
     bw_nodes: int
     devices: tuple[str, ...]  # device types of every tensor in the forward graph
+    # Every output the forward returns to the user is a 0-dim tensor (a loss): the backward follows
+    # it with nothing of this pair's in between, so this pair's own timeline is the step's, give or
+    # take what other code holds throughout. False when it returns anything else (logits, a block's
+    # activations: other graphs or eager code may run between the two, holding these saved tensors).
+    returns_only_scalars: bool = False
 
 
 def is_view(node: fx.Node) -> bool:
@@ -223,7 +228,10 @@ def analyze_saved_tensors(
     devices = sorted(
         {v.device.type for n in fw_nodes if isinstance(v := _val(n), torch.Tensor)}
     )
-    return GraphLifetimes(tuple(records), len(fw_nodes), len(bw_nodes), tuple(devices))
+    returned = [_val(o) if isinstance(o, fx.Node) else o for o in outputs[:num_fwd_outputs]]
+    tensors = [v for v in returned if isinstance(v, torch.Tensor)]
+    scalars = bool(tensors) and all(v.dim() == 0 for v in tensors)
+    return GraphLifetimes(tuple(records), len(fw_nodes), len(bw_nodes), tuple(devices), scalars)
 
 
 def _compute_prefix(nodes: list[fx.Node]) -> list[int]:

@@ -325,19 +325,23 @@ def plan_offloads(
 
     plan = planned(chosen)
     mine = [t for t in chosen if t not in asked.offloads]
-    if auto and budget is None and mine and costs is not None and costs.baseline is not None:
-        # "auto" offloads to lower the peak. Where the plan cannot (the peak is where none of its
+    judged = costs is not None and costs.baseline is not None and lifetimes.returns_only_scalars
+    if auto and budget is None and mine and judged:
+        # "auto" offloads to lower the peak. Where its choices cannot (the peak is where none of its
         # tensors is off the device: the MLP's, at the end of the backward, every gradient live),
-        # the copies buy nothing, and the order they impose on the compiler can cost memory.
+        # the copies buy nothing, and the order they impose on the compiler can cost memory. Judged
+        # only for a pair that returns a loss alone: one that returns activations may be one block of
+        # a longer step, whose peak is where this pair's saved tensors wait for their backward.
+        without = planned([t for t in chosen if t not in mine])
         peak = with_plan(costs.baseline, off_device(plan)).peak
-        if peak.total >= costs.baseline.peak_bytes:
+        if peak.total >= with_plan(costs.baseline, off_device(without)).peak_bytes:
             for t in mine:
                 reasons[t.name] = Reason(
                     C.PEAK_NOT_LOWERED,
                     f"offloading would not lower the predicted peak ({fmt_bytes(peak.total)} at "
                     f"{peak.phase} node {peak.node}, with or without it); {reasons[t.name].text}",
                 )
-            plan = planned([t for t in chosen if t not in mine])
+            plan = planned([t for t in chosen if t not in mine])  # again: the reasons changed
     return plan
 
 
