@@ -132,8 +132,11 @@ class Seq2Seq(nn.Module):
         return enc
 
     def forward(self, src: torch.Tensor, lengths: torch.Tensor, tgt: torch.Tensor) -> torch.Tensor:
-        enc = self.encode(src, lengths)
-        mask = torch.arange(src.shape[1], device=src.device)[None, :] < lengths.to(src.device)[:, None]
+        return self.decode(self.encode(src, lengths), lengths, tgt)
+
+    def decode(self, enc: torch.Tensor, lengths: torch.Tensor, tgt: torch.Tensor) -> torch.Tensor:
+        """The teacher-forced decoder loss, from the encoder's padded outputs (batch, src_len, 2*hidden)."""
+        mask = torch.arange(enc.shape[1], device=enc.device)[None, :] < lengths.to(enc.device)[:, None]
         state = torch.tanh(self.bridge(enc.sum(1) / lengths.to(enc.device)[:, None]))
         keys = self.att_enc(enc)
         loss = enc.new_zeros(())
@@ -144,6 +147,18 @@ class Seq2Seq(nn.Module):
             state = self.cell(torch.cat([self.embed(tgt[:, t]), context], -1), state)
             loss = loss + F.cross_entropy(self.out(state), tgt[:, t + 1])
         return loss / (tgt.shape[1] - 1)
+
+
+class Seq2SeqDecoder(nn.Module):
+    """The part of ``Seq2Seq`` that compiles (all but the eager encoder), taking the encoder's output
+    as an input: a step of it holds only what its graphs hold, so predictions can be checked alone."""
+
+    def __init__(self, model: Seq2Seq) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, enc: torch.Tensor, lengths: torch.Tensor, tgt: torch.Tensor) -> torch.Tensor:
+        return self.model.decode(enc, lengths, tgt)
 
 
 def seq2seq_batch(batch: int = 4, src_len: int = 12, tgt_len: int = 6, vocab: int = 128, device="cpu"):
@@ -165,6 +180,11 @@ def example(name: str, device: str | torch.device = "cpu"):
         return Seq2Seq().to(device), seq2seq_batch(device=device)
     if name == "mlp":
         return MLP().to(device), (torch.randn(32, 64, device=device),)
+    if name == "seq2seq-decoder":  # not in EXAMPLES: a check of the compiled part of "seq2seq"
+        model, (src, lengths, tgt) = example("seq2seq", device)
+        with torch.no_grad():
+            enc = model.encode(src, lengths)
+        return Seq2SeqDecoder(model), (enc.requires_grad_(), lengths, tgt)
     raise ValueError(f"unknown example {name!r}; choose one of: gpt, cnn, seq2seq, mlp")
 
 

@@ -34,9 +34,7 @@ from .plan import OffloadPlan
 
 # Ordering rules broken on purpose, for the tests that prove the suite catches each breakage
 # (``fxoffload.testing.broken_rule``). Never set outside tests.
-BROKEN_RULES = (
-    "no_wait_before_use", "source_released_at_issue", "reload_before_written", "no_order_edges", "no_gradient_edges"
-)
+BROKEN_RULES = ("no_wait_before_use", "source_released_at_issue", "reload_before_written", "no_order_edges")
 _broken: str | None = None
 
 
@@ -83,7 +81,6 @@ def apply_plan(
             bw.graph, bw_order, bw_index, bw_nodes[t.name], host, prefetch or 0, bw_at, cpu_link[1], bw_alive
         )
     output.args = (tuple(outputs),) + tuple(output.args[1:])
-    _gradients_before_reloads(bw.graph)
     for gm in (fw, bw):
         gm.graph.lint()
         gm.recompile()
@@ -247,29 +244,6 @@ def _rewrite_backward(
     graph.erase_node(placeholder)
 
 
-def _gradients_before_reloads(graph: fx.Graph) -> None:
-    """Give each reload an edge to every gradient the backward returns that comes before it (and
-    after the previous reload): those are computed before the reload in any schedule.
-
-    A weight gradient reads a saved activation and writes a result that lives to the end of the
-    backward, so Inductor's peak-memory reordering likes to move it to the end (it frees little and
-    allocates a lot). Without offloading its input was alive anyway; reloaded, the input would be
-    held to the end as well, above the peak the plan predicts (the MLP: 1280 bytes more at the end
-    of the backward). A returned tensor is alive to the end in any order, so the edges hold nothing
-    beyond the plan's order; they do stop a compiler from computing such a gradient later than that.
-    """
-    if _broken == "no_gradient_edges":
-        return
-    returned = {storage_root(n) for n in graph.output_node().all_input_nodes}
-    pending: list[fx.Node] = []
-    for n in graph.nodes:
-        if n.target is ops.reload and pending:
-            n.args = (*n.args[:2], list(dict.fromkeys([*n.args[2], *pending])), *n.args[3:])
-            pending = []
-        elif n in returned and n.op == "call_function" and isinstance(n.meta.get("val"), torch.Tensor):
-            pending.append(n)
-
-
 class _Liveness:
     """Whether a storage of the graph, as it was before the rewrite, is still alive at a position:
     read by a node at or after it, or returned (``kept``: alive to the end). Taken before the
@@ -377,27 +351,13 @@ def _issue_before(
             if a.target is ops.order:
                 a.args = (a.args[0], [*a.args[1], copy])
                 return _tensor_result(c)
-        inp = min(inputs, key=_edge_cost)
+        inp = min(inputs, key=lambda a: a.op != "placeholder")  # a parameter or input if there is one
         with graph.inserting_before(c):
             routed = graph.call_function(ops.order, (inp, [copy]))
         routed.meta["val"] = inp.meta["val"]
         c.replace_input_with(inp, routed)
         return _tensor_result(c)
     return None
-
-
-def _edge_cost(a: fx.Node) -> int:
-    """How much routing ``a`` through an ``order`` node may cost, lowest first. The ``order`` op
-    returns an alias of its input, and Inductor gives a buffer and its aliases one list of readers,
-    so a fused kernel that reads ``a`` then waits for the ``order`` node and can no longer be fused
-    with ``a``'s producer (the MLP's bias-gradient sums left their gelu-backward kernels, were fused
-    across layers and held every layer's gradient to the end of the backward). Storage of a graph
-    input (a parameter, a weight's transpose) has no producer to fuse with; a transfer op's or an
-    extern kernel's output is a buffer of its own; anything else may be a fused kernel's output."""
-    root = storage_root(a)
-    if root.op == "placeholder":
-        return 0
-    return 1 if materialised(root) else 2
 
 
 # Ops whose outputs every compiler materialises and whose inputs are buffers: Inductor lowers them

@@ -20,9 +20,7 @@ def broken_rule(name: str) -> Iterator[None]:
     before its wait), ``source_released_at_issue`` (the offloaded tensor is not kept alive until its
     wait), ``reload_before_written`` (the host copy is saved without waiting for the offload), and
     ``no_order_edges`` (no ``fxoffload.order`` edge bounds a copy from below: results stay right, but
-    Inductor's reordering may put each copy right next to its wait, so nothing overlaps), and
-    ``no_gradient_edges`` (reloads get no edge to the gradients before them: results stay right, but
-    Inductor may move weight gradients, and the reloaded inputs they read, to the end of the backward)."""
+    Inductor's reordering may put each copy right next to its wait, so nothing overlaps)."""
     if name not in rewrite.BROKEN_RULES:
         raise ValueError(f"fxoffload: unknown rule {name!r}; choose one of: {', '.join(rewrite.BROKEN_RULES)}")
     previous, rewrite._broken = rewrite._broken, name

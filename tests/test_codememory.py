@@ -241,7 +241,8 @@ def _measured_and_predicted(name: str, policy: str) -> tuple[int, int, int]:
     return measured, above_start(timeline.peak), above_start(fx_timeline.peak)
 
 
-@pytest.mark.parametrize("name, policy", [("mlp", "none"), ("cnn", "none"), ("gpt", "all")])
+# With a plan (GPT, seq2seq's decoder): tests/test_no_cost.py, on the same steps it measures.
+@pytest.mark.parametrize("name, policy", [("mlp", "none"), ("cnn", "none")])
 def test_predicted_within_5_percent_of_the_cpu_allocator(name, policy):
     track_cpu_frees()  # frees of blocks from before the step count
     threads = torch.get_num_threads()

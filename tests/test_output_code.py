@@ -6,8 +6,6 @@ Each check reads ``report.output_code`` (Inductor's wrapper code, kept by the ba
 backward placeholder they read.
 """
 
-import contextlib
-
 import pytest
 import torch
 
@@ -122,26 +120,6 @@ def test_without_the_order_edges_the_kernel_check_fails():
     assert "fxoffload.order" not in report.fw_code + report.bw_code
     short = [code.key for code, plan in _pairs(report, "backward") if code.kernels_between < plan.kernels_between]
     assert short, "with no order edges some reload ends up next to its wait"
-
-
-def test_reloads_come_after_the_weight_gradients_before_them():
-    """The rule ``_gradients_before_reloads`` keeps, broken on purpose. Without those edges
-    Inductor's peak-memory reordering moves the built-in MLP's weight-gradient matmuls to the end of
-    the backward, each still reading a reloaded input, and the peak of the generated code (replayed
-    by ``codememory``, within 1% of the allocator) rises by 1280 bytes (CPU, torch 2.13)."""
-    from fxoffload.models import example
-    from fxoffload.testing import broken_rule
-
-    peaks = {}
-    for rule in ("no_gradient_edges", None):
-        torch._dynamo.reset()
-        torch.manual_seed(0)
-        model, args = example("mlp")
-        with broken_rule(rule) if rule else contextlib.nullcontext():
-            report = compiled_report(model, args, policy="all", min_bytes=0)
-        assert report.offloaded
-        peaks[rule] = report.compiled_memory().peak.total
-    assert peaks[None] < peaks["no_gradient_edges"], peaks
 
 
 def test_codecheck_reads_a_copy_freed_before_its_wait():
