@@ -29,7 +29,7 @@ import fxoffload
 from fxoffload.measure import measure_memory, track_cpu_frees
 from fxoffload.models import example
 
-_MODELS = ("mlp", "gpt", "cnn", "seq2seq", "hf-llama", "hf-gpt2")
+_MODELS = ("mlp", "gpt", "cnn", "seq2seq", "seq2seq-decoder", "hf-llama", "hf-gpt2")
 _PLANS = ("none", "all", "auto", "budget=0.7", "budget=0.5", "budget=0.45@0.01GB")
 
 
