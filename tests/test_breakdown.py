@@ -110,7 +110,8 @@ def test_host_copies_with_dynamic_shapes():
     assert report.offloaded
     assert sorted(c.name for c in report.host_copies) == sorted(r.name for r in report.offloaded)
     for c in report.host_copies:
-        assert c.host_name == f"{c.name}_host" and 0 <= c.first < c.reload_first <= c.last and c.reload_first <= c.reload_last
+        assert c.host_name == f"{c.name}_host"
+        assert 0 <= c.first < c.reload_first <= c.last and c.reload_first <= c.reload_last
     assert max(report.host_in_flight("after")) == report.offloaded_bytes
     torch._dynamo.reset()
 
