@@ -118,3 +118,19 @@ def test_auto_does_not_judge_a_pair_that_returns_activations():
     block(x).sum().backward()
     (report,) = backend.reports
     assert report.offloaded and "peak_not_lowered" not in {r.reason_code for r in report.saved}
+
+
+def test_the_users_own_offloads_stay_when_autos_are_dropped():
+    """A policy function's "offload" is the user's decision: the rule drops only the planner's picks."""
+    torch._dynamo.reset()
+    model, batch = example("mlp")
+
+    def offload_first_matmul(t):
+        return "offload" if t.name == "addmm" else None
+
+    backend = fxoffload.backend(offload_cpu=True, inner="aot_eager", policy=offload_first_matmul, min_bytes=0)
+    torch.compile(model, backend=backend)(*batch).backward()
+    (report,) = backend.reports
+    assert [r.name for r in report.offloaded] == ["addmm"]
+    assert next(r for r in report.saved if r.name == "addmm").reason_code == "user_policy"
+    assert "peak_not_lowered" in {r.reason_code for r in report.saved}
