@@ -20,13 +20,12 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import warnings
 
 import torch
 from tabulate import tabulate
 
 import fxoffload
-from fxoffload.measure import measure_memory, track_cpu_frees
+from fxoffload.measure import measure_steady_step, track_cpu_frees
 from fxoffload.models import example
 
 _MODELS = ("mlp", "gpt", "cnn", "seq2seq", "seq2seq-decoder", "hf-llama", "hf-gpt2")
@@ -71,13 +70,8 @@ def measure(name: str, inner: str, plan: str | None, warmup: int = 2, min_bytes:
     def step() -> None:
         _loss(compiled(*batch)).backward()
 
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        for _ in range(warmup):
-            model.zero_grad(set_to_none=True)
-            step()
-    model.zero_grad(set_to_none=True)
-    cpu = measure_memory(step).cpu
+    measured_memory, caught = measure_steady_step(step, warmup, lambda: model.zero_grad(set_to_none=True))
+    cpu = measured_memory.cpu
     measured = cpu.peak_bytes
     row = {"model": name, "inner": inner, "plan": plan or "baseline", "measured_peak": measured,
            "measured_at": cpu.peak_op}

@@ -13,7 +13,7 @@ from .backend import OffloadBackend, backend, fxoffload_backend, offload_pass, r
 from .explain import explain, explain_and_measure, explain_step, where_memory_goes
 from .lifetimes import SavedTensor, analyze_saved_tensors
 from .memory import MemoryTimeline, OffDevice, simulate, with_plan
-from .measure import DeviceMemory, MeasuredMemory, measure_memory, track_cpu_frees
+from .measure import DeviceMemory, MeasuredMemory, measure_memory, measure_steady_step, track_cpu_frees
 from .ops import host_pool_stats, release_host_memory
 from .options import OffloadOptions
 from .plan import Decision, OffloadPlan, off_device, plan_offloads
@@ -40,6 +40,7 @@ __all__ = [
     "explain_step",
     "fxoffload_backend",
     "measure_memory",
+    "measure_steady_step",
     "host_pool_stats",
     "off_device",
     "offload_pass",

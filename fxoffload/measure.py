@@ -32,6 +32,7 @@ import json
 import logging
 import os
 import tempfile
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -154,6 +155,24 @@ def measure_memory(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Measure
     devices = [cpu_memory_from_trace(events, host_before, host_after, tracked)]
     devices += [_cuda_end(i, start[i]) for i in cuda]
     return MeasuredMemory(tuple(devices), result)
+
+
+def measure_steady_step(
+    step: Callable[[], Any], warmup: int = 2, before_each: Callable[[], Any] | None = None
+) -> tuple[MeasuredMemory, list[warnings.WarningMessage]]:
+    """``measure_memory`` of one ``step()`` after ``warmup`` unmeasured ones (the first call of a
+    compiled step compiles), with the warnings those warm-up calls gave (where torch.compile, and so
+    fxoffload's planning, runs). ``before_each`` runs before every call, outside the measurement:
+    ``model.zero_grad(set_to_none=True)``, so that each step starts with no gradients."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(warmup):
+            if before_each is not None:
+                before_each()
+            step()
+    if before_each is not None:
+        before_each()
+    return measure_memory(step), caught
 
 
 def trace_events(prof: Any) -> list[dict[str, Any]]:

@@ -1,6 +1,5 @@
 import copy
 import re
-import warnings
 
 import pytest
 import torch
@@ -65,22 +64,35 @@ def returned_names(code: str) -> set[str]:
     return set(re.findall(r"\w+", code.rsplit("return", 1)[-1]))
 
 
+def measured_example(name, backend):
+    """``measured_steady_step`` of a training step of ``fxoffload.models.example(name)`` compiled with
+    ``backend`` (a non-scalar output is reduced to a loss): the peak bytes above the step's start."""
+    from fxoffload.models import example
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model, batch = example(name)
+    compiled = torch.compile(model, backend=backend)
+
+    def step():
+        out = compiled(*batch)
+        out = out[0] if isinstance(out, (tuple, list)) else out
+        (out if out.dim() == 0 else out.float().pow(2).mean()).backward()
+
+    return measured_steady_step(model, step)[0]
+
+
 def measured_steady_step(model, step, warmup=2):
     """The CPU allocator's peak of one ``step()`` after ``warmup`` ones, above what was live when it
     started (``fxoffload.measure_memory``, one thread, frees of earlier blocks counted), and the
     warnings the warm-up steps gave (where the compiles happen)."""
-    from fxoffload.measure import measure_memory, track_cpu_frees
+    from fxoffload.measure import measure_steady_step, track_cpu_frees
 
     track_cpu_frees()
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # allocation order does not depend on the thread count then
     try:
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            for _ in range(warmup):
-                model.zero_grad(set_to_none=True)
-                step()
-        model.zero_grad(set_to_none=True)
-        return measure_memory(step).cpu.peak_bytes, caught
+        measured, caught = measure_steady_step(step, warmup, lambda: model.zero_grad(set_to_none=True))
+        return measured.cpu.peak_bytes, caught
     finally:
         torch.set_num_threads(threads)

@@ -1,7 +1,6 @@
 """codememory.simulate_output_code: Inductor's wrapper code replayed, to the byte on hand-written code and
 against the CPU allocator on compiled models."""
 
-import copy
 import textwrap
 
 import pytest
@@ -9,8 +8,9 @@ import torch
 
 import fxoffload
 from fxoffload.codememory import simulate_output_code, storage_bytes
-from fxoffload.measure import measure_memory, track_cpu_frees
-from fxoffload.models import example
+from fxoffload.measure import track_cpu_frees
+
+from .conftest import measured_example
 
 
 def wrapper(body: str, get_args: str = "") -> str:
@@ -216,22 +216,8 @@ def test_code_without_a_call_function_is_refused():
 
 def _measured_and_predicted(name: str, policy: str) -> tuple[int, int, int]:
     """CPU allocator's peak of a steady step above its start; the wrapper code's and the FX model's."""
-    torch.manual_seed(0)
-    model, batch = example(name)
-    model = copy.deepcopy(model)
     backend = fxoffload.backend(offload_cpu=True, inner="inductor", policy=policy, min_bytes=0)
-    compiled = torch.compile(model, backend=backend)
-
-    def step():
-        out = compiled(*batch)
-        out = out[0] if isinstance(out, (tuple, list)) else out
-        (out if out.dim() == 0 else out.float().pow(2).mean()).backward()
-
-    for _ in range(2):
-        model.zero_grad(set_to_none=True)
-        step()
-    model.zero_grad(set_to_none=True)
-    measured = measure_memory(step).cpu.peak_bytes
+    measured = measured_example(name, backend)
     (report,) = backend.reports
     code = report.output_code
     # No temporaries: op_temporaries measures the FX graph's layouts, and Inductor runs the convolutions

@@ -37,6 +37,25 @@ def test_temporaries_and_the_result_to_the_byte():
     assert m["cpu"] is m.cpu
 
 
+def test_a_steady_step_after_warm_up_calls():
+    """``measure_steady_step``: the warm-up calls are not measured (the first one allocates 8 MiB more,
+    as a compile would), their warnings come back, and ``before_each`` runs before every call."""
+    import warnings
+
+    calls = []
+
+    def step():
+        if not calls.count("step"):
+            warnings.warn("compiling")
+            torch.empty(2 * MiB)  # 8 MiB, the first call only
+        calls.append("step")
+        return torch.empty(MiB // 4)  # 1 MiB
+
+    m, caught = fxoffload.measure_steady_step(step, warmup=2, before_each=lambda: calls.append("reset"))
+    assert calls == ["reset", "step"] * 3
+    assert m.cpu.peak_bytes == MiB and [str(w.message) for w in caught] == ["compiling"]
+
+
 def test_unrounded_sizes_and_a_peak_inside_an_op():
     a = torch.ones(1001)  # 4004 bytes
 

@@ -228,22 +228,11 @@ def test_the_prediction_is_the_measured_peak_with_aot_eager(name, options):
     the convolutions' scratch (measured once per process, ``temporaries.py``) was 0.9% off on the CNN
     after other tests had run convolutions in the same process."""
     import fxoffload
-    from fxoffload.models import example
 
-    from .conftest import measured_steady_step
+    from .conftest import measured_example
 
-    torch._dynamo.reset()
-    torch.manual_seed(0)
-    model, batch = example(name)
     backend = fxoffload.backend(offload_cpu=True, inner="aot_eager", min_bytes=0, **options)
-    compiled = torch.compile(model, backend=backend)
-
-    def step():
-        out = compiled(*batch)
-        out = out[0] if isinstance(out, (tuple, list)) else out
-        (out if out.dim() == 0 else out.float().pow(2).mean()).backward()
-
-    measured, _ = measured_steady_step(model, step)
+    measured = measured_example(name, backend)
     (report,) = backend.reports
     peak = (report.memory_after or report.memory_before).peak
     start = peak.live["parameters"] + peak.live["inputs"]  # live before the step starts

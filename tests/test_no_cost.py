@@ -5,40 +5,21 @@ Measured from the CPU allocator's own events (``fxoffload.measure_memory``, fxof
 left out, as a GPU run would show them), one thread, after two warm-up steps.
 """
 
-import copy
 import functools
 
 import pytest
 import torch
 
 import fxoffload
-from fxoffload.measure import measure_memory, track_cpu_frees
+from fxoffload.measure import track_cpu_frees
 from fxoffload.models import example
+
+from .conftest import measured_example
 
 
 def _steady_peak(name: str, backend) -> int:
     """Bytes above the start at the peak of the third training step of ``example(name)``."""
-    torch._dynamo.reset()
-    torch.manual_seed(0)
-    model, batch = example(name)
-    model = copy.deepcopy(model)
-    compiled = torch.compile(model, backend=backend)
-
-    def step():
-        out = compiled(*batch)
-        out = out[0] if isinstance(out, (tuple, list)) else out
-        (out if out.dim() == 0 else out.float().pow(2).mean()).backward()
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # allocation order does not depend on the thread count then
-    try:
-        for _ in range(2):
-            model.zero_grad(set_to_none=True)
-            step()
-        model.zero_grad(set_to_none=True)
-        return measure_memory(step).cpu.peak_bytes
-    finally:
-        torch.set_num_threads(threads)
+    return measured_example(name, backend)  # one thread, two warm-up steps
 
 
 @functools.cache
