@@ -335,13 +335,18 @@ def plan_offloads(
         without = planned([t for t in chosen if t not in mine])
         peak = with_plan(costs.baseline, off_device(plan)).peak
         if peak.total >= with_plan(costs.baseline, off_device(without)).peak_bytes:
-            for t in mine:
-                reasons[t.name] = Reason(
-                    C.PEAK_NOT_LOWERED,
-                    f"offloading would not lower the predicted peak ({fmt_bytes(peak.total)} at "
-                    f"{peak.phase} node {peak.node}, with or without it); {reasons[t.name].text}",
-                )
-            plan = planned([t for t in chosen if t not in mine])  # again: the reasons changed
+            dropped = {t.name for t in mine}
+            why = (
+                f"offloading would not lower the predicted peak ({fmt_bytes(peak.total)} at "
+                f"{peak.phase} node {peak.node}, with or without it)"
+            )
+            decisions = tuple(
+                dataclasses.replace(d, reason=Reason(C.PEAK_NOT_LOWERED, f"{why}; {d.reason.text}"))
+                if d.saved.name in dropped
+                else d
+                for d in without.decisions
+            )
+            plan = dataclasses.replace(without, decisions=decisions)
     return plan
 
 
