@@ -16,7 +16,7 @@ import torch.fx as fx
 
 from . import _compat
 from .cost import calibrate, device_rates, node_start_times
-from .lifetimes import GraphLifetimes, analyze_saved_tensors
+from .lifetimes import GraphLifetimes, analyze_saved_tensors, returns_only_scalars
 from .memory import MemoryTimeline, simulate, with_plan
 from .mutation import protect_mutated_reads
 from .options import OffloadOptions
@@ -25,7 +25,7 @@ from .plan import (
 )
 from .reasons import Reason, ReasonCode
 from .recompute import recompute_options, recompute_sources
-from .report import BUDGET_TOLERANCE, OffloadReport, PassTimings
+from .report import BUDGET_TOLERANCE, OffloadReport, PassTimings, SavedRow
 from .rewrite import apply_plan, hoist_saved_views
 from .temporaries import op_temporaries
 
@@ -74,20 +74,111 @@ class OffloadBackend:
                 f"CUDA graphs are on (mode={opts.mode!r}): a capture cannot hold the transfer "
                 "events and host buffers, so offloading is off for this graph",
             )
-        if opts.memory_budget is None or partitioner.disabled_reason or opts.policy == "none":
+        plain = partitioner.disabled_reason or opts.policy == "none"
+        if plain or (opts.memory_budget is None and not opts.verify_peak):
             return _compat.compile_with_inductor(
                 gm, example_inputs, partitioner, patches, partitioner.record_output_code
             )
-        return self._compile_to_budget(gm, example_inputs, opts, patches, partitioner)
+        pristine = _copy_graph_module(gm)  # compile_fx may change the graph it is given
+        if opts.memory_budget is None:
+            with _compat.backward_lowered_at_compile() as lowered, warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                compiled = _compat.compile_with_inductor(
+                    gm, example_inputs, partitioner, patches, partitioner.record_output_code
+                )
+            report = partitioner.report if lowered else None
+        else:
+            compiled, report, caught = self._compile_to_budget(gm, pristine, example_inputs, opts, patches, partitioner)
+        if report is not None and opts.verify_peak:
+            compiled, report = self._no_higher_than_unchanged(pristine, example_inputs, opts, patches, compiled, report)
+        _reissue(caught)
+        if report is not None:
+            _check_compiled_budget(report, strict=opts.strict)
+        return compiled
+
+    def _no_higher_than_unchanged(
+        self,
+        pristine: fx.GraphModule,
+        example_inputs: list[Any],
+        opts: OffloadOptions,
+        patches: dict[str, Any],
+        compiled: Callable[..., Any],
+        report: OffloadReport,
+    ) -> tuple[Callable[..., Any], OffloadReport]:
+        """``verify_peak``: the compiled pair, or the same pair compiled without offloading where the
+        code Inductor generated for the plan peaks higher (both replayed, ``report.compiled_memory``).
+
+        The FX model is what the plan is made on, and Inductor then fuses, reorders and reuses
+        buffers its own way: the copies' order edges can keep a buffer alive that the unchanged code
+        frees (the built-in MLP's backward, +8 KiB). Judged for a pair returning a loss only (one
+        returning activations may be one block of a longer step, whose peak its saved tensors make,
+        and no pair's own peak says that).
+        """
+        timeline = report.compiled_memory()
+        fw, _ = report.graphs or (None, None)
+        if (
+            not (report.offloaded or report.recomputed) or timeline is None or not timeline.points or fw is None
+            or not returns_only_scalars(fw, report.num_fwd_outputs or 0)
+        ):  # fmt: skip
+            return compiled, report
+        floor = _unchanged_floor(report)
+        if floor is not None and timeline.peak_bytes <= floor:
+            return compiled, report  # below what the unchanged code holds anyway: no second compile
+        self.reports.remove(report)  # the host bytes it planned are not the unchanged pair's
+        unchanged = _OffloadPartitioner(
+            self, opts.replace(policy="none", memory_budget=None, offload_modules=()), report_budget=report.memory_budget
+        )
+        with _compat.backward_lowered_at_compile(), warnings.catch_warnings(record=True):
+            warnings.simplefilter("always")
+            other = _compat.compile_with_inductor(
+                _copy_graph_module(pristine), example_inputs, unchanged, patches, unchanged.record_output_code
+            )
+        base = unchanged.report
+        base_timeline = base.compiled_memory() if base is not None else None
+        if base is not None:
+            self.reports.remove(base)
+        peak = timeline.peak
+        if base_timeline is None or not base_timeline.points or peak.total <= base_timeline.peak_bytes:
+            if base_timeline is not None and base_timeline.points:
+                log.info(
+                    "fxoffload: graph %d: Inductor's code peaks at %s with the plan, %s without it",
+                    report.graph_id, fmt_bytes(peak.total), fmt_bytes(base_timeline.peak_bytes),
+                )  # fmt: skip
+            self.reports.append(report)
+            return compiled, report
+        why = (
+            f"Inductor's code with the plan peaks at {fmt_bytes(peak.total)} ({peak.phase}, {peak.node}), "
+            f"{fmt_bytes(peak.total - base_timeline.peak_bytes)} above its code without offloading "
+            f"({fmt_bytes(base_timeline.peak_bytes)}): compiled without offloading (verify_peak)"
+        )
+        log.info("fxoffload: graph %d: %s", report.graph_id, why)
+        planned = {row.name: row for row in report.saved}
+        code = ReasonCode.PEAK_NOT_LOWERED.value
+
+        def row(r: SavedRow) -> SavedRow:
+            p = planned.get(r.name)
+            if p is None:
+                return r
+            if p.decision == "keep":
+                return dataclasses.replace(r, reason=p.reason, reason_code=p.reason_code)
+            return dataclasses.replace(r, reason=f"{why}; {p.reason}", reason_code=code)
+
+        base = dataclasses.replace(
+            base, graph_id=report.graph_id, policy=report.policy, note=why, saved=tuple(map(row, base.saved)),
+            replans=report.replans,
+        )  # fmt: skip
+        self.reports.append(base)
+        return other, base
 
     def _compile_to_budget(
         self,
         gm: fx.GraphModule,
+        pristine: fx.GraphModule,
         example_inputs: list[Any],
         opts: OffloadOptions,
         patches: dict[str, Any],
         partitioner: _OffloadPartitioner,
-    ) -> Callable[..., Any]:
+    ) -> tuple[Callable[..., Any], OffloadReport | None, list[warnings.WarningMessage]]:
         """Inductor, held to ``memory_budget`` by its own code. The plan fits the budget on the FX
         memory model; Inductor then fuses, reuses and frees buffers its own way. Both graphs are
         lowered now (not at the first backward call) and the generated code is replayed
@@ -95,7 +186,8 @@ class OffloadBackend:
         peak is over the budget, the plan is made again for a target lowered by the miss and
         compiled again, ``_COMPILED_REPLANS`` times at most; the lowest peak is kept, and the report
         says what was tried (``report.replans``). A peak left more than 3% over is warned about
-        with the figures.
+        with the figures (by the caller, as are the warnings returned: the report returned is None
+        where the backward is lowered lazily, and judged when its code comes).
         """
         strict = opts.strict
         if strict and _compat.can_lower_backward_at_compile():
@@ -103,7 +195,6 @@ class OffloadBackend:
             # judges the code, below, not the fit.
             opts = opts.replace(strict=False)
             partitioner.options = opts
-        pristine = _copy_graph_module(gm)  # compile_fx may change the graph it is given
         tries: list[tuple[int, Callable[..., Any], OffloadReport, int]] = []
         said: dict[int, list[warnings.WarningMessage]] = {}
         replans: list[str] = []
@@ -126,10 +217,7 @@ class OffloadBackend:
             timeline = report.compiled_memory() if report is not None and eager_backward else None
             if report is None or timeline is None or not timeline.points or report.memory_budget is None:
                 if not tries:  # nothing planned, or no backward code yet (lazy: judged when it comes)
-                    _reissue(caught)
-                    if report is not None and eager_backward:
-                        _check_compiled_budget(report)
-                    return compiled
+                    return compiled, report if eager_backward else None, caught
                 if report in self.reports:
                     self.reports.remove(report)
                 break
@@ -157,15 +245,25 @@ class OffloadBackend:
         peak, compiled, report, kept = min(tries, key=lambda t: t[0])
         # The kept compile's warnings, less the FX model's "cannot be reached": the code's peak is
         # the verdict here (``_check_compiled_budget``).
-        _reissue([w for w in said[kept] if "cannot be reached" not in str(w.message)])
         if replans:
             report = dataclasses.replace(report, replans=tuple(replans))
         self.reports.append(report)
-        _check_compiled_budget(report, strict=strict)
-        return compiled
+        return compiled, report, [w for w in said[kept] if "cannot be reached" not in str(w.message)]
 
     def record(self, report: OffloadReport) -> None:
         self.reports.append(report)
+
+
+def _unchanged_floor(report: OffloadReport) -> int | None:
+    """Bytes that the pair's code without offloading holds at the end of its forward whatever the
+    compiler fuses: the parameters, the inputs and every saved tensor, which the forward returns
+    (``report.memory_before``, the FX model, exact for those). None without a prediction."""
+    before = report.memory_before
+    ends = [p for p in before.points if p.phase == "forward"] if before is not None else []
+    if not ends:
+        return None
+    live = ends[-1].live
+    return live["parameters"] + live["inputs"] + live["saved"]
 
 
 def _copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:

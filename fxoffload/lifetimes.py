@@ -228,10 +228,17 @@ def analyze_saved_tensors(
     devices = sorted(
         {v.device.type for n in fw_nodes if isinstance(v := _val(n), torch.Tensor)}
     )
+    scalars = returns_only_scalars(fw, num_fwd_outputs)
+    return GraphLifetimes(tuple(records), len(fw_nodes), len(bw_nodes), tuple(devices), scalars)
+
+
+def returns_only_scalars(fw: fx.GraphModule, num_fwd_outputs: int) -> bool:
+    """True when the forward's user outputs are 0-dim tensors (a loss), and at least one
+    (``GraphLifetimes.returns_only_scalars``)."""
+    outputs = fw.graph.output_node().args[0]
     returned = [_val(o) if isinstance(o, fx.Node) else o for o in outputs[:num_fwd_outputs]]
     tensors = [v for v in returned if isinstance(v, torch.Tensor)]
-    scalars = bool(tensors) and all(v.dim() == 0 for v in tensors)
-    return GraphLifetimes(tuple(records), len(fw_nodes), len(bw_nodes), tuple(devices), scalars)
+    return bool(tensors) and all(v.dim() == 0 for v in tensors)
 
 
 def _compute_prefix(nodes: list[fx.Node]) -> list[int]:

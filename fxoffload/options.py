@@ -93,6 +93,13 @@ class OffloadOptions:
     partitioner: str = "min_cut"
     # torch.compile mode, passed on to Inductor.
     mode: str = "default"
+    # With inner="inductor", for a graph that returns a loss and that the plan changes: compile it
+    # without offloading too, replay both codes Inductor generated, and keep the unchanged one where
+    # the plan's code peaks higher (each decision then says so, reason ``peak_not_lowered``), so that
+    # offloading never raises the peak. Such a graph is compiled twice (the second time from
+    # Inductor's cache on later runs), unless the plan's code peaks below what the unchanged code
+    # holds at the end of its forward anyway. False keeps the plan unchecked.
+    verify_peak: bool = True
     # Module paths (``fnmatch`` patterns, e.g. ("*.mlp.*",)) whose saved tensors are offloaded, as if a
     # policy function returned "offload" for them; the rest follows ``policy``. A path is dotted from
     # the compiled module ("layers.0.mlp.fc1"), the innermost module that produced the tensor.
@@ -129,6 +136,8 @@ class OffloadOptions:
             raise ValueError(f"fxoffload: max_inflight_reloads must be an int >= 1, got {self.max_inflight_reloads!r}")
         if not isinstance(self.calibrate, bool):
             raise ValueError(f"fxoffload: calibrate must be True or False, got {self.calibrate!r}")
+        if not isinstance(self.verify_peak, bool):
+            raise ValueError(f"fxoffload: verify_peak must be True or False, got {self.verify_peak!r}")
         if not isinstance(self.offload_cpu, bool):
             raise ValueError(f"fxoffload: offload_cpu must be True or False, got {self.offload_cpu!r}")
         if self.cpu_link_bandwidth is not None and not self.offload_cpu:

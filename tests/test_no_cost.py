@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import fxoffload
+from fxoffload.backend import _unchanged_floor
 from fxoffload.measure import track_cpu_frees
 from fxoffload.models import example
 
@@ -27,22 +28,10 @@ def _baseline(name: str, inner: str) -> int:
     return _steady_peak(name, inner)  # backend="inductor" / "aot_eager": no fxoffload at all
 
 
-# CPU, torch 2.13, 1 thread (bytes, baseline -> policy "all"): mlp inductor 562184 -> 570376 (+1.5%,
-# see the xfail below), mlp aot_eager 569096 -> 569096, gpt inductor 7848968 -> 3137288, gpt aot_eager
-# 8540680 -> 2905876, cnn aot_eager 4729200 -> 3165232, seq2seq-decoder inductor 475912 -> 475912.
-# The MLP under Inductor: its peak is at the end of the backward (every gradient live), where
-# offloading cannot lower it. With the reloads' order edges, Inductor's peak-memory reordering moves
-# three weight-gradient matmuls there, and the last one still reads an 8 KiB reloaded input. Edges
-# from each reload to the gradients before it took 1280 bytes off that, but cost the seq2seq decoder
-# 30 KiB of Inductor's code (its GRU weight gradients, sums over the time steps, were forced early),
-# so they were taken out again. "auto" no longer offloads here (test below); "all" still does.
-_MLP_INDUCTOR = pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="issue 11 part 2 open: Inductor reorders the offloaded MLP's backward; +8 KiB at its peak",
-)
+# CPU, torch 2.13, 1 thread (bytes, baseline -> policy "all"): mlp aot_eager 569096 -> 569096, gpt
+# inductor 7848968 -> 3137288, gpt aot_eager 8540680 -> 2905876, cnn aot_eager 4729200 -> 3165232,
+# seq2seq-decoder inductor 475912 -> 475912. The MLP under Inductor: see the verify_peak tests below.
 CASES = [
-    pytest.param("mlp", "inductor", "all", marks=_MLP_INDUCTOR),
     ("mlp", "aot_eager", "all"),
     ("gpt", "inductor", "all"),
     ("gpt", "aot_eager", "all"),
@@ -61,6 +50,8 @@ def test_offloading_never_raises_the_measured_peak(name, inner, policy):
     (report,) = backend.reports
     assert report.offloaded, "nothing was offloaded: the comparison would test nothing"
     if inner == "inductor":  # and the prediction under Inductor, its code replayed, is the measured step
+        # verify_peak kept the plan: its code peaks no higher than the unchanged pair's.
+        assert not report.note and "fxoffload.offload" in report.output_code["forward"], report.note
         peak = report.compiled_memory().peak
         predicted = peak.total - peak.live["parameters"] - peak.live["inputs"]
         # CPU, torch 2.13: gpt 3137284 predicted / 3137288 measured, seq2seq-decoder 475908 / 475912.
@@ -115,3 +106,36 @@ def test_the_users_own_offloads_stay_when_autos_are_dropped():
     assert [r.name for r in report.offloaded] == ["addmm"]
     assert next(r for r in report.saved if r.name == "addmm").reason_code == "user_policy"
     assert "peak_not_lowered" in {r.reason_code for r in report.saved}
+
+
+def test_inductor_code_that_peaks_higher_is_compiled_unchanged():
+    """``verify_peak``: the MLP under Inductor with policy "all". Its peak is at the end of the
+    backward (every gradient live, no saved tensor). With the reloads' order edges, Inductor fuses the
+    bias-gradient sums into one kernel at the end and moves three weight-gradient matmuls after it,
+    the last one still reading an 8 KiB reloaded input: +8 KiB measured. The backend compiles the pair
+    unchanged too, replays both codes, and keeps the unchanged one, saying so."""
+    track_cpu_frees()
+    baseline = _baseline("mlp", "inductor")
+    unchecked = fxoffload.backend(offload_cpu=True, policy="all", min_bytes=0, verify_peak=False)
+    raised = _steady_peak("mlp", unchecked)
+    assert unchecked.reports[0].offloaded
+    # What the check is for (CPU, torch 2.13: 570376 against 562184 bytes). Should Inductor ever stop
+    # doing this, the case below tests nothing and needs another model.
+    assert raised > baseline, (raised, baseline)
+
+    checked = fxoffload.backend(offload_cpu=True, policy="all", min_bytes=0)
+    measured = _steady_peak("mlp", checked)
+    (report,) = checked.reports
+    assert measured == baseline
+    assert not report.offloaded and report.policy == "all"
+    assert "above its code without offloading" in report.note and "verify_peak" in report.note
+    kept = [r for r in report.saved if r.reason_code == "peak_not_lowered"]
+    assert {r.name for r in kept} == {r.name for r in unchecked.reports[0].offloaded}
+    assert all(r.reason.startswith("Inductor's code with the plan peaks at") for r in kept)
+    # The code that runs is the unchanged pair's: no transfer op in it.
+    assert "fxoffload" not in report.output_code["forward"] + report.output_code["backward"]
+    # A plan whose code peaks at most at this floor skips the second compile: the unchanged code holds
+    # it at the end of its forward (parameters, inputs, every saved tensor), whatever Inductor fuses.
+    floor = _unchanged_floor(report)
+    assert 0 < floor <= report.compiled_memory().peak_bytes
+

@@ -63,6 +63,7 @@ BAD_VALUES = [
     ({"min_bytes": "-5MB"}, r"cannot parse min_bytes='-5MB'.*units: b, kb, mb"),
     ({"min_bytes": "1.5.3GB"}, r"cannot parse min_bytes='1.5.3GB'"),
     ({"min_bytes": "3 furlongs"}, r"cannot parse min_bytes='3 furlongs'.*kib, mib, gib, tib"),
+    ({"verify_peak": "yes"}, r"verify_peak must be True or False, got 'yes'"),
     ({"host_budget": -1}, r"host_budget must be >= 0 bytes, got -1"),
     ({"host_budget": "lots"}, r"cannot parse host_budget='lots'"),
     ({"host_budget": [1]}, r"host_budget must be an int number of bytes or a size string, got list"),
