@@ -138,7 +138,13 @@ class OffloadBackend:
         if base is not None:
             self.reports.remove(base)
         peak = timeline.peak
-        if base_timeline is None or not base_timeline.points or peak.total <= base_timeline.peak_bytes:
+        # "auto"'s own picks must lower the peak (as its rule on the FX model asks, ``plan.py``): on a
+        # tie its copies buy nothing, so the unchanged code is kept. Anything the user asked for
+        # ("all", a policy function, offload_modules) is kept on a tie.
+        mine = opts.policy == "auto" and not opts.offload_modules
+        if base_timeline is None or not base_timeline.points or peak.total < base_timeline.peak_bytes or (
+            peak.total == base_timeline.peak_bytes and not mine
+        ):
             if base_timeline is not None and base_timeline.points:
                 log.info(
                     "fxoffload: graph %d: Inductor's code peaks at %s with the plan, %s without it",
@@ -146,10 +152,12 @@ class OffloadBackend:
                 )  # fmt: skip
             self.reports.append(report)
             return compiled, report
+        above = peak.total - base_timeline.peak_bytes
         why = (
             f"Inductor's code with the plan peaks at {fmt_bytes(peak.total)} ({peak.phase}, {peak.node}), "
-            f"{fmt_bytes(peak.total - base_timeline.peak_bytes)} above its code without offloading "
-            f"({fmt_bytes(base_timeline.peak_bytes)}): compiled without offloading (verify_peak)"
+            + (f"{fmt_bytes(above)} above" if above else "as high as")
+            + f" its code without offloading ({fmt_bytes(base_timeline.peak_bytes)}): compiled without "
+            "offloading (verify_peak)"
         )
         log.info("fxoffload: graph %d: %s", report.graph_id, why)
         planned = {row.name: row for row in report.saved}
