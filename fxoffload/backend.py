@@ -81,16 +81,21 @@ class OffloadBackend:
             )
         pristine = _copy_graph_module(gm)  # compile_fx may change the graph it is given
         if opts.memory_budget is None:
-            with _compat.backward_lowered_at_compile() as lowered, warnings.catch_warnings(record=True) as caught:
+            lowering = _compat.backward_lowered_at_compile()
+            with lowering as lowered, warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
                 compiled = _compat.compile_with_inductor(
                     gm, example_inputs, partitioner, patches, partitioner.record_output_code
                 )
             report = partitioner.report if lowered else None
         else:
-            compiled, report, caught = self._compile_to_budget(gm, pristine, example_inputs, opts, patches, partitioner)
+            compiled, report, caught = self._compile_to_budget(
+                gm, pristine, example_inputs, opts, patches, partitioner
+            )
         if report is not None and opts.verify_peak:
-            compiled, report = self._no_higher_than_unchanged(pristine, example_inputs, opts, patches, compiled, report)
+            compiled, report = self._no_higher_than_unchanged(
+                pristine, example_inputs, opts, patches, compiled, report
+            )
         _reissue(caught)
         if report is not None:
             _check_compiled_budget(report, strict=opts.strict)
@@ -117,17 +122,16 @@ class OffloadBackend:
         timeline = report.compiled_memory()
         fw, _ = report.graphs or (None, None)
         if (
-            not (report.offloaded or report.recomputed) or timeline is None or not timeline.points or fw is None
-            or not returns_only_scalars(fw, report.num_fwd_outputs or 0)
+            not (report.offloaded or report.recomputed) or timeline is None or not timeline.points
+            or fw is None or not returns_only_scalars(fw, report.num_fwd_outputs or 0)
         ):  # fmt: skip
             return compiled, report
         floor = _unchanged_floor(report)
         if floor is not None and timeline.peak_bytes <= floor:
             return compiled, report  # below what the unchanged code holds anyway: no second compile
         self.reports.remove(report)  # the host bytes it planned are not the unchanged pair's
-        unchanged = _OffloadPartitioner(
-            self, opts.replace(policy="none", memory_budget=None, offload_modules=()), report_budget=report.memory_budget
-        )
+        plain = opts.replace(policy="none", memory_budget=None, offload_modules=())
+        unchanged = _OffloadPartitioner(self, plain, report_budget=report.memory_budget)
         with _compat.backward_lowered_at_compile(), warnings.catch_warnings(record=True):
             warnings.simplefilter("always")
             other = _compat.compile_with_inductor(
