@@ -81,7 +81,7 @@ def measure(name: str, inner: str, plan: str | None, warmup: int = 2, min_bytes:
         row["offloaded"] = sum(len(r.offloaded) for r in reports)
         row["recomputed"] = sum(len(r.recomputed) for r in reports)
         row["replans"] = sum(len(r.replans) for r in reports)
-        # verify_peak: graphs compiled unchanged because the plan's code peaked higher
+        # verify_peak: graphs compiled unchanged, their plan's code peaking higher (auto: or as high)
         row["unchanged"] = sum("(verify_peak)" in r.note for r in reports)
         # fxoffload said at compile time that the budget is out of reach (its model, or Inductor's code)
         row["warned"] = any(
@@ -133,7 +133,7 @@ def table(rows: list[dict], tablefmt: str = "simple") -> str:
             "model": r["model"], "inner": r["inner"], "plan": r["plan"],
             "offloaded": r.get("offloaded", ""), "recomputed": r.get("recomputed", ""),
             "planned again": r.get("replans", "") or "",
-            "code higher, unchanged": r.get("unchanged", "") or "",
+            "compiled unchanged": r.get("unchanged", "") or "",
             "measured MiB": f"{measured / 2**20:.2f}",
             "predicted MiB": "" if predicted is None else f"{predicted / 2**20:.2f}",
             "predicted/measured": "" if not predicted or not measured else f"{predicted / measured - 1:+.1%}",
