@@ -75,7 +75,8 @@ class OffloadBackend:
                 "events and host buffers, so offloading is off for this graph",
             )
         plain = partitioner.disabled_reason or opts.policy == "none"
-        if plain or (opts.memory_budget is None and not opts.verify_peak):
+        checked = opts.verify_peak and _may_return_only_scalars(gm)  # what verify_peak judges
+        if plain or (opts.memory_budget is None and not checked):
             return _compat.compile_with_inductor(
                 gm, example_inputs, partitioner, patches, partitioner.record_output_code
             )
@@ -92,7 +93,7 @@ class OffloadBackend:
             compiled, report, caught = self._compile_to_budget(
                 gm, pristine, example_inputs, opts, patches, partitioner
             )
-        if report is not None and opts.verify_peak:
+        if report is not None and checked:
             compiled, report = self._no_higher_than_unchanged(
                 pristine, example_inputs, opts, patches, compiled, report
             )
@@ -126,26 +127,42 @@ class OffloadBackend:
             or fw is None or not returns_only_scalars(fw, report.num_fwd_outputs or 0)
         ):  # fmt: skip
             return compiled, report
-        floor = _unchanged_floor(report)
-        if floor is not None and timeline.peak_bytes <= floor:
-            return compiled, report  # below what the unchanged code holds anyway: no second compile
+        # "auto"'s own picks must lower the peak (as its rule on the FX model asks, ``plan.py``): on a
+        # tie its copies buy nothing, so the unchanged code is kept. Anything the user asked for
+        # ("all", a policy function, offload_modules) is kept on a tie.
+        mine = opts.policy == "auto" and not opts.offload_modules
+        floor = _unchanged_floor(report, timeline)
+        code_peak = timeline.peak_bytes
+        if floor is not None and (code_peak < floor or (code_peak == floor and not mine)):
+            log.debug(
+                "fxoffload: graph %d: Inductor's code peaks at %s, below the %s the unchanged code holds",
+                report.graph_id, fmt_bytes(code_peak), fmt_bytes(floor),
+            )  # fmt: skip
+            return compiled, report  # no second compile needed
         self.reports.remove(report)  # the host bytes it planned are not the unchanged pair's
         plain = opts.replace(policy="none", memory_budget=None, offload_modules=())
         unchanged = _OffloadPartitioner(self, plain, report_budget=report.memory_budget)
-        with _compat.backward_lowered_at_compile(), warnings.catch_warnings(record=True):
-            warnings.simplefilter("always")
-            other = _compat.compile_with_inductor(
-                _copy_graph_module(pristine), example_inputs, unchanged, patches, unchanged.record_output_code
-            )
+        try:
+            with _compat.backward_lowered_at_compile(), warnings.catch_warnings(record=True):
+                warnings.simplefilter("always")
+                graph = _copy_graph_module(pristine)
+                other = _compat.compile_with_inductor(
+                    graph, example_inputs, unchanged, patches, unchanged.record_output_code
+                )
+        except Exception as e:  # never fail a compile over a check: keep the plan, unchecked
+            log.warning(
+                "fxoffload: graph %d: compiling it unchanged for verify_peak failed (%s); keeping the plan "
+                "unchecked", report.graph_id, e,
+            )  # fmt: skip
+            if unchanged.report in self.reports:
+                self.reports.remove(unchanged.report)
+            self.reports.append(report)
+            return compiled, report
         base = unchanged.report
         base_timeline = base.compiled_memory() if base is not None else None
         if base is not None:
             self.reports.remove(base)
         peak = timeline.peak
-        # "auto"'s own picks must lower the peak (as its rule on the FX model asks, ``plan.py``): on a
-        # tie its copies buy nothing, so the unchanged code is kept. Anything the user asked for
-        # ("all", a policy function, offload_modules) is kept on a tie.
-        mine = opts.policy == "auto" and not opts.offload_modules
         if base_timeline is None or not base_timeline.points or peak.total < base_timeline.peak_bytes or (
             peak.total == base_timeline.peak_bytes and not mine
         ):
@@ -171,7 +188,7 @@ class OffloadBackend:
             p = planned.get(r.name)
             if p is None:
                 return r
-            if p.decision == "keep":
+            if p.decision == "keep" and p.reason_code != ReasonCode.RECOMPUTE_SOURCE.value:
                 return dataclasses.replace(r, reason=p.reason, reason_code=p.reason_code)
             return dataclasses.replace(r, reason=f"{why}; {p.reason}", reason_code=code)
 
@@ -266,16 +283,40 @@ class OffloadBackend:
         self.reports.append(report)
 
 
-def _unchanged_floor(report: OffloadReport) -> int | None:
-    """Bytes that the pair's code without offloading holds at the end of its forward whatever the
-    compiler fuses: the parameters, the inputs and every saved tensor, which the forward returns
-    (``report.memory_before``, the FX model, exact for those). None without a prediction."""
+def _may_return_only_scalars(gm: fx.GraphModule) -> bool:
+    """False when Dynamo's graph returns something other than 0-dim tensors (Dynamo's example values):
+    then no pair of it returns a loss alone, and verify_peak need not lower its backward at compile
+    time. True where it cannot tell."""
+    outputs = gm.graph.output_node().args[0]
+    for o in outputs if isinstance(outputs, (tuple, list)) else (outputs,):
+        val = o.meta.get("example_value", o.meta.get("val")) if isinstance(o, fx.Node) else o
+        if isinstance(val, torch.Tensor) and val.dim() != 0:
+            return False
+    return True
+
+
+# Ops whose output Inductor's no-op removal may turn into an alias of their input (a saved tensor it
+# then holds no buffer for): left out of ``_unchanged_floor``.
+_MAY_BECOME_ALIASES = frozenset({
+    "lift_fresh_copy", "clone", "alias", "_to_copy", "convert_element_type", "expand", "view", "reshape",
+    "slice", "slice_scatter", "repeat", "constant_pad_nd", "cat",
+})  # fmt: skip
+
+
+def _unchanged_floor(report: OffloadReport, code: MemoryTimeline) -> int | None:
+    """A lower bound of the peak of the pair's code without offloading, whatever the compiler fuses:
+    at the end of its forward it holds its arguments and every saved tensor, which that forward
+    returns. The arguments as the plan's code (``code``) holds them (both take the same ones, sized
+    by their storage, an expanded input by what it really spans); the saved tensors from the FX
+    model (``report.memory_before``), less every one an op produced that Inductor may remove as a
+    no-op (it then returns an alias, no buffer). None without a prediction."""
     before = report.memory_before
     ends = [p for p in before.points if p.phase == "forward"] if before is not None else []
-    if not ends:
+    if not ends or not code.points:
         return None
-    live = ends[-1].live
-    return live["parameters"] + live["inputs"] + live["saved"]
+    start = code.points[0].live
+    maybe_alias = sum(r.nbytes for r in report.saved if r.producer in _MAY_BECOME_ALIASES)
+    return start["parameters"] + start["inputs"] + max(0, ends[-1].live["saved"] - maybe_alias)
 
 
 def _copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:

@@ -98,8 +98,8 @@ class OffloadOptions:
     # the plan's code peaks higher (for policy "auto" alone, also as high: its copies would buy
     # nothing) (each decision then says so, reason ``peak_not_lowered``), so that
     # offloading never raises the peak. Such a graph is compiled twice (the second time from
-    # Inductor's cache on later runs), unless the plan's code peaks below what the unchanged code
-    # holds at the end of its forward anyway. False keeps the plan unchecked.
+    # Inductor's cache on later runs), unless the plan's code peaks no higher than what the unchanged
+    # code holds at the end of its forward anyway. False keeps the plan unchecked.
     verify_peak: bool = True
     # Module paths (``fnmatch`` patterns, e.g. ("*.mlp.*",)) whose saved tensors are offloaded, as if a
     # policy function returned "offload" for them; the rest follows ``policy``. A path is dotted from

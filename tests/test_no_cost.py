@@ -15,7 +15,7 @@ from fxoffload.backend import _unchanged_floor
 from fxoffload.measure import track_cpu_frees
 from fxoffload.models import example
 
-from .conftest import measured_example
+from .conftest import measured_example, measured_steady_step
 
 
 def _steady_peak(name: str, backend) -> int:
@@ -42,9 +42,22 @@ CASES = [
 ]
 
 
+# Inductor compiles of the pair under verify_peak: GPT's plan peaks below what the unchanged code holds
+# at the end of its forward (no second compile); the seq2seq decoder's ties with it (compiled again).
+COMPILES = {"gpt": 1, "seq2seq-decoder": 2}
+
+
 @pytest.mark.parametrize("name, inner, policy", CASES)
-def test_offloading_never_raises_the_measured_peak(name, inner, policy):
+def test_offloading_never_raises_the_measured_peak(name, inner, policy, monkeypatch):
     track_cpu_frees()  # frees of blocks from before the step count
+    compiles = []
+    compile_with_inductor = fxoffload._compat.compile_with_inductor
+
+    def counted(*args, **kwargs):
+        compiles.append(1)
+        return compile_with_inductor(*args, **kwargs)
+
+    monkeypatch.setattr(fxoffload._compat, "compile_with_inductor", counted)
     backend = fxoffload.backend(offload_cpu=True, inner=inner, policy=policy, min_bytes=0)
     with_plan = _steady_peak(name, backend)
     (report,) = backend.reports
@@ -52,6 +65,7 @@ def test_offloading_never_raises_the_measured_peak(name, inner, policy):
     if inner == "inductor":  # and the prediction under Inductor, its code replayed, is the measured step
         # verify_peak kept the plan: its code peaks no higher than the unchanged pair's.
         assert not report.note and "fxoffload.offload" in report.output_code["forward"], report.note
+        assert len(compiles) == COMPILES[name]
         peak = report.compiled_memory().peak
         predicted = peak.total - peak.live["parameters"] - peak.live["inputs"]
         # CPU, torch 2.13: gpt 3137284 predicted / 3137288 measured, seq2seq-decoder 475908 / 475912.
@@ -136,8 +150,38 @@ def test_inductor_code_that_peaks_higher_is_compiled_unchanged():
     assert "fxoffload" not in report.output_code["forward"] + report.output_code["backward"]
     # A plan whose code peaks at most at this floor skips the second compile: the unchanged code holds
     # it at the end of its forward (parameters, inputs, every saved tensor), whatever Inductor fuses.
-    floor = _unchanged_floor(report)
+    floor = _unchanged_floor(report, report.compiled_memory())
     assert 0 < floor <= report.compiled_memory().peak_bytes
+
+
+def test_memory_budget_plan_whose_code_peaks_higher_is_compiled_unchanged():
+    """The same MLP with a memory_budget it cannot reach: the budget plan's code peaks 8 KiB higher than
+    the unchanged code, so the unchanged compile is kept, and the budget warning gives its figures."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model, batch = example("mlp")
+    backend = fxoffload.backend(offload_cpu=True, memory_budget=0.8, min_bytes=0)
+    compiled = torch.compile(model, backend=backend)
+    measured, caught = measured_steady_step(model, lambda: compiled(*batch).backward())  # compiles in warm-up
+    (report,) = backend.reports
+    assert not report.offloaded and "(verify_peak)" in report.note and report.memory_budget is not None
+    assert measured == _baseline("mlp", "inductor")
+    assert sum("is not met by the code" in str(w.message) for w in caught) == 1
+
+
+def test_the_floor_sizes_an_expanded_input_by_its_storage():
+    """An input expanded from (512, 1) to (512, 1024) spans 2 KiB, not the 2 MiB its shape says: the
+    floor under which verify_peak skips its second compile must not count the shape (it would then
+    skip the check for plans peaking anywhere below 2 MiB)."""
+    torch._dynamo.reset()
+    weight = torch.nn.Parameter(torch.randn(1024, 64) * 0.01)
+    backend = fxoffload.backend(offload_cpu=True, policy="none", min_bytes=0)
+    x = torch.randn(512, 1).expand(512, 1024)
+    torch.compile(lambda x: torch.tanh(x @ weight).square().sum(), backend=backend)(x).backward()
+    (report,) = backend.reports
+    code = report.compiled_memory()
+    assert report.memory_before.points[-1].live["inputs"] >= 512 * 1024 * 4  # the FX model: the shape
+    assert _unchanged_floor(report, code) <= code.peak_bytes
 
 
 
