@@ -95,9 +95,9 @@ class OffloadOptions:
     mode: str = "default"
     # With inner="inductor", for a graph that returns a loss and that the plan changes: compile it
     # without offloading too, replay both codes Inductor generated, and keep the unchanged one where
-    # the plan's code peaks higher (for policy "auto" alone, also as high: its copies would buy
-    # nothing) (each decision then says so, reason ``peak_not_lowered``), so that
-    # offloading never raises the peak. Such a graph is compiled twice (the second time from
+    # the plan's code peaks higher, or as high for policy "auto" alone (its copies would buy nothing).
+    # Each decision then says so (reason ``peak_not_lowered``); offloading never raises the peak.
+    # Such a graph is compiled twice (the second time from
     # Inductor's cache on later runs), unless the plan's code peaks no higher than what the unchanged
     # code holds at the end of its forward anyway. False keeps the plan unchecked.
     verify_peak: bool = True
