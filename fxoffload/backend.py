@@ -133,7 +133,7 @@ class OffloadBackend:
         mine = opts.policy == "auto" and not opts.offload_modules
         floor = _unchanged_floor(report, timeline)
         code_peak = timeline.peak_bytes
-        if floor is not None and (code_peak < floor or (code_peak == floor and not mine)):
+        if floor is not None and _plan_kept(code_peak, floor, mine):
             log.debug(
                 "fxoffload: graph %d: Inductor's code peaks at %s, below the %s the unchanged code holds",
                 report.graph_id, fmt_bytes(code_peak), fmt_bytes(floor),
@@ -163,9 +163,8 @@ class OffloadBackend:
         if base is not None:
             self.reports.remove(base)
         peak = timeline.peak
-        if base_timeline is None or not base_timeline.points or peak.total < base_timeline.peak_bytes or (
-            peak.total == base_timeline.peak_bytes and not mine
-        ):
+        unchecked = base_timeline is None or not base_timeline.points
+        if unchecked or _plan_kept(peak.total, base_timeline.peak_bytes, mine):
             if base_timeline is not None and base_timeline.points:
                 log.info(
                     "fxoffload: graph %d: Inductor's code peaks at %s with the plan, %s without it",
@@ -281,6 +280,12 @@ class OffloadBackend:
 
     def record(self, report: OffloadReport) -> None:
         self.reports.append(report)
+
+
+def _plan_kept(plan_peak: int, unchanged_peak: int, autos_own: bool) -> bool:
+    """verify_peak's verdict: the plan's code stays if it peaks lower than the unchanged code (or no
+    higher, unless the picks are "auto"'s own: copies that buy nothing are not kept)."""
+    return plan_peak < unchanged_peak or (plan_peak == unchanged_peak and not autos_own)
 
 
 def _may_return_only_scalars(gm: fx.GraphModule) -> bool:

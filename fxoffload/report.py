@@ -20,6 +20,7 @@ from .lifetimes import _tensor_bytes, storage_users
 from .memory import CATEGORIES, MemoryPoint, MemoryTimeline
 from .plan import OFFLOAD, RECOMPUTE, OffloadPlan, PlanCosts, fmt_bytes
 from .reasons import Action
+from .rewrite import host_placeholder_name
 from .schedule import copy_seconds, windows
 
 log = logging.getLogger(__name__)
@@ -639,8 +640,8 @@ def _host_copies(fw: fx.GraphModule, bw: fx.GraphModule, after: MemoryTimeline |
     """Every offloaded tensor's host copy over the points of ``after`` (the memory model on the rewritten
     ``fw``, ``bw``: one point per node but the outputs). The forward returns the host copy (an
     ``offload``, through its ``wait``) among its saved values; the backward receives it in the
-    placeholder the rewrite named after the saved tensor (``<name>_host``, as ``apply_plan`` finds
-    the saved tensor's placeholder by its forward name)."""
+    placeholder the rewrite named after the saved tensor (``rewrite.host_placeholder_name``, as
+    ``apply_plan`` finds the saved tensor's placeholder by its forward name)."""
     fw_nodes = [n for n in fw.graph.nodes if n.op != "output"]
     bw_nodes = [n for n in bw.graph.nodes if n.op != "output"]
     names = [(p.phase, p.node) for p in after.points] if after is not None else []
@@ -657,7 +658,7 @@ def _host_copies(fw: fx.GraphModule, bw: fx.GraphModule, after: MemoryTimeline |
         if not (isinstance(copy, fx.Node) and copy.op == "call_function" and copy.target is ops.offload):
             continue
         source = copy.args[0]
-        held = placeholders.get(f"{source.name}_host") if isinstance(source, fx.Node) else None
+        held = placeholders.get(host_placeholder_name(source.name)) if isinstance(source, fx.Node) else None
         if held is None:
             continue
         last = max((bw_index[u] for u in held.users if u in bw_index), default=len(fw_nodes))

@@ -179,6 +179,11 @@ def _rewrite_forward(
     return done
 
 
+def host_placeholder_name(saved: str) -> str:
+    """The backward placeholder that receives the host copy of the saved tensor named ``saved``."""
+    return f"{saved}_host"
+
+
 def _rewrite_backward(
     graph: fx.Graph,
     order: list[fx.Node],
@@ -191,7 +196,7 @@ def _rewrite_backward(
     alive: _Liveness | None = None,
 ) -> None:
     with graph.inserting_before(placeholder):
-        host_in = graph.placeholder(f"{placeholder.name}_host")
+        host_in = graph.placeholder(host_placeholder_name(placeholder.name))
     host_in.meta["val"] = host.meta["val"]
     # An ``order`` node added for an earlier copy may read the placeholder: it is not in ``index`` and
     # stands just before the node it was added for.
