@@ -11,6 +11,7 @@ model's figure beside it.
 
     python -m bench.memory                               # every model, both inner compilers
     python -m bench.memory --models gpt,mlp --inner inductor --plans all,budget=0.7
+    python -m bench.memory --scales 1,4                  # and each batch 4 times as large
 
 CPU figures: every tensor, "device" and host alike, is a CPU tensor (``offload_cpu=True``).
 """
@@ -28,17 +29,28 @@ import fxoffload
 from fxoffload.measure import measure_steady_step, track_cpu_frees
 from fxoffload.models import example
 
-_MODELS = ("mlp", "gpt", "cnn", "seq2seq", "seq2seq-decoder", "hf-llama", "hf-gpt2")
+_MODELS = ("mlp", "gpt", "cnn", "seq2seq", "hf-llama", "hf-gpt2")
+_MORE = ("seq2seq-decoder",)  # seq2seq's compiled part alone, the encoder's output an input
 _PLANS = ("none", "all", "auto", "budget=0.7", "budget=0.5", "budget=0.45@0.01GB")
 
 
-def _model(name: str):
+def _model(name: str, scale: int = 1):
+    """The model and its batch, every batch tensor repeated ``scale`` times along its first dimension."""
     if name.startswith("hf-"):
         from bench.workloads import build
 
         w = build(name, "tiny", "cpu")
-        return w.model, w.batch
-    return example(name)
+        model, batch = w.model, w.batch
+    else:
+        model, batch = example(name)
+    return model, tuple(_repeated(t, scale) for t in batch)
+
+
+def _repeated(t, scale: int):
+    if scale == 1 or not isinstance(t, torch.Tensor) or t.dim() == 0:
+        return t
+    out = t.detach().repeat(scale, *([1] * (t.dim() - 1)))
+    return out.requires_grad_() if t.requires_grad else out
 
 
 def _loss(out) -> torch.Tensor:
@@ -55,11 +67,12 @@ def _plan_options(plan: str) -> dict:
     return {"policy": plan}
 
 
-def measure(name: str, inner: str, plan: str | None, warmup: int = 2, min_bytes: int = 0) -> dict:
-    """One row: measured and predicted peak bytes of a steady step; ``plan`` None: no fxoffload."""
+def measure(name: str, inner: str, plan: str | None, warmup: int = 2, min_bytes: int = 0, scale: int = 1) -> dict:
+    """One row: measured and predicted peak bytes of a steady step; ``plan`` None: no fxoffload;
+    ``scale``: the batch that many times as large."""
     torch._dynamo.reset()
     torch.manual_seed(0)
-    model, batch = _model(name)
+    model, batch = _model(name, scale)
     model = copy.deepcopy(model)
     if plan is None:
         backend = inner
@@ -73,8 +86,8 @@ def measure(name: str, inner: str, plan: str | None, warmup: int = 2, min_bytes:
     measured_memory, caught = measure_steady_step(step, warmup, lambda: model.zero_grad(set_to_none=True))
     cpu = measured_memory.cpu
     measured = cpu.peak_bytes
-    row = {"model": name, "inner": inner, "plan": plan or "baseline", "measured_peak": measured,
-           "measured_at": cpu.peak_op}
+    row = {"model": name, "batch": batch[0].shape[0], "inner": inner, "plan": plan or "baseline",
+           "measured_peak": measured, "measured_at": cpu.peak_op}
     if plan is not None:
         reports = backend.reports
         row["graphs"] = len(reports)
@@ -93,13 +106,13 @@ def measure(name: str, inner: str, plan: str | None, warmup: int = 2, min_bytes:
             timeline = report.memory_after or report.memory_before
             if timeline is not None and timeline.points:
                 peak = timeline.peak
-                row["start_bytes"] = peak.live["parameters"] + peak.live["inputs"]  # live before the step
+                row["start_bytes"] = report.start_bytes  # live before the step
                 row["predicted_peak"] = peak.total - row["start_bytes"]
                 row["predicted_at"] = f"{peak.phase} {peak.node}"
             compiled = report.compiled_memory()  # Inductor: replayed from the code it generated
             if compiled is not None and compiled.points:
                 peak = compiled.peak
-                row["code_peak"] = peak.total - peak.live["parameters"] - peak.live["inputs"]
+                row["code_peak"] = peak.total - report.start_bytes
             if report.memory_budget is not None and "start_bytes" in row:
                 # The budget counts everything on the device, parameters and inputs included.
                 row["budget"] = report.memory_budget - row["start_bytes"]
@@ -120,17 +133,17 @@ def _budget_verdict(r: dict) -> str:
 
 def table(rows: list[dict], tablefmt: str = "simple") -> str:
     """The rows as a table (``tablefmt``: tabulate's, e.g. "github" for docs/results.md)."""
-    baseline = {(r["model"], r["inner"]): r["measured_peak"] for r in rows if r["plan"] == "baseline"}
+    baseline = {(r["model"], r.get("batch"), r["inner"]): r["measured_peak"] for r in rows if r["plan"] == "baseline"}
     out = []
     for r in rows:
-        base = baseline.get((r["model"], r["inner"]))
+        base = baseline.get((r["model"], r.get("batch"), r["inner"]))
         # fxoffload's prediction for this compiler: the replay of Inductor's code where there is one
         # (what ``memory_budget`` is held to under Inductor), else the FX graphs' memory model.
         predicted = r.get("code_peak", r.get("predicted_peak"))
         fx_model = r.get("predicted_peak") if "code_peak" in r else None
         measured = r["measured_peak"]
         out.append({
-            "model": r["model"], "inner": r["inner"], "plan": r["plan"],
+            "model": r["model"], "batch": r.get("batch", ""), "inner": r["inner"], "plan": r["plan"],
             "offloaded": r.get("offloaded", ""), "recomputed": r.get("recomputed", ""),
             "planned again": r.get("replans", "") or "",
             "compiled unchanged": r.get("unchanged", "") or "",
@@ -148,20 +161,23 @@ def table(rows: list[dict], tablefmt: str = "simple") -> str:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--models", default=",".join(_MODELS), help=f"comma-separated, of: {', '.join(_MODELS)}")
+    parser.add_argument("--models", default=",".join(_MODELS), help=f"comma-separated, of: {', '.join(_MODELS + _MORE)}")
     parser.add_argument("--inner", default="aot_eager,inductor", help="comma-separated: aot_eager, inductor")
     parser.add_argument("--plans", default=",".join(_PLANS), help=f"comma-separated, of: {', '.join(_PLANS)}")
+    parser.add_argument("--scales", default="1", help="comma-separated batch multipliers (each batch tensor "
+                        "repeated along its first dimension), e.g. 1,4")
     parser.add_argument("--json", default="", help="also write the rows to this file")
     args = parser.parse_args(argv)
     track_cpu_frees()  # frees of blocks from before the step count too
     torch.set_num_threads(1)  # allocation order does not depend on the thread count then
     rows = []
     for name in args.models.split(","):
-        for inner in args.inner.split(","):
-            rows.append(measure(name, inner, None))
-            for plan in args.plans.split(","):
-                rows.append(measure(name, inner, plan))
-            print(table([r for r in rows if r["model"] == name and r["inner"] == inner]), flush=True)
+        for scale in (int(s) for s in args.scales.split(",")):
+            for inner in args.inner.split(","):
+                these = [measure(name, inner, None, scale=scale)]
+                these += [measure(name, inner, plan, scale=scale) for plan in args.plans.split(",")]
+                rows += these
+                print(table(these), flush=True)
     print(f"\ntorch {torch.__version__}, CPU, offload_cpu=True, min_bytes=0, 1 thread; bytes above the step's start")
     print(table(rows))
     if args.json:

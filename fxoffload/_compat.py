@@ -481,3 +481,14 @@ def profiler_active() -> bool:
     a second session opened inside it corrupts the first (its trace export crashes the process)."""
     enabled = getattr(torch._C._autograd, "_profiler_enabled", None)
     return bool(enabled()) if enabled is not None else True  # unknown: assume one is, and stay out
+
+
+def saved_tensor_payload(saved: Any) -> Any:
+    """What an autograd node's ``SavedTensor`` (its ``_raw_saved_*``) holds, without unpacking it:
+    the tensor itself, or the object a saved-tensors pack hook returned (``save_on_cpu``'s host copy,
+    a checkpoint's handle). Unpacking would call the unpack hook: a copy back to the device, or a
+    recomputation. ``None`` where this torch has no such property."""
+    try:
+        return saved.data
+    except (AttributeError, RuntimeError):
+        return None

@@ -28,6 +28,7 @@ from .recompute import recompute_options, recompute_sources
 from .report import BUDGET_TOLERANCE, OffloadReport, PassTimings, SavedRow
 from .rewrite import apply_plan, hoist_saved_views
 from .temporaries import op_temporaries
+from .upstream import UpstreamMemory, graph_device, upstream_memory
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +65,7 @@ class OffloadBackend:
         opts = self.options
         if mode is not None or options:
             opts = opts.replace(**(options or {}), **({"mode": mode} if mode else {}))
-        partitioner = _OffloadPartitioner(self, opts)
+        partitioner = _OffloadPartitioner(self, opts, upstream=_upstream(example_inputs))
         if opts.inner == "aot_eager":
             return _compat.compile_with_aot_eager(gm, example_inputs, partitioner)
         patches = _compat.inductor_mode_options(opts.mode)
@@ -141,7 +142,7 @@ class OffloadBackend:
             return compiled, report  # no second compile needed
         self.reports.remove(report)  # the host bytes it planned are not the unchanged pair's
         plain = opts.replace(policy="none", memory_budget=None, offload_modules=())
-        unchanged = _OffloadPartitioner(self, plain, report_budget=report.memory_budget)
+        unchanged = _OffloadPartitioner(self, plain, report_budget=report.memory_budget, upstream=report.upstream)
         try:
             with _compat.backward_lowered_at_compile(), warnings.catch_warnings(record=True):
                 warnings.simplefilter("always")
@@ -269,7 +270,9 @@ class OffloadBackend:
                 f"{fmt_bytes(budget)}; planned again for {fmt_bytes(target)} on the FX model"
             )
             log.info("fxoffload: graph %d: %s", report.graph_id, replans[-1])
-            partitioner = _OffloadPartitioner(self, opts.replace(memory_budget=int(target)), report_budget=budget)
+            partitioner = _OffloadPartitioner(
+                self, opts.replace(memory_budget=int(target)), report_budget=budget, upstream=partitioner.upstream
+            )
         peak, compiled, report, kept = min(tries, key=lambda t: t[0])
         # The kept compile's warnings, less the FX model's "cannot be reached": the code's peak is
         # the verdict here (``_check_compiled_budget``).
@@ -314,14 +317,16 @@ def _unchanged_floor(report: OffloadReport, code: MemoryTimeline) -> int | None:
     returns. The arguments as the plan's code (``code``) holds them (both take the same ones, sized
     by their storage, an expanded input by what it really spans); the saved tensors from the FX
     model (``report.memory_before``), less every one an op produced that Inductor may remove as a
-    no-op (it then returns an alias, no buffer). None without a prediction."""
+    no-op (it then returns an alias, no buffer); what code before the pair holds through it, too.
+    None without a prediction."""
     before = report.memory_before
     ends = [p for p in before.points if p.phase == "forward"] if before is not None else []
     if not ends or not code.points:
         return None
     start = code.points[0].live
     maybe_alias = sum(r.nbytes for r in report.saved if r.producer in _MAY_BECOME_ALIASES)
-    return start["parameters"] + start["inputs"] + max(0, ends[-1].live["saved"] - maybe_alias)
+    held = start["parameters"] + start["inputs"] + start.get("outside", 0)
+    return held + max(0, ends[-1].live["saved"] - maybe_alias)
 
 
 def _copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
@@ -339,9 +344,18 @@ def _copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
 class _OffloadPartitioner(_compat.CustomPartitionerFn):
     """torch's own partitioner followed by the fxoffload pass."""
 
-    def __init__(self, backend: OffloadBackend, options: OffloadOptions, report_budget: int | None = None) -> None:
+    def __init__(
+        self,
+        backend: OffloadBackend,
+        options: OffloadOptions,
+        report_budget: int | None = None,
+        upstream: UpstreamMemory | None = None,
+    ) -> None:
         self.backend = backend
         self.options = options
+        # What code before this graph holds on its device (read from Dynamo's real inputs): "outside"
+        # in every timeline, and in the budget.
+        self.upstream = upstream
         self.disabled_reason: Reason | str = ""
         self.report: OffloadReport | None = None
         # The user's memory_budget in bytes, when ``options.memory_budget`` is a lower target to plan
@@ -392,6 +406,7 @@ class _OffloadPartitioner(_compat.CustomPartitionerFn):
             host_bytes_available=self._host_left(),
             disabled_reason=self.disabled_reason,
             repartition=partition,
+            outside=self.upstream.saved_bytes if self.upstream is not None else 0,
         )  # fmt: skip
         pass_s = time.perf_counter() - start - repartition_s
         with _graph_ids_lock:
@@ -400,12 +415,17 @@ class _OffloadPartitioner(_compat.CustomPartitionerFn):
         changed = plan.offloaded or plan.recomputed
         start = time.perf_counter()
         temporaries = plan.costs.temporaries if plan.costs is not None else {}
-        memory_after = simulate(fw, bw, num_fwd_outputs, tuple(static), temporaries) if changed else memory_before
+        outside = plan.costs.outside if plan.costs is not None else 0
+        memory_after = (
+            simulate(fw, bw, num_fwd_outputs, tuple(static), temporaries, outside) if changed else memory_before
+        )
         timings = PassTimings(pass_s, repartition_s, time.perf_counter() - start, *nodes_in)
         report = OffloadReport.from_plan(
             graph_id, plan, fw, bw, self.options.host_budget, host_before, memory_before, memory_after
         )
-        report = dataclasses.replace(report, timings=timings, num_fwd_outputs=num_fwd_outputs, graphs=(fw, bw))
+        report = dataclasses.replace(
+            report, timings=timings, num_fwd_outputs=num_fwd_outputs, graphs=(fw, bw), upstream=self.upstream
+        )
         if self.report_budget is not None:
             report = dataclasses.replace(report, memory_budget=self.report_budget)
         self.report = report
@@ -431,12 +451,15 @@ def offload_pass(
     host_bytes_available: int | None = None,
     disabled_reason: Reason | str = "",
     repartition: Callable[[frozenset[str]], tuple[fx.GraphModule, fx.GraphModule]] | None = None,
+    outside: int = 0,
 ) -> tuple[fx.GraphModule, fx.GraphModule, OffloadPlan]:
     """The fxoffload pass on a partitioned pair: analyse, plan, rewrite. Returns the rewritten pair
     and the plan.
 
     ``repartition(names)`` runs torch's partitioner again with the forward nodes ``names`` tagged
     for recomputation; without it (a pair with no joint graph behind it) nothing is recomputed.
+    ``outside``: device bytes code before the pair holds through it (``upstream.py``), in every
+    timeline and so in the budget.
     The pair is rewritten in place unless the plan recomputes something: then the returned pair is
     the new partition. The predicted memory before any change is ``(plan.partition_costs or
     plan.costs).baseline``; ``plan.costs.baseline`` is that of the pair the plan was made for.
@@ -447,7 +470,7 @@ def offload_pass(
     lifetimes = _lifetimes(fw, bw, num_fwd_outputs, static)
     # 2. Costs: compute time of every node and the host link, on the graph's device; what could be
     #    recomputed instead, and for how much.
-    costs = plan_costs(fw, bw, lifetimes, options, num_fwd_outputs, static)
+    costs = plan_costs(fw, bw, lifetimes, options, num_fwd_outputs, static, outside)
     recompute, why_not = {}, {}
     # Considered for a memory_budget, or when a policy function may ask for it (then at any size: the
     #    planner applies min_bytes to its own choices only). The refusals are kept on the decisions.
@@ -496,7 +519,7 @@ def offload_pass(
                 )
                 break
             new_lifetimes = _lifetimes(new_fw, new_bw, num_fwd_outputs, static)
-            new_costs = plan_costs(new_fw, new_bw, new_lifetimes, options, num_fwd_outputs, static)
+            new_costs = plan_costs(new_fw, new_bw, new_lifetimes, options, num_fwd_outputs, static, outside)
             sources = recompute_sources(new_bw, names, frozenset(t.name for t in new_lifetimes.saved))
             second = replan_after_recompute(
                 plan, new_lifetimes, new_costs, options, sources, host_bytes_available=host_bytes_available
@@ -605,9 +628,11 @@ def plan_costs(
     options: OffloadOptions,
     num_fwd_outputs: int,
     static: tuple[int, ...] = (),
+    outside: int = 0,
 ) -> PlanCosts:
     """The cost model's view of a graph pair: device rates, predicted node start times, the ops'
-    measured temporaries and the predicted memory before any change (``baseline``)."""
+    measured temporaries and the predicted memory before any change (``baseline``), ``outside``
+    bytes (held by code before the pair) included."""
     device = cost_device(lifetimes)
     link = options.bandwidth or (options.cpu_link_bandwidth if device.type == "cpu" else None)
     overrides = dict(link or ()) | dict(options.compute_rates or ())
@@ -621,7 +646,7 @@ def plan_costs(
     temporaries = {}
     if lifetimes.saved and (options.offload_cpu if device.type == "cpu" else options.calibrate and wants_measure):
         temporaries = op_temporaries((fw, bw), device)
-    baseline = simulate(fw, bw, num_fwd_outputs, static, temporaries)
+    baseline = simulate(fw, bw, num_fwd_outputs, static, temporaries, outside)
     return PlanCosts(
         rates,
         tuple(node_start_times(fw, rates, fw_times)),
@@ -629,7 +654,18 @@ def plan_costs(
         baseline,
         calibrated=len(fw_times or ()) + len(bw_times or ()),
         temporaries=temporaries,
+        outside=outside,
     )
+
+
+def _upstream(example_inputs: list[Any]) -> UpstreamMemory | None:
+    """``upstream_memory`` of Dynamo's real example inputs; None where it cannot be read (a tensor
+    subclass without storage, fake inputs): then nothing outside the graph is counted."""
+    try:
+        return upstream_memory(example_inputs, graph_device(example_inputs))
+    except Exception as e:  # an estimate never fails a compile
+        log.info("fxoffload: cannot read what code before this graph holds (%s); counting none", e)
+        return None
 
 
 def cost_device(lifetimes: GraphLifetimes) -> torch.device:

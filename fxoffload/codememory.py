@@ -337,6 +337,7 @@ def simulate_output_code(
     static_input_indices: Sequence[int] = (),
     temporaries: Mapping[str, int] | None = None,
     symbols: Mapping[str, int] | None = None,
+    outside: int = 0,
 ) -> MemoryTimeline:
     """The device-memory timeline of one training step through Inductor's forward then backward wrapper.
 
@@ -350,7 +351,8 @@ def simulate_output_code(
     ``op_temporaries`` (``{n.name: b for n, b in ...items()}``) are measured on the FX graph's layouts and
     may not be what Inductor's layouts need: on a CPU, a CNN's ``convolution_backward`` measured 1 MiB
     alone, while in the channels-last wrapper the whole step stayed within 19 KB of this model without
-    them. ``symbols``: values of symbolic sizes (``{"s0": 8}``).
+    them. ``symbols``: values of symbolic sizes (``{"s0": 8}``). ``outside``: bytes code before the
+    pair holds through it, "outside" at every point (``memory.simulate``).
 
     Points are ``MemoryPoint(phase, "<phase> line <n>: <statement>", live)`` with ``live`` in the
     categories of ``memory.CATEGORIES``; the peak less "parameters" and "inputs" is what the step
@@ -414,6 +416,7 @@ def simulate_output_code(
     points = []
     for phase, label, live, scratch in state.events:
         by = dict.fromkeys(CATEGORIES, 0)
+        by["outside"] = outside  # what code before the pair holds through it (``memory.simulate``)
         for i in live:
             by[state.storages[i].category] += state.storages[i].nbytes
         by["transient"] += scratch

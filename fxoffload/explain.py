@@ -186,6 +186,12 @@ def _backward_growth(r: OffloadReport) -> list[str]:
         + (f" (+ {fmt_bytes(host[bw[0]])} of host copies)" if host and host[bw[0]] else "")
         + f", gradients {fmt_bytes(start['gradients'])}",
     ]  # fmt: skip
+    if start["outside"]:
+        lines.append(
+            f"  held from before its forward to after its backward: {r.upstream.summary()} (autograd frees "
+            "them when it reaches that code, after this graph's backward)"
+            if r.upstream is not None else f"  held through it: {fmt_bytes(start['outside'])} saved by code before it"
+        )
     partial = _gradient_partials(r, bpeak - len(fw))
     lines.append(
         f"  at the backward peak: saved activations {fmt_bytes(at['saved'])} still live "
@@ -259,12 +265,14 @@ def _after_step(reports: Sequence[OffloadReport], step: StepMemory) -> list[str]
         (r.peak_breakdown("after"), r) for r in reports if r.memory_after is not None and r.memory_after.points
     ]
     if predicted:
-        above = max(p.total - p.device["parameters"] - p.device["inputs"] for p, _ in predicted)
+        above = max(p.total - r.start_bytes for p, r in predicted)
+        gap = b.peak_bytes - above
         lines.append(
-            f"  the compiled graphs predict at most {fmt_bytes(above)} above their parameters and inputs; the "
-            f"measured peak is {fmt_bytes(b.peak_bytes - above)} "
-            + ("more: memory no compiled graph covers (code that runs eagerly, autograd's buffers) or model error"
-               if b.peak_bytes >= above else "less")
+            f"  the compiled graphs predict at most {fmt_bytes(above)} above the step's start (what code before "
+            f"them saved included); the measured peak is {fmt_bytes(abs(gap))} "
+            + ("more" if gap >= 0 else "less") + f" ({gap / b.peak_bytes:+.1%} of it)" * bool(b.peak_bytes)
+            + (": memory no compiled graph sees (code after a graph, tensors held outside autograd) or model error"
+               if gap > 0.05 * b.peak_bytes else "")
         )  # fmt: skip
     state = (
         f"{step.optimizer} state {fmt_bytes(step.optimizer_state_bytes)} ({step.optimizer_state_tensors} tensors: "

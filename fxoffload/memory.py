@@ -9,6 +9,8 @@ Rules (sizes from fake values, symbolic sizes at their hints):
 - Forward outputs saved for the backward are "saved" from their producer until their last backward
   use; user outputs live until the end of the forward; everything else is "transient".
 - Backward outputs are "gradients" and live until the end of the backward; tangents are "transient".
+- "outside": what code before the pair saved for its own backward (``upstream.py``), given as
+  ``outside``; held at every point, since autograd runs that backward after this pair's.
 - Host tensors (the outputs of ``fxoffload.offload`` and the backward placeholders holding them) are
   not device memory. A ``fxoffload.reload`` allocates its device destination when it is issued.
 
@@ -33,7 +35,7 @@ import torch.fx as fx
 from . import ops
 from .lifetimes import _tensor_bytes, static_inputs, storage_root
 
-CATEGORIES = ("parameters", "inputs", "saved", "transient", "gradients")
+CATEGORIES = ("parameters", "inputs", "saved", "transient", "gradients", "outside")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,13 +120,16 @@ def simulate(
     num_fwd_outputs: int,
     static_input_indices: Sequence[int] = (),
     temporaries: Mapping[fx.Node, int] | None = None,
+    outside: int = 0,
 ) -> MemoryTimeline:
     """The device-memory timeline of one training step through ``fw`` then ``bw``.
 
     ``temporaries``: scratch bytes a node allocates and frees inside its own call (measured, see
-    ``temporaries.op_temporaries``), counted at that node's point as "transient"."""
+    ``temporaries.op_temporaries``), counted at that node's point as "transient". ``outside``: bytes
+    code before the pair holds through it (``upstream.UpstreamMemory.saved_bytes``)."""
     scratch = temporaries or {}
     live = dict.fromkeys(CATEGORIES, 0)
+    live["outside"] = outside
     points: list[MemoryPoint] = []
 
     # ---- forward

@@ -57,6 +57,7 @@ class PlanCosts:
     # Scratch bytes ops allocate while they run (temporaries.py), by node of this pair; the memory
     # model adds them at the node's point. Empty where they were not measured.
     temporaries: Mapping[fx.Node, int] = dataclasses.field(default_factory=dict, compare=False, repr=False)
+    outside: int = 0  # device bytes code before the pair holds through it (``upstream.py``), in ``baseline``
 
 
 @dataclasses.dataclass(frozen=True)

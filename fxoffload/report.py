@@ -22,6 +22,7 @@ from .plan import OFFLOAD, RECOMPUTE, OffloadPlan, PlanCosts, fmt_bytes
 from .reasons import Action
 from .rewrite import host_placeholder_name
 from .schedule import copy_seconds, windows
+from .upstream import UpstreamMemory
 
 log = logging.getLogger(__name__)
 
@@ -74,8 +75,11 @@ class HostCopy:
 BUDGET_TOLERANCE = 0.03
 
 # The kinds a breakdown shows, in this order; "host" is host memory and not part of the device total.
-KINDS = ("parameters", "inputs", "gradients", "saved", "transient", "host")
-_KIND_NAMES = {"saved": "saved activations", "transient": "transients", "host": "host copies in flight"}
+KINDS = ("parameters", "inputs", "gradients", "saved", "transient", "outside", "host")
+_KIND_NAMES = {
+    "saved": "saved activations", "transient": "transients", "host": "host copies in flight",
+    "outside": "saved by code before this graph",
+}  # fmt: skip
 TIMELINES = ("before", "after", "compiled")
 
 
@@ -156,6 +160,10 @@ class OffloadReport:
     # With memory_budget and Inductor: each earlier plan whose generated code missed the budget, and
     # the target it was planned again for (oldest first); empty when the first plan's code met it.
     replans: tuple[str, ...] = ()
+    # What code before this graph (eager code, other graphs) saved and holds on its device while it
+    # runs, read from the autograd graph behind its inputs when it compiled: "outside" in every
+    # timeline. None where it could not be read.
+    upstream: UpstreamMemory | None = None
 
     @classmethod
     def from_plan(
@@ -336,6 +344,16 @@ class OffloadReport:
     def predicted_peak_after(self) -> int:
         return self.memory_after.peak_bytes if self.memory_after else 0
 
+    @property
+    def start_bytes(self) -> int:
+        """Bytes of every timeline live before the step starts: the parameters and the inputs, less the
+        inputs that code before this graph made in the step (``upstream``). A measured peak above the
+        step's start (``fxoffload.measure_memory``) plus these compares with a point's total."""
+        timeline = self.memory_after or self.memory_before
+        points = timeline.points if timeline is not None else ()
+        held = max((p.live["parameters"] + p.live["inputs"] for p in points), default=0)
+        return held - (self.upstream.made_inputs_bytes if self.upstream is not None else 0)
+
     def compiled_memory(self) -> MemoryTimeline | None:
         """Device memory of one step replayed from the code Inductor generated for this pair
         (``codememory``): the buffers it really allocates after fusion and reuse, freed where it frees
@@ -345,7 +363,8 @@ class OffloadReport:
         if not forward or not backward:
             return None
         try:
-            return simulate_output_code(forward, backward, self.num_fwd_outputs)
+            outside = self.upstream.saved_bytes if self.upstream is not None else 0
+            return simulate_output_code(forward, backward, self.num_fwd_outputs, outside=outside)
         except ValueError as e:  # code this reader does not know (a new Inductor): no figure, no failure
             log.debug("fxoffload: cannot replay the generated code of graph %d: %s", self.graph_id, e)
             return None
@@ -440,6 +459,8 @@ class OffloadReport:
             lines.append(
                 f"  predicted peak {label}: {fmt_bytes(peak.total)} at {peak.phase} node {peak.node} ({peak.kinds()})"
             )
+        if self.upstream is not None and self.upstream.saved_bytes:
+            lines.append(f"  held through it: {self.upstream.summary()}")
         compiled = self.compiled_memory()
         if compiled is not None and compiled.points:
             peak = self.peak_breakdown("compiled")
@@ -493,7 +514,7 @@ class OffloadReport:
             xs = _original_positions(after)
             bottom = [0.0] * len(xs)
             colors = {"parameters": "#9ecae1", "inputs": "#c6dbef", "gradients": "#fdae6b", "saved": "#74c476",
-                      "transient": "#bcbddc"}  # fmt: skip
+                      "transient": "#bcbddc", "outside": "#d9d9d9"}  # fmt: skip
             kinds = self.device_kinds("after")
             for kind in CATEGORIES:
                 values = [k[kind] / mib for k in kinds]
@@ -564,6 +585,9 @@ class OffloadReport:
             data["timings"] = PassTimings(**data["timings"])
         data["host_copies"] = tuple(HostCopy(**c) for c in data.get("host_copies", ()))
         data["replans"] = tuple(data.get("replans", ()))
+        if data.get("upstream") is not None:
+            up = data["upstream"]
+            data["upstream"] = UpstreamMemory(**{**up, "largest": tuple(tuple(x) for x in up["largest"])})
         return cls(**data)
 
     def graph_code(self) -> str:
@@ -724,14 +748,11 @@ def _measured_level(report: OffloadReport, measured: Any) -> tuple[int, str] | N
             )
         measured = found[0]
     if isinstance(measured, DeviceMemory):
-        # Parameters and inputs are live through the whole step; the first points are their placeholders.
-        timeline = report.memory_after or report.memory_before
-        points = timeline.points if timeline is not None else ()
-        start = max((p.live["parameters"] + p.live["inputs"] for p in points), default=0)
+        start = report.start_bytes  # parameters and inputs, live through the whole step
         where = "CPU" if measured.device == "cpu" else measured.device
         return start + measured.peak_bytes, (
             f"measured peak ({where}) {fmt_bytes(measured.peak_bytes)} above the start, "
-            f"drawn on this graph's {fmt_bytes(start)} of parameters and inputs"
+            f"drawn on this graph's {fmt_bytes(start)} of parameters and inputs live before the step"
         )
     raise ValueError(
         f"fxoffload: plot(measured={type(measured).__name__}): pass bytes (an int), a DeviceMemory or a "

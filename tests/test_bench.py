@@ -201,8 +201,12 @@ def test_memory_bench_rows(restore_threads):
     track_cpu_frees()
     torch.set_num_threads(1)
     rows = [measure("mlp", "aot_eager", None), measure("mlp", "aot_eager", "all")]
-    baseline, planned = rows
+    rows.append(measure("mlp", "aot_eager", "all", scale=4))  # the batch 4 times as large
+    baseline, planned, larger = rows
     assert planned["offloaded"] > 0 and "predicted_peak" not in baseline
-    assert abs(planned["predicted_peak"] / planned["measured_peak"] - 1) < 0.01, planned
-    (_, _, row) = memory_table(rows).splitlines()[1:]
-    assert row.split()[:3] == ["mlp", "aot_eager", "all"] and "FX graphs" in row
+    for r in (planned, larger):
+        assert abs(r["predicted_peak"] / r["measured_peak"] - 1) < 0.01, r
+    assert (planned["batch"], larger["batch"]) == (32, 128) and larger["measured_peak"] > planned["measured_peak"]
+    (_, _, row, other) = memory_table(rows).splitlines()[1:]
+    assert row.split()[:4] == ["mlp", "32", "aot_eager", "all"] and "FX graphs" in row
+    assert other.split()[:4] == ["mlp", "128", "aot_eager", "all"]

@@ -84,7 +84,7 @@ def test_a_step_to_the_byte():
     assert peak.phase == "backward"
     assert peak.node.startswith("backward line 6: buf1 = empty_strided_cpu((64, 64)")
     assert peak.live == {
-        "parameters": 16384, "inputs": 2048, "saved": 2048, "transient": 2052, "gradients": 16384
+        "parameters": 16384, "inputs": 2048, "saved": 2048, "transient": 2052, "gradients": 16384, "outside": 0,
     }  # fmt: skip
 
 

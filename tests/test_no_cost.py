@@ -36,15 +36,16 @@ CASES = [
     ("gpt", "inductor", "all"),
     ("gpt", "aot_eager", "all"),
     ("cnn", "aot_eager", "all"),
-    # The compiled part of seq2seq alone (its packed-GRU encoder runs eagerly and peaks above it, which
-    # hid that edges from reloads to earlier gradients raised this one by 30 KiB of Inductor's code).
-    ("seq2seq-decoder", "inductor", "all"),
+    # Its packed-GRU encoder runs eagerly before the graph and holds its activations through it (the
+    # prediction counts them as "outside"); the step peaks in the graph's backward, where edges from
+    # reloads to earlier gradients once raised the peak by 30 KiB of Inductor's code.
+    ("seq2seq", "inductor", "all"),
 ]
 
 
 # Inductor compiles of the pair under verify_peak: GPT's plan peaks below what the unchanged code holds
-# at the end of its forward (no second compile); the seq2seq decoder's ties with it (compiled again).
-COMPILES = {"gpt": 1, "seq2seq-decoder": 2}
+# at the end of its forward (no second compile); seq2seq's ties with it (compiled again).
+COMPILES = {"gpt": 1, "seq2seq": 2}
 
 
 @pytest.mark.parametrize("name, inner, policy", CASES)
@@ -66,9 +67,8 @@ def test_offloading_never_raises_the_measured_peak(name, inner, policy, monkeypa
         # verify_peak kept the plan: its code peaks no higher than the unchanged pair's.
         assert not report.note and "fxoffload.offload" in report.output_code["forward"], report.note
         assert len(compiles) == COMPILES[name]
-        peak = report.compiled_memory().peak
-        predicted = peak.total - peak.live["parameters"] - peak.live["inputs"]
-        # CPU, torch 2.13: gpt 3137284 predicted / 3137288 measured, seq2seq-decoder 475908 / 475912.
+        predicted = report.compiled_memory().peak_bytes - report.start_bytes
+        # CPU, torch 2.13: gpt 3137284 predicted / 3137288 measured, seq2seq 662184 / 670344.
         assert abs(predicted / with_plan - 1) < 0.05, (name, predicted, with_plan)
     baseline = _baseline(name, inner)
     assert with_plan <= baseline, (

@@ -1,0 +1,158 @@
+"""What code before a compiled graph holds on its device while the graph runs. Pure, reads tensors.
+
+A compiled graph is rarely the whole step: an encoder that Dynamo cannot trace runs eagerly, a graph
+break splits a model in two. What that earlier code saved for its backward is on the device from
+before this graph's forward until after this graph's backward (autograd runs the backward of earlier
+code later), so it belongs to every point of this graph's timeline, and it is none of the graph's
+own tensors. A backend sees it through the real tensors Dynamo passes at compile time: the autograd
+graph behind each input (its ``grad_fn`` and what that node reaches) holds the saved tensors.
+
+    upstream = upstream_memory(example_inputs, torch.device("cuda", 0))
+    upstream.saved_bytes        # "outside" at every point of the graph's timeline
+    upstream.made_inputs_bytes  # inputs that earlier code made in this step: not live at its start
+
+Counted: the storages of the tensors saved by the nodes reached, on ``device``, once each. Left out:
+storages of the graph's inputs (its timeline has them), of leaves that gradients accumulate into
+(parameters), of ``nn.Parameter``s and their views (a frozen weight is saved by a linear layer too),
+and fxoffload's own host buffers. Saved tensors behind a pack hook (``save_on_cpu``, checkpointing)
+are read without unpacking: what the hook returned counts if it is a tensor on ``device``.
+
+Not seen, so not counted: tensors earlier code holds outside autograd (a cache, a Python variable),
+an optimizer's state, buffers saved by earlier code (counted as if made in the step: they cannot be
+told from a mask made there), and what code after this graph allocates. Read once, when the graph
+compiles; a later step that holds more is not seen until Dynamo compiles again.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import torch
+
+from ._compat import saved_tensor_payload
+from .ops import host_buffer_ranges
+
+log = logging.getLogger(__name__)
+
+__all__ = ["UpstreamMemory", "upstream_memory", "graph_device"]
+
+# Autograd nodes read at most: an eager prefix of a big model has thousands; this bounds a pathological one.
+MAX_NODES = 200_000
+
+
+@dataclasses.dataclass(frozen=True)
+class UpstreamMemory:
+    """Device bytes that code before a compiled graph holds while the graph runs (see the module)."""
+
+    saved_bytes: int  # saved by earlier autograd nodes, on the graph's device: "outside" in its timeline
+    made_inputs_bytes: int  # the graph's own inputs made by earlier code in this step (they have a grad_fn)
+    nodes: int  # autograd nodes read
+    largest: tuple[tuple[str, int], ...] = ()  # the nodes saving the most bytes: (node name, bytes)
+
+    def summary(self) -> str:
+        from .plan import fmt_bytes
+
+        text = f"{fmt_bytes(self.saved_bytes)} saved by code before this graph ({self.nodes} autograd nodes)"
+        if self.largest:
+            text += ", most by " + ", ".join(f"{name} {fmt_bytes(n)}" for name, n in self.largest)
+        return text
+
+
+def graph_device(inputs: Iterable[Any]) -> torch.device:
+    """The device a graph's memory is on: that of its first accelerator input, else the CPU."""
+    for t in inputs:
+        if isinstance(t, torch.Tensor) and t.device.type not in ("cpu", "meta"):
+            return t.device
+    return torch.device("cpu")
+
+
+def upstream_memory(inputs: Sequence[Any], device: torch.device, largest: int = 3) -> UpstreamMemory:
+    """The autograd graph behind ``inputs`` (a compiled graph's real example inputs), read on
+    ``device``. Reads only: no saved tensor is unpacked, no hook called."""
+    tensors = [t for t in inputs if isinstance(t, torch.Tensor)]
+    own = {_storage_key(t) for t in tensors}
+    made = {_storage_key(t): _storage_bytes(t) for t in tensors if t.grad_fn is not None and _on(t, device)}
+    host = host_buffer_ranges()
+
+    nodes = _reachable([t.grad_fn for t in tensors if t.grad_fn is not None])
+    leaves = set()
+    for node in nodes:
+        variable = getattr(node, "variable", None)  # AccumulateGrad: the leaf its gradient goes to
+        if isinstance(variable, torch.Tensor):
+            leaves.add(_storage_key(variable))
+    counted: dict[tuple[int, int], int] = {}
+    by_node: dict[str, int] = {}
+    for node in nodes:
+        for t in _saved_tensors(node):
+            key = _storage_key(t)
+            if (
+                key in counted or key in own or key in leaves or not _on(t, device)
+                or _is_parameter(t) or _in_host_buffer(t, host)
+            ):  # fmt: skip
+                continue
+            counted[key] = _storage_bytes(t)
+            name = node.name()
+            by_node[name] = by_node.get(name, 0) + counted[key]
+    top = sorted(by_node.items(), key=lambda kv: -kv[1])[:largest]
+    upstream = UpstreamMemory(sum(counted.values()), sum(made.values()), len(nodes), tuple(top))
+    if upstream.saved_bytes:
+        log.info("fxoffload: %s", upstream.summary())
+    return upstream
+
+
+def _reachable(roots: list[Any]) -> list[Any]:
+    seen: dict[int, Any] = {}
+    stack = list(roots)
+    while stack and len(seen) < MAX_NODES:
+        node = stack.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen[id(node)] = node
+        stack.extend(fn for fn, _ in getattr(node, "next_functions", ()) if fn is not None)
+    if stack:
+        log.warning("fxoffload: read %d autograd nodes before this graph and stopped; more are not counted",
+                    MAX_NODES)  # fmt: skip
+    return list(seen.values())
+
+
+def _saved_tensors(node: Any) -> list[torch.Tensor]:
+    """The tensors ``node`` saved (C++ nodes: ``_raw_saved_<name>``, a list for a tensor list;
+    Python functions: ``_raw_saved_tensors``), read without unpacking."""
+    out = []
+    for attr in dir(node):
+        if not attr.startswith("_raw_saved_"):
+            continue
+        try:
+            raw = getattr(node, attr)
+        except RuntimeError:  # freed by a backward that already ran
+            continue
+        for saved in raw if isinstance(raw, (list, tuple)) else (raw,):
+            payload = saved_tensor_payload(saved)
+            if isinstance(payload, torch.Tensor):
+                out.append(payload)
+    return out
+
+
+def _storage_key(t: torch.Tensor) -> tuple[int, int]:
+    storage = t.untyped_storage()
+    return (storage.data_ptr(), storage.nbytes())
+
+
+def _storage_bytes(t: torch.Tensor) -> int:
+    return t.untyped_storage().nbytes()
+
+
+def _on(t: torch.Tensor, device: torch.device) -> bool:
+    return t.device.type == device.type and (device.index is None or t.device.index == device.index)
+
+
+def _is_parameter(t: torch.Tensor) -> bool:
+    return isinstance(t, torch.nn.Parameter) or isinstance(t._base, torch.nn.Parameter)
+
+
+def _in_host_buffer(t: torch.Tensor, host: list[tuple[int, int]]) -> bool:
+    address = t.untyped_storage().data_ptr()
+    return any(start <= address < start + size for start, size in host)

@@ -1,0 +1,120 @@
+"""What code before a compiled graph holds while it runs (``fxoffload.upstream``): read from the autograd
+graph behind the graph's real inputs, counted to the byte, nothing unpacked, and measured on a step."""
+
+import pytest
+import torch
+import torch.nn as nn
+
+import fxoffload
+from fxoffload.report import OffloadReport
+from fxoffload.upstream import graph_device, upstream_memory
+
+CPU = torch.device("cpu")
+
+
+def test_saved_activations_count_parameters_leaves_and_own_inputs_do_not():
+    torch.manual_seed(0)
+    x = torch.randn(4, 8, requires_grad=True)  # a leaf: gradients accumulate into it
+    w = nn.Parameter(torch.randn(8, 16))
+    frozen = nn.Linear(16, 16).requires_grad_(False)  # saved as weight.t(), a view of a parameter
+    h = x @ w  # saves x (a leaf) and w (a parameter): neither counts
+    s = h.sigmoid()  # saves its result: 4 x 16 float32 = 256 bytes
+    u = s.tanh()  # the same: 256 bytes
+    t = frozen(u)  # addmm saves weight.t() only (no gradient for the weight, so not its input)
+    assert t.grad_fn._raw_saved_mat2.data._base is frozen.weight  # 1 KiB, a parameter's: not counted
+    upstream = upstream_memory([t, w], CPU)
+    assert upstream.saved_bytes == 256 + 256
+    assert upstream.made_inputs_bytes == 256  # t: made by the code before, in this step
+    assert upstream.nodes == 6  # Addmm, Tanh, Sigmoid, Mm, and the two AccumulateGrad
+    assert dict(upstream.largest) == {"SigmoidBackward0": 256, "TanhBackward0": 256}
+    # The graph's own input is its own: passing s too leaves it out of "outside".
+    assert upstream_memory([t, s], CPU).saved_bytes == 256
+    # Not on the graph's device: nothing.
+    assert upstream_memory([t], torch.device("cuda", 0)).saved_bytes == 0
+    assert graph_device([1, t]) == CPU
+
+
+def test_saved_tensors_behind_hooks_are_read_without_unpacking():
+    """A checkpoint's saved tensors are handles (unpacking one would recompute), ``save_on_cpu``'s are
+    host copies (unpacking one copies it back): read, neither is unpacked, and a hook's tensor payload
+    on the device counts."""
+    unpacked = []
+
+    def pack(t):
+        return t
+
+    def unpack(t):
+        unpacked.append(t)
+        return t
+
+    x = torch.randn(4, 16, requires_grad=True)
+    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+        kept = x.exp()  # exp saves its result through the hooks: 256 bytes on the device
+    calls = []
+
+    def block(v):
+        calls.append(1)
+        return v.sin()
+
+    ckpt = torch.utils.checkpoint.checkpoint(block, kept, use_reentrant=False)
+    with torch.autograd.graph.save_on_cpu():
+        out = ckpt.cos()  # saved as ("cpu", copy): not a tensor, so not counted
+    upstream = upstream_memory([out], CPU)
+    assert upstream.saved_bytes == 256
+    assert not unpacked and calls == [1]  # read only: no unpack hook, no recomputation
+    out.sum().backward()  # the graph still works, and now the hooks run
+    assert calls == [1, 1] and unpacked
+
+
+def test_nothing_before_the_graph_counts_nothing():
+    x = torch.randn(4, 8, requires_grad=True)
+    upstream = upstream_memory([x, torch.arange(3)], CPU)
+    assert (upstream.saved_bytes, upstream.made_inputs_bytes, upstream.largest) == (0, 0, ())
+
+
+class _EagerFirst(nn.Module):
+    """An eager block (``torch.compiler.disable``) before a compiled MLP: like seq2seq's encoder."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.shift = nn.Parameter(torch.zeros(64))
+        self.eager = nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64))
+        self.mlp = nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 256), nn.GELU(), nn.Linear(256, 1))
+
+    @torch.compiler.disable
+    def before(self, x: torch.Tensor) -> torch.Tensor:
+        return self.eager(x + self.shift)  # the add saves nothing: the batch is saved by no one
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.mlp(self.before(x)).pow(2).mean()
+
+
+@pytest.mark.parametrize("options", [{"policy": "none"}, {"policy": "all"}, {"policy": "auto", "memory_budget": 0.95}])
+def test_an_eager_block_before_the_graph_is_predicted_with_it(options):
+    """The step's measured peak is the graph's predicted peak with what the eager block saved on top
+    (CPU allocator events, one thread); a budget is met counting it."""
+    from .conftest import measured_steady_step
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model, x = _EagerFirst(), torch.randn(64, 64)
+    backend = fxoffload.backend(offload_cpu=True, inner="aot_eager", min_bytes=0, bandwidth="0.01GB", **options)
+    compiled = torch.compile(model, backend=backend)
+    measured, caught = measured_steady_step(model, lambda: compiled(x).backward())
+    (report,) = backend.reports
+    # GELU saves its input (64 x 256 float32), the second Linear GELU's output (the same), the first
+    # Linear x + shift (64 x 64). The graph's input is the eager block's output. (Had the block saved
+    # the batch x itself, x would count too, though live before the step: a saved tensor does not say
+    # whether the step made it.)
+    assert report.upstream.saved_bytes == 2 * 64 * 256 * 4 + 64 * 64 * 4
+    assert report.upstream.made_inputs_bytes == 64 * 64 * 4
+    timeline = report.memory_after or report.memory_before
+    assert {p.live["outside"] for p in timeline.points} == {report.upstream.saved_bytes}
+    predicted = timeline.peak_bytes - report.start_bytes
+    assert abs(predicted / measured - 1) < 0.01, (predicted, measured, report.summary())
+    assert "saved by code before this graph" in report.summary()
+    assert OffloadReport.from_json(report.to_json()).upstream == report.upstream
+    if report.memory_budget is not None:
+        assert report.offloaded or report.recomputed  # 0.95 of the peak, the eager block in it
+        assert not [w for w in caught if "memory_budget" in str(w.message)]  # the plan says it fits
+        assert measured + report.start_bytes <= report.memory_budget * 1.03, (measured, report.summary())
