@@ -483,6 +483,13 @@ def profiler_active() -> bool:
     return bool(enabled()) if enabled is not None else True  # unknown: assume one is, and stay out
 
 
+def is_fake(t: Any) -> bool:
+    """Whether ``t`` is a FakeTensor (no data: its storage address means nothing)."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return isinstance(t, FakeTensor)
+
+
 def saved_tensor_payload(saved: Any) -> Any:
     """What an autograd node's ``SavedTensor`` (its ``_raw_saved_*``) holds, without unpacking it:
     the tensor itself, or the object a saved-tensors pack hook returned (``save_on_cpu``'s host copy,

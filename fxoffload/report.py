@@ -352,7 +352,7 @@ class OffloadReport:
         timeline = self.memory_after or self.memory_before
         points = timeline.points if timeline is not None else ()
         held = max((p.live["parameters"] + p.live["inputs"] for p in points), default=0)
-        return held - (self.upstream.made_inputs_bytes if self.upstream is not None else 0)
+        return max(0, held - (self.upstream.made_inputs_bytes if self.upstream is not None else 0))
 
     def compiled_memory(self) -> MemoryTimeline | None:
         """Device memory of one step replayed from the code Inductor generated for this pair

@@ -25,6 +25,7 @@ compiles; a later step that holds more is not seen until Dynamo compiles again.
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import logging
 from collections.abc import Iterable, Sequence
@@ -32,15 +33,16 @@ from typing import Any
 
 import torch
 
-from ._compat import saved_tensor_payload
+from ._compat import is_fake, saved_tensor_payload
 from .ops import host_buffer_ranges
 
 log = logging.getLogger(__name__)
 
 __all__ = ["UpstreamMemory", "upstream_memory", "graph_device"]
 
-# Autograd nodes read at most: an eager prefix of a big model has thousands; this bounds a pathological one.
-MAX_NODES = 200_000
+# Autograd nodes read at most (about 20 us each on a CPU): an eager prefix of a big model has
+# thousands; this bounds a pathological one to about 2 s per compile.
+MAX_NODES = 100_000
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,7 +50,9 @@ class UpstreamMemory:
     """Device bytes that code before a compiled graph holds while the graph runs (see the module)."""
 
     saved_bytes: int  # saved by earlier autograd nodes, on the graph's device: "outside" in its timeline
-    made_inputs_bytes: int  # the graph's own inputs made by earlier code in this step (they have a grad_fn)
+    # The graph's own inputs made by earlier code in this step (an op's output, not a view of a
+    # parameter or a leaf), at the bytes the graph's timeline counts them with.
+    made_inputs_bytes: int
     nodes: int  # autograd nodes read
     largest: tuple[tuple[str, int], ...] = ()  # the nodes saving the most bytes: (node name, bytes)
 
@@ -71,31 +75,38 @@ def graph_device(inputs: Iterable[Any]) -> torch.device:
 
 def upstream_memory(inputs: Sequence[Any], device: torch.device, largest: int = 3) -> UpstreamMemory:
     """The autograd graph behind ``inputs`` (a compiled graph's real example inputs), read on
-    ``device``. Reads only: no saved tensor is unpacked, no hook called."""
+    ``device``. Reads only: no saved tensor is unpacked, no hook called. A tensor whose storage
+    cannot be read (a wrapper subclass such as DTensor) is skipped; fake inputs give nothing."""
     tensors = [t for t in inputs if isinstance(t, torch.Tensor)]
-    own = {_storage_key(t) for t in tensors}
-    made = {_storage_key(t): _storage_bytes(t) for t in tensors if t.grad_fn is not None and _on(t, device)}
-    host = host_buffer_ranges()
-
+    if any(is_fake(t) for t in tensors):
+        return UpstreamMemory(0, 0, 0)
+    own = {k for k in map(_storage_key, tensors) if k is not None}
     nodes = _reachable([t.grad_fn for t in tensors if t.grad_fn is not None])
     leaves = set()
     for node in nodes:
         variable = getattr(node, "variable", None)  # AccumulateGrad: the leaf its gradient goes to
         if isinstance(variable, torch.Tensor):
             leaves.add(_storage_key(variable))
+    made = {}
+    for t in tensors:
+        key, root = _storage_key(t), t._base if t._base is not None else t
+        op_made = root.grad_fn is not None and not _is_parameter(t)  # not a parameter's view or a leaf's
+        if key is not None and op_made and key not in leaves and _on(t, device):
+            made[key] = made.get(key, 0) + t.numel() * t.element_size()  # as the graph's timeline counts it
+    host = _HostRanges() if device.type == "cpu" else None  # elsewhere a host buffer is never on the device
     counted: dict[tuple[int, int], int] = {}
     by_node: dict[str, int] = {}
     for node in nodes:
         for t in _saved_tensors(node):
             key = _storage_key(t)
             if (
-                key in counted or key in own or key in leaves or not _on(t, device)
-                or _is_parameter(t) or _in_host_buffer(t, host)
+                key is None or key in counted or key in own or key in leaves or not _on(t, device)
+                or _is_parameter(t) or (host is not None and key[0] in host)
             ):  # fmt: skip
                 continue
-            counted[key] = _storage_bytes(t)
+            counted[key] = key[1]
             name = node.name()
-            by_node[name] = by_node.get(name, 0) + counted[key]
+            by_node[name] = by_node.get(name, 0) + key[1]
     top = sorted(by_node.items(), key=lambda kv: -kv[1])[:largest]
     upstream = UpstreamMemory(sum(counted.values()), sum(made.values()), len(nodes), tuple(top))
     if upstream.saved_bytes:
@@ -118,13 +129,17 @@ def _reachable(roots: list[Any]) -> list[Any]:
     return list(seen.values())
 
 
+_SAVED_ATTRS: dict[type, tuple[str, ...]] = {}  # per autograd node type: its ``_raw_saved_*`` names
+
+
 def _saved_tensors(node: Any) -> list[torch.Tensor]:
     """The tensors ``node`` saved (C++ nodes: ``_raw_saved_<name>``, a list for a tensor list;
     Python functions: ``_raw_saved_tensors``), read without unpacking."""
+    attrs = _SAVED_ATTRS.get(type(node))
+    if attrs is None:
+        attrs = _SAVED_ATTRS[type(node)] = tuple(a for a in dir(node) if a.startswith("_raw_saved_"))
     out = []
-    for attr in dir(node):
-        if not attr.startswith("_raw_saved_"):
-            continue
+    for attr in attrs:
         try:
             raw = getattr(node, attr)
         except RuntimeError:  # freed by a backward that already ran
@@ -136,13 +151,13 @@ def _saved_tensors(node: Any) -> list[torch.Tensor]:
     return out
 
 
-def _storage_key(t: torch.Tensor) -> tuple[int, int]:
-    storage = t.untyped_storage()
-    return (storage.data_ptr(), storage.nbytes())
-
-
-def _storage_bytes(t: torch.Tensor) -> int:
-    return t.untyped_storage().nbytes()
+def _storage_key(t: torch.Tensor) -> tuple[int, int] | None:
+    """(address, bytes) of ``t``'s storage; None where it has none to read (a wrapper subclass)."""
+    try:
+        storage = t.untyped_storage()
+        return (storage.data_ptr(), storage.nbytes())
+    except (RuntimeError, NotImplementedError, TypeError):
+        return None
 
 
 def _on(t: torch.Tensor, device: torch.device) -> bool:
@@ -153,6 +168,13 @@ def _is_parameter(t: torch.Tensor) -> bool:
     return isinstance(t, torch.nn.Parameter) or isinstance(t._base, torch.nn.Parameter)
 
 
-def _in_host_buffer(t: torch.Tensor, host: list[tuple[int, int]]) -> bool:
-    address = t.untyped_storage().data_ptr()
-    return any(start <= address < start + size for start, size in host)
+class _HostRanges:
+    """fxoffload's host buffers now (``ops.host_buffer_ranges``), searched by address."""
+
+    def __init__(self) -> None:
+        self.ranges = sorted(host_buffer_ranges())
+        self.starts = [start for start, _ in self.ranges]
+
+    def __contains__(self, address: int) -> bool:
+        i = bisect.bisect_right(self.starts, address) - 1
+        return i >= 0 and address < self.ranges[i][0] + self.ranges[i][1]

@@ -66,6 +66,38 @@ def test_saved_tensors_behind_hooks_are_read_without_unpacking():
     assert calls == [1, 1] and unpacked
 
 
+def test_views_of_parameters_and_leaves_are_not_made_in_the_step():
+    """An input that is a slice of a parameter (an eager ``table[:10]``) or of a leaf has a grad_fn, but
+    its storage was there before the step: not "made"; an op's output is, at the bytes the timeline
+    counts for it (the view's, not its storage's)."""
+    table = nn.Parameter(torch.randn(1000))
+    x = torch.randn(100, requires_grad=True)
+    made = (x * 2)[:10]
+    upstream = upstream_memory([table[:10], x[:10], made, table], CPU)
+    assert upstream.made_inputs_bytes == 10 * 4
+
+
+def test_fake_inputs_and_storageless_tensors_count_nothing_and_fail_nothing():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        fake = torch.randn(4, 4, requires_grad=True).sigmoid()
+    assert upstream_memory([fake], CPU) == upstream_memory([], CPU)
+
+    class Wrapper(torch.Tensor):  # a wrapper subclass: no storage of its own to read
+        @staticmethod
+        def __new__(cls, inner):
+            return torch.Tensor._make_wrapper_subclass(cls, inner.shape, dtype=inner.dtype, requires_grad=False)
+
+        @classmethod
+        def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+            raise NotImplementedError
+
+    x = torch.randn(4, 16, requires_grad=True)
+    s = x.sigmoid()  # 256 bytes, still counted beside the unreadable input (tanh saves its own output)
+    assert upstream_memory([s.tanh(), Wrapper(torch.randn(2))], CPU).saved_bytes == 256
+
+
 def test_nothing_before_the_graph_counts_nothing():
     x = torch.randn(4, 8, requires_grad=True)
     upstream = upstream_memory([x, torch.arange(3)], CPU)
@@ -118,3 +150,35 @@ def test_an_eager_block_before_the_graph_is_predicted_with_it(options):
         assert report.offloaded or report.recomputed  # 0.95 of the peak, the eager block in it
         assert not [w for w in caught if "memory_budget" in str(w.message)]  # the plan says it fits
         assert measured + report.start_bytes <= report.memory_budget * 1.03, (measured, report.summary())
+
+
+class _TwoGraphs(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64))
+        self.b = nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        torch._dynamo.graph_break()
+        return self.b(h).pow(2).mean()
+
+
+@pytest.mark.parametrize("policy", ["none", "all"])
+def test_a_graph_after_a_graph_break_holds_what_the_first_kept_on_the_device(policy):
+    """The second graph's upstream is what the first compiled graph saved (its ``CompiledFunctionBackward``
+    node's tensors): all of it without offloading; with ``all``, only what stayed on the device, the
+    host copies (fxoffload's host buffers) left out."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model, x = _TwoGraphs(), torch.randn(64, 64)
+    backend = fxoffload.backend(offload_cpu=True, inner="aot_eager", min_bytes=0, policy=policy)
+    torch.compile(model, backend=backend)(x).backward()
+    first, second = backend.reports
+    assert first.upstream.saved_bytes == 0
+    # The first graph's saved activations still on the device, and its input x (the batch: it counts
+    # though live before the step, a saved tensor does not say); its parameters do not.
+    activations = sum(r.nbytes for r in first.saved if r.producer != "placeholder" and r.decision != "offload")
+    assert activations == (2 * 64 * 256 * 4 if policy == "none" else 0)
+    assert second.upstream.saved_bytes == activations + 64 * 64 * 4
+    assert second.upstream.made_inputs_bytes == 64 * 64 * 4  # h
