@@ -186,11 +186,10 @@ def _backward_growth(r: OffloadReport) -> list[str]:
         + (f" (+ {fmt_bytes(host[bw[0]])} of host copies)" if host and host[bw[0]] else "")
         + f", gradients {fmt_bytes(start['gradients'])}",
     ]  # fmt: skip
-    if start["outside"]:
+    if r.upstream is not None and r.upstream.saved_bytes:  # the "outside" of every point
         lines.append(
             f"  held from before its forward to after its backward: {r.upstream.summary()} (autograd frees "
             "them when it reaches that code, after this graph's backward)"
-            if r.upstream is not None else f"  held through it: {fmt_bytes(start['outside'])} saved by code before it"
         )
     partial = _gradient_partials(r, bpeak - len(fw))
     lines.append(
@@ -267,10 +266,11 @@ def _after_step(reports: Sequence[OffloadReport], step: StepMemory) -> list[str]
     if predicted:
         above = max(p.total - r.start_bytes for p, r in predicted)
         gap = b.peak_bytes - above
+        share = f" ({gap / b.peak_bytes:+.1%} of it)" if b.peak_bytes else ""
         lines.append(
             f"  the compiled graphs predict at most {fmt_bytes(above)} above the step's start (what code before "
-            f"them saved included); the measured peak is {fmt_bytes(abs(gap))} "
-            + ("more" if gap >= 0 else "less") + f" ({gap / b.peak_bytes:+.1%} of it)" * bool(b.peak_bytes)
+            f"them saved included); the measured peak is {fmt_bytes(abs(gap))} {'more' if gap >= 0 else 'less'}"
+            + share
             + (": memory no compiled graph sees (code after a graph, tensors held outside autograd) or model error"
                if gap > 0.05 * b.peak_bytes else "")
         )  # fmt: skip
