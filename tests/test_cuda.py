@@ -313,3 +313,43 @@ def test_ddp_on_one_gpu(tmp_path):
     # so what counts is the step as a whole.
     assert result["graphs"] > 1, result
     assert any(n > 0 for n in result["offloaded"]) and sum(result["offloaded_bytes"]) > 0, result
+
+
+def test_measure_memory_reads_the_cuda_allocator_to_its_rounding():
+    """``measure_memory`` on CUDA: peak and end above the start from the caching allocator's statistics,
+    each block rounded up to 512 bytes as the allocator hands them out."""
+    from fxoffload.measure import measure_memory
+
+    def fn():
+        kept = torch.empty(1000, dtype=torch.uint8, device="cuda")  # a 1024-byte block
+        temporary = torch.empty(3000, dtype=torch.uint8, device="cuda")  # 3072, freed before the end
+        del temporary
+        return kept
+
+    m = measure_memory(fn)
+    cuda = m["cuda"]
+    assert (cuda.peak_bytes, cuda.end_bytes, cuda.allocations) == (4096, 1024, 2)
+    assert cuda.peak_reserved_bytes is not None and cuda.peak_reserved_bytes >= 0
+    assert m.result.device.type == "cuda"
+
+
+@pytest.mark.parametrize("policy", ["none", "all"])
+def test_the_prediction_is_the_cuda_allocators_peak(policy):
+    """The replay of Inductor's CUDA wrapper code (``report.compiled_memory()``) against the caching
+    allocator's peak of a steady step, as ``bench.memory`` does on a CPU: within 5%."""
+    from fxoffload.measure import measure_steady_step
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    cfg = GPTConfig(vocab=512, seq=256, dim=256, heads=4, layers=2)
+    model = GPT(cfg).cuda()
+    batch = gpt_batch(cfg, 8, "cuda")
+    backend = fxoffload.backend(policy=policy, min_bytes=0, verify_peak=False)
+    compiled = torch.compile(model, backend=backend)
+    measured, _ = measure_steady_step(lambda: compiled(*batch).backward(), 2, lambda: model.zero_grad(set_to_none=True))
+    (report,) = backend.reports
+    replay = report.compiled_memory()
+    assert replay is not None and replay.points, "no CUDA wrapper code to replay"
+    predicted = replay.peak_bytes - report.start_bytes
+    peak = measured["cuda"].peak_bytes
+    assert abs(predicted / peak - 1) < 0.05, (predicted, peak, report.summary())
