@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import logging
 import threading
 import time
@@ -46,6 +47,9 @@ class OffloadBackend:
     def __init__(self, options: OffloadOptions | None = None) -> None:
         self.options = options or OffloadOptions()
         self.reports: list[OffloadReport] = []
+        # By graph id: the most bytes code before the graph was seen holding at one of its calls, where
+        # that is more than it was planned with (``_UpstreamWatch``).
+        self.upstream_seen: dict[int, int] = {}
         self.__name__ = "fxoffload"  # torch.compile names a backend by it
 
     def __repr__(self) -> str:
@@ -65,6 +69,15 @@ class OffloadBackend:
         opts = self.options
         if mode is not None or options:
             opts = opts.replace(**(options or {}), **({"mode": mode} if mode else {}))
+        before = len(self.reports)
+        compiled = self._compile(gm, example_inputs, opts)
+        # The report of this graph is the last one recorded while it compiled (none: no backward).
+        report = self.reports[-1] if len(self.reports) > before else None
+        if report is None or report.upstream is None:
+            return compiled
+        return _UpstreamWatch(self, report).wrap(compiled)
+
+    def _compile(self, gm: fx.GraphModule, example_inputs: list[Any], opts: OffloadOptions) -> Callable[..., Any]:
         partitioner = _OffloadPartitioner(self, opts, upstream=_upstream(example_inputs))
         if opts.inner == "aot_eager":
             return _compat.compile_with_aot_eager(gm, example_inputs, partitioner)
@@ -283,6 +296,66 @@ class OffloadBackend:
 
     def record(self, report: OffloadReport) -> None:
         self.reports.append(report)
+
+
+class _UpstreamWatch:
+    """What code before a graph holds, read again at its first ``CALLS`` calls (``upstream.py``): the
+    plan counted what it held at the compile, the first call. A graph compiled once and run again
+    later in the step (a block compiled once and called for every layer) runs with more, which its
+    report and its memory_budget do not count: said once per graph, with the figures, and kept in
+    ``backend.upstream_seen``. Reading costs about 20 us per autograd node, and nothing after."""
+
+    CALLS = 256
+
+    def __init__(self, backend: OffloadBackend, report: OffloadReport) -> None:
+        self.backend = backend
+        self.report = report
+        self.left = self.CALLS
+        self.said = False
+
+    def wrap(self, compiled: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(compiled)
+        def run(*args: Any) -> Any:
+            if self.left:
+                self.left -= 1
+                # A boxed call passes its arguments in one list (which the callee may empty): read first.
+                self.see(args[0] if len(args) == 1 and isinstance(args[0], list) else args)
+            return compiled(*args)
+
+        return run
+
+    def see(self, args: Any) -> None:
+        report = self.report
+        try:
+            seen = upstream_memory(args, graph_device(args)).saved_bytes
+        except Exception as e:  # an estimate never fails a step
+            log.debug("fxoffload: graph %d: cannot read what code before it holds (%s)", report.graph_id, e)
+            return
+        planned = report.upstream.saved_bytes
+        if seen - planned <= BUDGET_TOLERANCE * report.predicted_peak_after:
+            return
+        gid = report.graph_id
+        self.backend.upstream_seen[gid] = max(seen, self.backend.upstream_seen.get(gid, 0))
+        if self.said:
+            return
+        self.said = True
+        compiled = report.compiled_memory()  # Inductor's code, where there is one, is the prediction
+        peak = compiled.peak_bytes if compiled is not None and compiled.points else report.predicted_peak_after
+        reached = peak + seen - planned
+        budget = report.memory_budget
+        over = budget is not None and reached > budget * (1 + BUDGET_TOLERANCE)
+        text = (
+            f"fxoffload: graph {gid} ran with {fmt_bytes(seen)} saved by code before it, {fmt_bytes(seen - planned)} "
+            f"more than at its compile, which its plan and report count ({fmt_bytes(planned)}): a graph compiled "
+            f"once and run again later in the step (a block compiled once and called for every layer) holds more "
+            f"there. Its predicted peak at that call: {fmt_bytes(reached)}"
+            + (f", over memory_budget {fmt_bytes(budget)}" if over else "")
+            + ". Compiling the whole model as one graph lets the plan see all of it."
+        )
+        if over:
+            warnings.warn(text, RuntimeWarning, stacklevel=2)
+        else:
+            log.warning(text)
 
 
 def _plan_kept(plan_peak: int, unchanged_peak: int, autos_own: bool) -> bool:

@@ -6,6 +6,7 @@ import torch
 import torch.nn as nn
 
 import fxoffload
+from fxoffload.plan import fmt_bytes
 from fxoffload.report import OffloadReport
 from fxoffload.upstream import graph_device, upstream_memory
 
@@ -146,6 +147,7 @@ def test_an_eager_block_before_the_graph_is_predicted_with_it(options):
     assert abs(predicted / measured - 1) < 0.01, (predicted, measured, report.summary())
     assert "saved by code before this graph" in report.summary()
     assert OffloadReport.from_json(report.to_json()).upstream == report.upstream
+    assert not backend.upstream_seen  # every call holds what the compile saw: nothing said
     if report.memory_budget is not None:
         assert report.offloaded or report.recomputed  # 0.95 of the peak, the eager block in it
         assert not [w for w in caught if "memory_budget" in str(w.message)]  # the plan says it fits
@@ -182,3 +184,48 @@ def test_a_graph_after_a_graph_break_holds_what_the_first_kept_on_the_device(pol
     assert activations == (2 * 64 * 256 * 4 if policy == "none" else 0)
     assert second.upstream.saved_bytes == activations + 64 * 64 * 4
     assert second.upstream.made_inputs_bytes == 64 * 64 * 4  # h
+
+
+class _Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.net(x)
+
+
+@pytest.mark.parametrize("budget", [None, 0.9])
+def test_a_block_compiled_once_and_run_per_layer_is_said_to_hold_more(budget, caplog):
+    """Each block compiled on its own: Dynamo compiles the first and runs that graph for the second
+    too, whose call holds what the first block saved. The plan counted the first call's; the second
+    is read when it runs and said once, with the figures (a warning where it misses the budget)."""
+    import logging
+    import warnings
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    blocks = nn.Sequential(_Block(), _Block())
+    options = {"policy": "none"} if budget is None else {"policy": "auto", "memory_budget": budget}
+    backend = fxoffload.backend(offload_cpu=True, inner="aot_eager", min_bytes=0, **options)
+    for i in range(2):
+        blocks[i] = torch.compile(blocks[i], backend=backend)
+    x = torch.randn(64, 64, requires_grad=True)
+    with caplog.at_level(logging.WARNING, logger="fxoffload.backend"), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            blocks(x).sum().backward()
+    (report,) = backend.reports  # one graph for both blocks
+    assert report.upstream.saved_bytes == 0  # x is a leaf: the first block's call holds nothing before it
+    # The second call holds what the first block saved: GELU's input, the second Linear's input (GELU's
+    # output), 64 x 256 float32 each, less what the budget's plan moved off the device.
+    first_saved = sum(r.nbytes for r in report.saved if r.producer != "placeholder" and r.decision == "keep")
+    assert backend.upstream_seen == {report.graph_id: first_saved}
+    assert first_saved == 2 * 64 * 256 * 4 if budget is None else 0 < first_saved < 2 * 64 * 256 * 4
+    said = [r.getMessage() for r in caplog.records if "saved by code before it" in r.getMessage()]
+    said += [str(w.message) for w in caught if "saved by code before it" in str(w.message)]
+    assert len(said) == 1, said  # once, though the second block ran three times
+    assert f"ran with {fmt_bytes(first_saved)} saved by code before it" in said[0]
+    # Over the budget at that call: a RuntimeWarning; without a budget, a log line.
+    over = [w for w in caught if "saved by code before it" in str(w.message)]
+    assert bool(over) == ("over memory_budget" in said[0]) == (budget is not None)
