@@ -67,7 +67,9 @@ def _plan_options(plan: str) -> dict:
     return {"policy": plan}
 
 
-def measure(name: str, inner: str, plan: str | None, warmup: int = 2, min_bytes: int = 0, scale: int = 1) -> dict:
+def measure(
+    name: str, inner: str, plan: str | None, warmup: int = 2, min_bytes: int = 0, scale: int = 1
+) -> dict:
     """One row: measured and predicted peak bytes of a steady step; ``plan`` None: no fxoffload;
     ``scale``: the batch that many times as large."""
     torch._dynamo.reset()
@@ -133,7 +135,9 @@ def _budget_verdict(r: dict) -> str:
 
 def table(rows: list[dict], tablefmt: str = "simple") -> str:
     """The rows as a table (``tablefmt``: tabulate's, e.g. "github" for docs/results.md)."""
-    baseline = {(r["model"], r.get("batch"), r["inner"]): r["measured_peak"] for r in rows if r["plan"] == "baseline"}
+    baseline = {
+        (r["model"], r.get("batch"), r["inner"]): r["measured_peak"] for r in rows if r["plan"] == "baseline"
+    }
     out = []
     for r in rows:
         base = baseline.get((r["model"], r.get("batch"), r["inner"]))
@@ -161,7 +165,9 @@ def table(rows: list[dict], tablefmt: str = "simple") -> str:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--models", default=",".join(_MODELS), help=f"comma-separated, of: {', '.join(_MODELS + _MORE)}")
+    parser.add_argument(
+        "--models", default=",".join(_MODELS), help=f"comma-separated, of: {', '.join(_MODELS + _MORE)}"
+    )
     parser.add_argument("--inner", default="aot_eager,inductor", help="comma-separated: aot_eager, inductor")
     parser.add_argument("--plans", default=",".join(_PLANS), help=f"comma-separated, of: {', '.join(_PLANS)}")
     parser.add_argument("--scales", default="1", help="comma-separated batch multipliers (each batch tensor "

@@ -77,7 +77,9 @@ class OffloadBackend:
             return compiled
         return _UpstreamWatch(self, report).wrap(compiled)
 
-    def _compile(self, gm: fx.GraphModule, example_inputs: list[Any], opts: OffloadOptions) -> Callable[..., Any]:
+    def _compile(
+        self, gm: fx.GraphModule, example_inputs: list[Any], opts: OffloadOptions
+    ) -> Callable[..., Any]:
         partitioner = _OffloadPartitioner(self, opts, upstream=_upstream(example_inputs))
         if opts.inner == "aot_eager":
             return _compat.compile_with_aot_eager(gm, example_inputs, partitioner)
@@ -155,7 +157,9 @@ class OffloadBackend:
             return compiled, report  # no second compile needed
         self.reports.remove(report)  # the host bytes it planned are not the unchanged pair's
         plain = opts.replace(policy="none", memory_budget=None, offload_modules=())
-        unchanged = _OffloadPartitioner(self, plain, report_budget=report.memory_budget, upstream=report.upstream)
+        unchanged = _OffloadPartitioner(
+            self, plain, report_budget=report.memory_budget, upstream=report.upstream
+        )
         try:
             with _compat.backward_lowered_at_compile(), warnings.catch_warnings(record=True):
                 warnings.simplefilter("always")
@@ -284,8 +288,9 @@ class OffloadBackend:
             )
             log.info("fxoffload: graph %d: %s", report.graph_id, replans[-1])
             partitioner = _OffloadPartitioner(
-                self, opts.replace(memory_budget=int(target)), report_budget=budget, upstream=partitioner.upstream
-            )
+                self, opts.replace(memory_budget=int(target)), report_budget=budget,
+                upstream=partitioner.upstream,
+            )  # fmt: skip
         peak, compiled, report, kept = min(tries, key=lambda t: t[0])
         # The kept compile's warnings, less the FX model's "cannot be reached": the code's peak is
         # the verdict here (``_check_compiled_budget``).
@@ -340,15 +345,18 @@ class _UpstreamWatch:
             return
         self.said = True
         compiled = report.compiled_memory()  # Inductor's code, where there is one, is the prediction
-        peak = compiled.peak_bytes if compiled is not None and compiled.points else report.predicted_peak_after
+        peak = report.predicted_peak_after
+        if compiled is not None and compiled.points:
+            peak = compiled.peak_bytes
         reached = peak + seen - planned
         budget = report.memory_budget
         over = budget is not None and reached > budget * (1 + BUDGET_TOLERANCE)
         text = (
-            f"fxoffload: graph {gid} ran with {fmt_bytes(seen)} saved by code before it, {fmt_bytes(seen - planned)} "
-            f"more than at its compile, which its plan and report count ({fmt_bytes(planned)}): a graph compiled "
-            f"once and run again later in the step (a block compiled once and called for every layer) holds more "
-            f"there. Its predicted peak at that call: {fmt_bytes(reached)}"
+            f"fxoffload: graph {gid} ran with {fmt_bytes(seen)} saved by code before it, "
+            f"{fmt_bytes(seen - planned)} more than at its compile, which its plan and report count "
+            f"({fmt_bytes(planned)}): a graph compiled once and run again later in the step (a block "
+            f"compiled once and called for every layer) holds more there. Its predicted peak at that call: "
+            f"{fmt_bytes(reached)}"
             + (f", over memory_budget {fmt_bytes(budget)}" if over else "")
             + ". Compiling the whole model as one graph lets the plan see all of it."
         )
@@ -489,9 +497,9 @@ class _OffloadPartitioner(_compat.CustomPartitionerFn):
         start = time.perf_counter()
         temporaries = plan.costs.temporaries if plan.costs is not None else {}
         outside = plan.costs.outside if plan.costs is not None else 0
-        memory_after = (
-            simulate(fw, bw, num_fwd_outputs, tuple(static), temporaries, outside) if changed else memory_before
-        )
+        memory_after = memory_before
+        if changed:
+            memory_after = simulate(fw, bw, num_fwd_outputs, tuple(static), temporaries, outside)
         timings = PassTimings(pass_s, repartition_s, time.perf_counter() - start, *nodes_in)
         report = OffloadReport.from_plan(
             graph_id, plan, fw, bw, self.options.host_budget, host_before, memory_before, memory_after

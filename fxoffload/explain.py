@@ -267,13 +267,15 @@ def _after_step(reports: Sequence[OffloadReport], step: StepMemory) -> list[str]
         above = max(p.total - r.start_bytes for p, r in predicted)
         gap = b.peak_bytes - above
         share = f" ({gap / b.peak_bytes:+.1%} of it)" if b.peak_bytes else ""
+        unseen = (
+            ": memory no compiled graph sees (code after a graph, tensors held outside autograd) "
+            "or model error"
+        )
         lines.append(
-            f"  the compiled graphs predict at most {fmt_bytes(above)} above the step's start (what code before "
-            f"them saved included); the measured peak is {fmt_bytes(abs(gap))} {'more' if gap >= 0 else 'less'}"
-            + share
-            + (": memory no compiled graph sees (code after a graph, tensors held outside autograd) or model error"
-               if gap > 0.05 * b.peak_bytes else "")
-        )  # fmt: skip
+            f"  the compiled graphs predict at most {fmt_bytes(above)} above the step's start (what code "
+            f"before them saved included); the measured peak is {fmt_bytes(abs(gap))} "
+            f"{'more' if gap >= 0 else 'less'}" + share + (unseen if gap > 0.05 * b.peak_bytes else "")
+        )
     state = (
         f"{step.optimizer} state {fmt_bytes(step.optimizer_state_bytes)} ({step.optimizer_state_tensors} tensors: "
         f"{fmt_bytes(step.optimizer_state_like_params_bytes)} shaped like the parameters, "
