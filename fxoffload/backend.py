@@ -308,14 +308,17 @@ class _UpstreamWatch:
     plan counted what it held at the compile, the first call. A graph compiled once and run again
     later in the step (a block compiled once and called for every layer) runs with more, which its
     report and its memory_budget do not count: said once per graph, with the figures, and kept in
-    ``backend.upstream_seen``. Reading costs about 20 us per autograd node, and nothing after."""
+    ``backend.upstream_seen``. Reading costs about 20 us per autograd node, at most ``SECONDS`` per
+    graph, and nothing after."""
 
     CALLS = 256
+    SECONDS = 1.0  # and no more reading time than this per graph (a long eager history)
 
     def __init__(self, backend: OffloadBackend, report: OffloadReport) -> None:
         self.backend = backend
         self.report = report
         self.left = self.CALLS
+        self.spent = 0.0
         self.said = False
 
     def wrap(self, compiled: Callable[..., Any]) -> Callable[..., Any]:
@@ -331,11 +334,16 @@ class _UpstreamWatch:
 
     def see(self, args: Any) -> None:
         report = self.report
+        start = time.perf_counter()
         try:
             seen = upstream_memory(args, graph_device(args)).saved_bytes
         except Exception as e:  # an estimate never fails a step
             log.debug("fxoffload: graph %d: cannot read what code before it holds (%s)", report.graph_id, e)
             return
+        finally:
+            self.spent += time.perf_counter() - start
+            if self.spent > self.SECONDS:
+                self.left = 0
         planned = report.upstream.saved_bytes
         if seen - planned <= BUDGET_TOLERANCE * report.predicted_peak_after:
             return
@@ -743,10 +751,15 @@ def _upstream(example_inputs: list[Any]) -> UpstreamMemory | None:
     """``upstream_memory`` of Dynamo's real example inputs; None where it cannot be read (a tensor
     subclass without storage, fake inputs): then nothing outside the graph is counted."""
     try:
-        return upstream_memory(example_inputs, graph_device(example_inputs))
+        upstream = upstream_memory(example_inputs, graph_device(example_inputs))
     except Exception as e:  # an estimate never fails a compile
         log.info("fxoffload: cannot read what code before this graph holds (%s); counting none", e)
         return None
+    if not upstream.complete:
+        log.warning("fxoffload: %s", upstream.summary())
+    elif upstream.saved_bytes:
+        log.info("fxoffload: %s", upstream.summary())
+    return upstream
 
 
 def cost_device(lifetimes: GraphLifetimes) -> torch.device:

@@ -55,6 +55,7 @@ class UpstreamMemory:
     made_inputs_bytes: int
     nodes: int  # autograd nodes read
     largest: tuple[tuple[str, int], ...] = ()  # the nodes saving the most bytes: (node name, bytes)
+    complete: bool = True  # False: reading stopped at ``MAX_NODES``, more may be held
 
     def summary(self) -> str:
         from .plan import fmt_bytes
@@ -62,6 +63,8 @@ class UpstreamMemory:
         text = f"{fmt_bytes(self.saved_bytes)} saved by code before this graph ({self.nodes} autograd nodes)"
         if self.largest:
             text += ", most by " + ", ".join(f"{name} {fmt_bytes(n)}" for name, n in self.largest)
+        if not self.complete:
+            text += f"; reading stopped after {self.nodes} nodes, more may be held"
         return text
 
 
@@ -81,7 +84,7 @@ def upstream_memory(inputs: Sequence[Any], device: torch.device, largest: int = 
     if any(is_fake(t) for t in tensors):
         return UpstreamMemory(0, 0, 0)
     own = {k for k in map(_storage_key, tensors) if k is not None}
-    nodes = _reachable([t.grad_fn for t in tensors if t.grad_fn is not None])
+    nodes, complete = _reachable([t.grad_fn for t in tensors if t.grad_fn is not None])
     leaves = set()
     for node in nodes:
         variable = getattr(node, "variable", None)  # AccumulateGrad: the leaf its gradient goes to
@@ -108,13 +111,11 @@ def upstream_memory(inputs: Sequence[Any], device: torch.device, largest: int = 
             name = node.name()
             by_node[name] = by_node.get(name, 0) + key[1]
     top = sorted(by_node.items(), key=lambda kv: -kv[1])[:largest]
-    upstream = UpstreamMemory(sum(counted.values()), sum(made.values()), len(nodes), tuple(top))
-    if upstream.saved_bytes:
-        log.info("fxoffload: %s", upstream.summary())
-    return upstream
+    return UpstreamMemory(sum(counted.values()), sum(made.values()), len(nodes), tuple(top), complete)
 
 
-def _reachable(roots: list[Any]) -> list[Any]:
+def _reachable(roots: list[Any]) -> tuple[list[Any], bool]:
+    """The autograd nodes reachable from ``roots``, and whether that is all of them (``MAX_NODES``)."""
     seen: dict[int, Any] = {}
     stack = list(roots)
     while stack and len(seen) < MAX_NODES:
@@ -123,10 +124,7 @@ def _reachable(roots: list[Any]) -> list[Any]:
             continue
         seen[id(node)] = node
         stack.extend(fn for fn, _ in getattr(node, "next_functions", ()) if fn is not None)
-    if stack:
-        log.warning("fxoffload: read %d autograd nodes before this graph and stopped; more are not counted",
-                    MAX_NODES)  # fmt: skip
-    return list(seen.values())
+    return list(seen.values()), not any(n is not None and id(n) not in seen for n in stack)
 
 
 _SAVED_ATTRS: dict[type, tuple[str, ...]] = {}  # per autograd node type: its ``_raw_saved_*`` names

@@ -229,3 +229,38 @@ def test_a_block_compiled_once_and_run_per_layer_is_said_to_hold_more(budget, ca
     # Over the budget at that call: a RuntimeWarning; without a budget, a log line.
     over = [w for w in caught if "saved by code before it" in str(w.message)]
     assert bool(over) == ("over memory_budget" in said[0]) == (budget is not None)
+
+
+def test_reading_stops_at_max_nodes_and_says_so(monkeypatch):
+    import fxoffload.upstream as upstream_module
+
+    x = torch.randn(4, 16, requires_grad=True)
+    h = x
+    for _ in range(5):
+        h = h.sigmoid()  # five nodes, each saving its 256-byte result
+    assert upstream_memory([h], CPU).complete and upstream_memory([h], CPU).nodes == 6
+    monkeypatch.setattr(upstream_module, "MAX_NODES", 3)
+    partial = upstream_memory([h], CPU)
+    assert not partial.complete and partial.nodes == 3
+    assert partial.saved_bytes == 256 * 2  # 3 nodes: the first saves h itself (the graph's), two others
+    assert "reading stopped after 3 nodes, more may be held" in partial.summary()
+
+
+def test_the_watch_stops_reading_after_its_time(monkeypatch):
+    from fxoffload.backend import _UpstreamWatch
+
+    monkeypatch.setattr(_UpstreamWatch, "SECONDS", 0.0)
+    torch._dynamo.reset()
+    backend = fxoffload.backend(offload_cpu=True, inner="aot_eager", min_bytes=0, policy="none")
+    reads = []
+    see = _UpstreamWatch.see
+
+    def counted(self, args):
+        reads.append(1)
+        return see(self, args)
+
+    monkeypatch.setattr(_UpstreamWatch, "see", counted)
+    fn = torch.compile(nn.Linear(8, 8), backend=backend)
+    for _ in range(3):
+        fn(torch.randn(2, 8)).sum().backward()
+    assert reads == [1]  # the first call's read spent the (zero) time: none after it
