@@ -490,6 +490,12 @@ def is_fake(t: Any) -> bool:
     return isinstance(t, FakeTensor)
 
 
+def can_read_saved_tensors() -> bool:
+    """Whether this torch lets an autograd node's ``SavedTensor`` be read without unpacking it
+    (``SavedTensor.data``; not in its type stubs)."""
+    return hasattr(torch._C._autograd.SavedTensor, "data")
+
+
 def saved_tensor_payload(saved: Any) -> Any:
     """What an autograd node's ``SavedTensor`` (its ``_raw_saved_*``) holds, without unpacking it:
     the tensor itself, or the object a saved-tensors pack hook returned (``save_on_cpu``'s host copy,

@@ -750,6 +750,10 @@ def plan_costs(
 def _upstream(example_inputs: list[Any]) -> UpstreamMemory | None:
     """``upstream_memory`` of Dynamo's real example inputs; None where it cannot be read (a tensor
     subclass without storage, fake inputs): then nothing outside the graph is counted."""
+    if not _compat.can_read_saved_tensors():
+        log.info("fxoffload: this torch cannot read saved tensors without unpacking them; what code before "
+                 "a graph holds is not counted")  # fmt: skip
+        return None
     try:
         upstream = upstream_memory(example_inputs, graph_device(example_inputs))
     except Exception as e:  # an estimate never fails a compile

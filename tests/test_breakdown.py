@@ -10,7 +10,7 @@ from fxoffload.models import example
 from fxoffload.plan import fmt_bytes
 from fxoffload.report import OffloadReport
 
-from .conftest import cpu_backend
+from .conftest import cpu_backend, requires_saved_tensor_reads
 
 BATCH, IN, HIDDEN, OUT = 32, 16, 64, 8
 
@@ -135,6 +135,7 @@ def test_plot_marks_the_peak_kinds_and_a_measured_peak(mlp_report, tmp_path):
         report.plot(str(tmp_path / "never.png"), measured="12 MiB")
 
 
+@requires_saved_tensor_reads
 def test_seq2seq_answer_is_figures_from_the_timeline_and_the_optimizer():
     model, args = example("seq2seq")
     before = {k: v.clone() for k, v in model.state_dict().items()}

@@ -10,6 +10,10 @@ from fxoffload.plan import fmt_bytes
 from fxoffload.report import OffloadReport
 from fxoffload.upstream import graph_device, upstream_memory
 
+from .conftest import requires_saved_tensor_reads
+
+pytestmark = requires_saved_tensor_reads
+
 CPU = torch.device("cpu")
 
 
