@@ -304,12 +304,12 @@ class OffloadBackend:
 
 
 class _UpstreamWatch:
-    """What code before a graph holds, read again at its first ``CALLS`` calls (``upstream.py``): the
-    plan counted what it held at the compile, the first call. A graph compiled once and run again
-    later in the step (a block compiled once and called for every layer) runs with more, which its
-    report and its memory_budget do not count: said once per graph, with the figures, and kept in
-    ``backend.upstream_seen``. Reading costs about 20 us per autograd node, at most ``SECONDS`` per
-    graph, and nothing after."""
+    """What code before a graph holds, read again at its first ``CALLS`` calls (``upstream.py``), all
+    but the first: the plan counted what it held at the compile, made for that call. A graph compiled
+    once and run again later in the step (a block compiled once and called for every layer) runs with
+    more, which its report and its memory_budget do not count: said once per graph, with the
+    figures, and kept in ``backend.upstream_seen``. Reading costs about 20 us per autograd node, at
+    most ``SECONDS`` per graph, and nothing after."""
 
     CALLS = 256
     SECONDS = 1.0  # and no more reading time than this per graph (a long eager history)
@@ -326,8 +326,10 @@ class _UpstreamWatch:
         def run(*args: Any) -> Any:
             if self.left:
                 self.left -= 1
-                # A boxed call passes its arguments in one list (which the callee may empty): read first.
-                self.see(args[0] if len(args) == 1 and isinstance(args[0], list) else args)
+                # The first call is the one Dynamo compiled for, with the arguments the compile read.
+                if self.left < self.CALLS - 1:
+                    # A boxed call passes its arguments in one list (which the callee may empty): read first.
+                    self.see(args[0] if len(args) == 1 and isinstance(args[0], list) else args)
             return compiled(*args)
 
         return run
