@@ -169,6 +169,18 @@ def compile_with_aot_eager(
         )(gm, example_inputs)
 
 
+def copy_dynamo_metadata(source: fx.GraphModule, copy: fx.GraphModule) -> None:
+    """What AOTAutograd reads of Dynamo on a graph it was handed (``_try_get_metadata_from_dynamo``),
+    onto a copy that lost it: the graph's parameter sources and each placeholder's source. Without
+    them a copy of Dynamo's graph is taken for an exported one, and its parameters, inputs like any
+    other (not static inputs)."""
+    if hasattr(source, "_param_name_to_source"):
+        copy._param_name_to_source = source._param_name_to_source
+    for a, b in zip(source.graph.find_nodes(op="placeholder"), copy.graph.find_nodes(op="placeholder")):
+        if hasattr(a, "_dynamo_source"):
+            b._dynamo_source = a._dynamo_source
+
+
 def detect_fake_mode(values: list[Any]) -> FakeTensorMode | None:
     from torch._guards import detect_fake_mode as _detect
 

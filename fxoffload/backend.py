@@ -429,7 +429,9 @@ def _copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
             for t in value.values() if isinstance(value, dict) else (value,):
                 if isinstance(t, torch.Tensor):
                     memo[id(t)] = t
-    return copy.deepcopy(gm, memo)
+    out = copy.deepcopy(gm, memo)
+    _compat.copy_dynamo_metadata(gm, out)  # its parameters stay static inputs
+    return out
 
 
 class _OffloadPartitioner(_compat.CustomPartitionerFn):

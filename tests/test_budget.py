@@ -40,16 +40,23 @@ def _above_start(report, nbytes):
     return nbytes - start.live["parameters"] - start.live["inputs"]
 
 
-# GPT tiny at 0.45 of its predicted peak: the first plan fits on the FX model (3.7 MiB) but Inductor's
-# code peaks at 4.1 MiB, over the budget (3.9 MiB); planned again for 3.7 MiB, the code meets it.
+# GPT tiny at 0.45 of its predicted peak: the first plan fits on the FX model but Inductor's code
+# peaks at 4.1 MiB, over the budget (3.9 MiB); planned again for 3.7 MiB (4.0 MiB), then 3.6 MiB: the
+# code meets it within the tolerance.
 def test_a_budget_the_code_misses_is_planned_again_and_met_when_measured():
     report, said, measured = _compile_and_measure(memory_budget=0.45)
-    assert len(report.replans) == 1, report.summary()
-    plan_1 = re.match(r"Inductor's code of plan 1 peaked at ([\d.]+) MiB, over memory_budget ([\d.]+) MiB; "
-                      r"planned again for ([\d.]+) MiB on the FX model", report.replans[0])  # fmt: skip
-    assert plan_1, report.replans
-    missed, budget, target = (float(x) for x in plan_1.groups())
-    assert missed > budget > target
+    assert 1 <= len(report.replans) <= 2, report.summary()  # backend._COMPILED_REPLANS at most
+    targets = []
+    for i, line in enumerate(report.replans, 1):
+        plan = re.match(
+            rf"Inductor's code of plan {i} peaked at ([\d.]+) MiB, over memory_budget ([\d.]+) MiB; "
+            r"planned again for ([\d.]+) MiB on the FX model", line,
+        )  # fmt: skip
+        assert plan, report.replans
+        missed, budget, target = (float(x) for x in plan.groups())
+        assert missed > budget > target
+        targets.append(target)
+    assert targets == sorted(targets, reverse=True)  # each lower by the last miss
     assert "planned again: Inductor's code of plan 1" in report.summary()
     code = report.compiled_memory().peak_bytes
     assert code <= report.memory_budget * 1.03, report.summary()
