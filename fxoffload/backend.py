@@ -18,7 +18,7 @@ import torch.fx as fx
 from . import _compat
 from .cost import calibrate, device_rates, node_start_times
 from .lifetimes import GraphLifetimes, analyze_saved_tensors, returns_only_scalars
-from .memory import MemoryTimeline, simulate, with_plan
+from .memory import MemoryTimeline, kept_saved_bytes, simulate, with_plan
 from .mutation import protect_mutated_reads
 from .options import OffloadOptions
 from .plan import (
@@ -70,17 +70,28 @@ class OffloadBackend:
         if mode is not None or options:
             opts = opts.replace(**(options or {}), **({"mode": mode} if mode else {}))
         before = len(self.reports)
+        # Kept to plan again at run time for what code before the graph holds there (``_UpstreamWatch``).
+        pristine = _copy_graph_module(gm) if opts.memory_budget is not None and _static_shapes(gm) else None
         compiled = self._compile(gm, example_inputs, opts)
         # The report of this graph is the last one recorded while it compiled (none: no backward).
         report = self.reports[-1] if len(self.reports) > before else None
         if report is None or report.upstream is None:
             return compiled
-        return _UpstreamWatch(self, report).wrap(compiled)
+        return _UpstreamWatch(self, report, opts, pristine).wrap(compiled)
 
     def _compile(
-        self, gm: fx.GraphModule, example_inputs: list[Any], opts: OffloadOptions
+        self,
+        gm: fx.GraphModule,
+        example_inputs: list[Any],
+        opts: OffloadOptions,
+        upstream: UpstreamMemory | None = None,
+        graph_id: int | None = None,
     ) -> Callable[..., Any]:
-        partitioner = _OffloadPartitioner(self, opts, upstream=_upstream(example_inputs))
+        """Compile ``gm`` with the pass; ``upstream``: what code before it holds, where not read from
+        ``example_inputs``; ``graph_id``: the id of the graph it compiles again (``_UpstreamWatch``)."""
+        partitioner = _OffloadPartitioner(
+            self, opts, upstream=upstream or _upstream(example_inputs), graph_id=graph_id
+        )
         if opts.inner == "aot_eager":
             return _compat.compile_with_aot_eager(gm, example_inputs, partitioner)
         patches = _compat.inductor_mode_options(opts.mode)
@@ -289,7 +300,7 @@ class OffloadBackend:
             log.info("fxoffload: graph %d: %s", report.graph_id, replans[-1])
             partitioner = _OffloadPartitioner(
                 self, opts.replace(memory_budget=int(target)), report_budget=budget,
-                upstream=partitioner.upstream,
+                upstream=partitioner.upstream, graph_id=partitioner.graph_id,
             )  # fmt: skip
         peak, compiled, report, kept = min(tries, key=lambda t: t[0])
         # The kept compile's warnings, less the FX model's "cannot be reached": the code's peak is
@@ -307,21 +318,60 @@ class _UpstreamWatch:
     """What code before a graph holds, read again at its first ``CALLS`` calls (``upstream.py``), all
     but the first: the plan counted what it held at the compile, made for that call. A graph compiled
     once and run again later in the step (a block compiled once and called for every layer) runs with
-    more, which its report and its memory_budget do not count: said once per graph, with the
-    figures, and kept in ``backend.upstream_seen``. Reading costs about 20 us per autograd node, at
-    most ``SECONDS`` per graph, and nothing after."""
+    more, which its plan did not count.
+
+    The calls are judged in runs: a run ends where a call holds no more than the one before (the next
+    step's first block) or where reading ends. Its most held gives the peak of its worst call (the
+    plan's peak, Inductor's code where there is one, plus what it held beyond the plan's count).
+
+    - **Planned again.** With a memory_budget that peak is over, the graph is planned for the most
+      held and compiled again, outside Dynamo, from a copy of its graph with the current call's
+      arguments; this call and the later ones run the new code. Its report replaces the old one under
+      the same id, ``report.replans`` saying why. The new plan counts what the earlier calls held
+      under the old plan, which kept more on the device: its compile's own verdict on the budget is
+      held back, and the next run is the verdict. At most ``REPLANS`` times per graph.
+    - **Said,** once per graph with the figures (a RuntimeWarning where over the budget, else a log
+      line): a call holding more than the plan counted that is not planned again (no budget, dynamic
+      shapes: compiling again would fix the sizes, ``REPLANS`` spent), or a re-planned graph whose
+      run still misses the budget. ``backend.upstream_seen`` keeps the most held beyond a plan.
+
+    Reading costs about 20 us per autograd node, at most ``SECONDS`` per graph, and nothing after.
+    """
 
     CALLS = 256
     SECONDS = 1.0  # and no more reading time than this per graph (a long eager history)
+    REPLANS = 2
 
-    def __init__(self, backend: OffloadBackend, report: OffloadReport) -> None:
+    def __init__(
+        self,
+        backend: OffloadBackend,
+        report: OffloadReport,
+        options: OffloadOptions,
+        pristine: fx.GraphModule | None = None,
+    ) -> None:
         self.backend = backend
         self.report = report
+        self.options = options
+        self.pristine = pristine  # Dynamo's graph as it came, to compile again; None: never planned again
+        self.why_not = "" if pristine is not None else (
+            "its shapes are dynamic, and compiling again would fix them"
+        )
+        self.compiled: Callable[..., Any] | None = None
         self.left = self.CALLS
         self.spent = 0.0
         self.said = False
+        # The current run: the most held at one of its calls (the compile read the first) and where.
+        self.most: UpstreamMemory | None = report.upstream
+        self.most_at = 0
+        self.run_first = self.last = report.upstream.saved_bytes if report.upstream is not None else 0
+        self.run_calls = 1
+        self.replans = 0
+        self.held: list[warnings.WarningMessage] = []  # the last re-plan's compile-time verdict
+        self.verdict_due = False  # planned again, and no run of the new plan judged yet
 
     def wrap(self, compiled: Callable[..., Any]) -> Callable[..., Any]:
+        self.compiled = compiled
+
         @functools.wraps(compiled)
         def run(*args: Any) -> Any:
             if self.left:
@@ -330,50 +380,158 @@ class _UpstreamWatch:
                 if self.left < self.CALLS - 1:
                     # A boxed call passes its arguments in one list (which the callee may empty): read first.
                     self.see(args[0] if len(args) == 1 and isinstance(args[0], list) else args)
-            return compiled(*args)
+            return self.compiled(*args)
 
         return run
 
     def see(self, args: Any) -> None:
-        report = self.report
         start = time.perf_counter()
         try:
-            seen = upstream_memory(args, graph_device(args)).saved_bytes
+            seen = upstream_memory(args, graph_device(args))
         except Exception as e:  # an estimate never fails a step
-            log.debug("fxoffload: graph %d: cannot read what code before it holds (%s)", report.graph_id, e)
+            gid = self.report.graph_id
+            log.debug("fxoffload: graph %d: cannot read what code before it holds (%s)", gid, e)
             return
         finally:
             self.spent += time.perf_counter() - start
             if self.spent > self.SECONDS:
                 self.left = 0
-        planned = report.upstream.saved_bytes
-        if seen - planned <= BUDGET_TOLERANCE * report.predicted_peak_after:
-            return
+        held = seen.saved_bytes
+        if self.most is not None and held <= self.last:
+            self.judge(args)  # the run before this call: this one holds no more than the last
+            self.most = None
+        if self.most is None:
+            self.run_first, self.run_calls = held, 0
+        if self.most is None or held > self.most.saved_bytes:
+            self.most, self.most_at = seen, self.run_calls
+        self.run_calls += 1
+        self.last = held
+        if not self.left:
+            self.judge(args)  # reading ends: the run so far
+            self.most = None
+
+    def judge(self, args: Any) -> None:
+        """The run that just ended, whose most held is ``self.most``; ``args``: the current call's."""
+        report, most = self.report, self.most
+        assert most is not None
         gid = report.graph_id
-        self.backend.upstream_seen[gid] = max(seen, self.backend.upstream_seen.get(gid, 0))
-        if self.said:
-            return
-        self.said = True
+        planned = report.outside_bytes
+        beyond = most.saved_bytes - planned
+        more = beyond > BUDGET_TOLERANCE * report.predicted_peak_after
+        if more:
+            self.backend.upstream_seen[gid] = max(most.saved_bytes, self.backend.upstream_seen.get(gid, 0))
         compiled = report.compiled_memory()  # Inductor's code, where there is one, is the prediction
         peak = report.predicted_peak_after
         if compiled is not None and compiled.points:
             peak = compiled.peak_bytes
-        reached = peak + seen - planned
+        reached = peak + max(0, beyond)
         budget = report.memory_budget
         over = budget is not None and reached > budget * (1 + BUDGET_TOLERANCE)
-        text = (
-            f"fxoffload: graph {gid} ran with {fmt_bytes(seen)} saved by code before it, "
-            f"{fmt_bytes(seen - planned)} more than at its compile, which its plan and report count "
-            f"({fmt_bytes(planned)}): a graph compiled once and run again later in the step (a block "
-            f"compiled once and called for every layer) holds more there. Its predicted peak at that call: "
-            f"{fmt_bytes(reached)}"
-            + (f", over memory_budget {fmt_bytes(budget)}" if over else "")
-            + ". Compiling the whole model as one graph lets the plan see all of it."
-        )
+        if over and more and self.pristine is not None and self.replans < self.REPLANS:
+            # The calls of this graph before the worst one in its run hold what this plan keeps, each:
+            # as many as the run had before it, as far as what the run gained covers them.
+            kept = report.kept_bytes
+            repeats = min(self.most_at, (most.saved_bytes - self.run_first) // kept) if kept > 0 else 0
+            self.replan(args, dataclasses.replace(most, repeats=repeats, per_call_bytes=kept), reached)
+            return
+        held, due, self.held, self.verdict_due = self.held, self.verdict_due, [], False
+        if not over and due:
+            log.info(
+                "fxoffload: graph %d: planned again at run time, its calls peak at %s at most, "
+                "memory_budget %s met", gid, fmt_bytes(reached), fmt_bytes(budget or 0),
+            )  # fmt: skip
+        # Said: more held than planned, or a plan made again at run time still over. A plan over the
+        # budget by itself was said at its compile.
+        if self.said or not (more or (over and due)):
+            return
+        self.said = True
+        text = f"fxoffload: graph {gid} ran with {fmt_bytes(most.saved_bytes)} saved by code before it"
+        if more:
+            text += (
+                f", {fmt_bytes(beyond)} more than at its compile, which its plan and report count "
+                f"({fmt_bytes(planned)}): a graph compiled once and run again later in the step (a block "
+                "compiled once and called for every layer) holds more there"
+            )
+        text += f". Its predicted peak at that call: {fmt_bytes(reached)}"
         if over:
-            warnings.warn(text, RuntimeWarning, stacklevel=2)
+            text += f", over memory_budget {fmt_bytes(budget or 0)}"
+            if report.replans:
+                text += f"; planned again {len(report.replans)} times, this is the last plan's"
+            elif self.why_not:
+                text += f"; not planned again: {self.why_not}"
+        text += ". Compiling the whole model as one graph lets the plan see all of it."
+        if over:
+            for w in held:  # what the last plan's compile said about the budget
+                log.info("fxoffload: graph %d: at its last compile: %s", gid, w.message)
+            warnings.warn(text, RuntimeWarning, stacklevel=3)
         else:
             log.warning(text)
+
+    def replan(self, args: Any, most: UpstreamMemory, reached: int) -> None:
+        """Plan and compile the graph again for what ``most`` held; its report replaces the old one."""
+        old, reports = self.report, self.backend.reports
+        gid, budget = old.graph_id, old.memory_budget or 0
+        why = (
+            f"at run time, a call held {fmt_bytes(most.saved_bytes)} saved by code before the graph, where "
+            f"its plan counted {fmt_bytes(old.outside_bytes)}: its predicted peak there, "
+            f"{fmt_bytes(reached)}, was over memory_budget {fmt_bytes(budget)}; planned for that call"
+            + (
+                f", where {most.repeats} earlier calls of this graph hold {fmt_bytes(most.per_call_bytes)} "
+                "each, which its new plan changes"
+                if most.repeats else ""
+            )
+        )
+        log.info("fxoffload: graph %d: %s", gid, why)
+        self.replans += 1
+        if old in reports:
+            reports.remove(old)  # host_budget counts the plan that runs
+        start = len(reports)
+        graph = _copy_graph_module(self.pristine)
+        # strict is a compile's verdict: the run judges this plan, and a step is not failed over it.
+        opts = self.options.replace(strict=False)
+        try:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                compiled = _compile_outside_dynamo(self.backend, graph, list(args), opts, most, gid)
+            new = reports[-1] if len(reports) > start else None
+            boxed = getattr(compiled, "_boxed_call", False), getattr(self.compiled, "_boxed_call", False)
+            if new is None or boxed[0] != boxed[1]:
+                raise RuntimeError("the new compile has no report or another calling convention")
+        except Exception as e:  # never fail a step over a re-plan: the old plan runs on
+            log.warning("fxoffload: graph %d: planning it again failed (%s); its plan is kept", gid, e)
+            del reports[start:]
+            reports.append(old)
+            self.pristine, self.why_not = None, f"planning it again failed ({e})"
+            return
+        new = dataclasses.replace(new, replans=(*old.replans, why, *new.replans))
+        reports[-1] = new
+        self.report, self.compiled, self.held = new, compiled, list(caught)
+        self.said, self.verdict_due = False, True
+
+
+@torch.compiler.disable
+def _compile_outside_dynamo(
+    backend: OffloadBackend,
+    gm: fx.GraphModule,
+    example_inputs: list[Any],
+    opts: OffloadOptions,
+    upstream: UpstreamMemory,
+    graph_id: int,
+) -> Callable[..., Any]:
+    """``backend._compile`` from a running step (``_UpstreamWatch.replan``): Dynamo is not to trace it."""
+    return backend._compile(gm, example_inputs, opts, upstream=upstream, graph_id=graph_id)
+
+
+def _static_shapes(gm: fx.GraphModule) -> bool:
+    """Every input of Dynamo's graph a tensor of fixed sizes: it can be compiled again from its
+    arguments at any call without fixing a size Dynamo left dynamic."""
+    for node in gm.graph.find_nodes(op="placeholder"):
+        val = node.meta.get("example_value", node.meta.get("val"))
+        if not isinstance(val, torch.Tensor):
+            return False
+        if not all(isinstance(n, int) for n in (*val.shape, *val.stride(), val.storage_offset())):
+            return False
+    return True
 
 
 def _plan_kept(plan_peak: int, unchanged_peak: int, autos_own: bool) -> bool:
@@ -443,8 +601,10 @@ class _OffloadPartitioner(_compat.CustomPartitionerFn):
         options: OffloadOptions,
         report_budget: int | None = None,
         upstream: UpstreamMemory | None = None,
+        graph_id: int | None = None,
     ) -> None:
         self.backend = backend
+        self.graph_id = graph_id  # the report's id; None: the next free one
         self.options = options
         # What code before this graph holds on its device (read from Dynamo's real inputs): "outside"
         # in every timeline, and in the budget.
@@ -499,25 +659,29 @@ class _OffloadPartitioner(_compat.CustomPartitionerFn):
             host_bytes_available=self._host_left(),
             disabled_reason=self.disabled_reason,
             repartition=partition,
-            outside=self.upstream.saved_bytes if self.upstream is not None else 0,
+            upstream=self.upstream,
         )  # fmt: skip
         pass_s = time.perf_counter() - start - repartition_s
-        with _graph_ids_lock:
-            graph_id = next(_graph_ids)
+        graph_id = self.graph_id
+        if graph_id is None:
+            with _graph_ids_lock:
+                graph_id = next(_graph_ids)
         memory_before = (plan.partition_costs or plan.costs).baseline  # before any change
         changed = plan.offloaded or plan.recomputed
         start = time.perf_counter()
         temporaries = plan.costs.temporaries if plan.costs is not None else {}
-        outside = plan.costs.outside if plan.costs is not None else 0
+        kept = kept_saved_bytes(fw, num_fwd_outputs, static)
         memory_after = memory_before
         if changed:
+            outside = self.upstream.outside(kept) if self.upstream is not None else 0
             memory_after = simulate(fw, bw, num_fwd_outputs, tuple(static), temporaries, outside)
         timings = PassTimings(pass_s, repartition_s, time.perf_counter() - start, *nodes_in)
         report = OffloadReport.from_plan(
             graph_id, plan, fw, bw, self.options.host_budget, host_before, memory_before, memory_after
         )
         report = dataclasses.replace(
-            report, timings=timings, num_fwd_outputs=num_fwd_outputs, graphs=(fw, bw), upstream=self.upstream
+            report, timings=timings, num_fwd_outputs=num_fwd_outputs, graphs=(fw, bw), upstream=self.upstream,
+            kept_bytes=kept,
         )
         if self.report_budget is not None:
             report = dataclasses.replace(report, memory_budget=self.report_budget)
@@ -544,14 +708,14 @@ def offload_pass(
     host_bytes_available: int | None = None,
     disabled_reason: Reason | str = "",
     repartition: Callable[[frozenset[str]], tuple[fx.GraphModule, fx.GraphModule]] | None = None,
-    outside: int = 0,
+    upstream: UpstreamMemory | None = None,
 ) -> tuple[fx.GraphModule, fx.GraphModule, OffloadPlan]:
     """The fxoffload pass on a partitioned pair: analyse, plan, rewrite. Returns the rewritten pair
     and the plan.
 
     ``repartition(names)`` runs torch's partitioner again with the forward nodes ``names`` tagged
     for recomputation; without it (a pair with no joint graph behind it) nothing is recomputed.
-    ``outside``: device bytes code before the pair holds through it (``upstream.py``), in every
+    ``upstream``: what code before the pair holds through it (``upstream.py``), "outside" in every
     timeline and so in the budget.
     The pair is rewritten in place unless the plan recomputes something: then the returned pair is
     the new partition. The predicted memory before any change is ``(plan.partition_costs or
@@ -563,7 +727,7 @@ def offload_pass(
     lifetimes = _lifetimes(fw, bw, num_fwd_outputs, static)
     # 2. Costs: compute time of every node and the host link, on the graph's device; what could be
     #    recomputed instead, and for how much.
-    costs = plan_costs(fw, bw, lifetimes, options, num_fwd_outputs, static, outside)
+    costs = plan_costs(fw, bw, lifetimes, options, num_fwd_outputs, static, upstream)
     recompute, why_not = {}, {}
     # Considered for a memory_budget, or when a policy function may ask for it (then at any size: the
     #    planner applies min_bytes to its own choices only). The refusals are kept on the decisions.
@@ -612,12 +776,12 @@ def offload_pass(
                 )
                 break
             new_lifetimes = _lifetimes(new_fw, new_bw, num_fwd_outputs, static)
-            new_costs = plan_costs(new_fw, new_bw, new_lifetimes, options, num_fwd_outputs, static, outside)
+            new_costs = plan_costs(new_fw, new_bw, new_lifetimes, options, num_fwd_outputs, static, upstream)
             sources = recompute_sources(new_bw, names, frozenset(t.name for t in new_lifetimes.saved))
             second = replan_after_recompute(
                 plan, new_lifetimes, new_costs, options, sources, host_bytes_available=host_bytes_available
             )
-            peak = with_plan(new_costs.baseline, off_device(second)).peak_bytes
+            peak = with_plan(new_costs.baseline, off_device(second), new_costs.repeats).peak_bytes
             tries.append((peak, new_fw, new_bw, dataclasses.replace(second, memory_budget=budget)))
             if budget is None or peak <= budget or target is None or attempt == _REPLANS:
                 break
@@ -640,13 +804,15 @@ def offload_pass(
         if not tries or (budget is not None and min(t[0] for t in tries) > budget):
             try:
                 alternative = offload_only()
-                tries.append((with_plan(costs.baseline, off_device(alternative)).peak_bytes, fw, bw, alternative))
+                peak = with_plan(costs.baseline, off_device(alternative), costs.repeats).peak_bytes
+                tries.append((peak, fw, bw, alternative))
             except ValueError:  # strict=True and unreachable without recomputation
                 if not tries:
                     raise
     peak, best_fw, best_bw, best = min(tries, key=lambda t: t[0])
     if budget is not None and peak > budget:
-        unreachable_budget(budget, peak, with_plan(best.costs.baseline, off_device(best)).peak, options.strict)
+        at = with_plan(best.costs.baseline, off_device(best), best.costs.repeats).peak
+        unreachable_budget(budget, peak, at, options.strict)
     elif len(tries) > 1:
         log.info("fxoffload: of %d plans tried for memory_budget %s, the chosen one peaks at %s",
                  len(tries), fmt_bytes(budget or 0), fmt_bytes(peak))  # fmt: skip
@@ -721,11 +887,11 @@ def plan_costs(
     options: OffloadOptions,
     num_fwd_outputs: int,
     static: tuple[int, ...] = (),
-    outside: int = 0,
+    upstream: UpstreamMemory | None = None,
 ) -> PlanCosts:
     """The cost model's view of a graph pair: device rates, predicted node start times, the ops'
-    measured temporaries and the predicted memory before any change (``baseline``), ``outside``
-    bytes (held by code before the pair) included."""
+    measured temporaries and the predicted memory before any change (``baseline``), with what code
+    before the pair holds (``upstream``: its "outside", for what this pair keeps) included."""
     device = cost_device(lifetimes)
     link = options.bandwidth or (options.cpu_link_bandwidth if device.type == "cpu" else None)
     overrides = dict(link or ()) | dict(options.compute_rates or ())
@@ -739,6 +905,7 @@ def plan_costs(
     temporaries = {}
     if lifetimes.saved and (options.offload_cpu if device.type == "cpu" else options.calibrate and wants_measure):
         temporaries = op_temporaries((fw, bw), device)
+    outside = upstream.outside(kept_saved_bytes(fw, num_fwd_outputs, static)) if upstream is not None else 0
     baseline = simulate(fw, bw, num_fwd_outputs, static, temporaries, outside)
     return PlanCosts(
         rates,
@@ -748,6 +915,7 @@ def plan_costs(
         calibrated=len(fw_times or ()) + len(bw_times or ()),
         temporaries=temporaries,
         outside=outside,
+        repeats=upstream.repeats if upstream is not None else 0,
     )
 
 

@@ -10,7 +10,9 @@ Rules (sizes from fake values, symbolic sizes at their hints):
   use; user outputs live until the end of the forward; everything else is "transient".
 - Backward outputs are "gradients" and live until the end of the backward; tangents are "transient".
 - "outside": what code before the pair saved for its own backward (``upstream.py``), given as
-  ``outside``; held at every point, since autograd runs that backward after this pair's.
+  ``outside``; held at every point, since autograd runs that backward after this pair's. Where that
+  code is earlier calls of the same pair (a block run per layer), they hold what the plan keeps:
+  ``with_plan(..., repeats)``.
 - Host tensors (the outputs of ``fxoffload.offload`` and the backward placeholders holding them) are
   not device memory. A ``fxoffload.reload`` allocates its device destination when it is issued.
 
@@ -219,22 +221,41 @@ class OffDevice:
     last: int
 
 
-def with_plan(baseline: MemoryTimeline, off: Iterable[OffDevice]) -> MemoryTimeline:
+def with_plan(baseline: MemoryTimeline, off: Iterable[OffDevice], repeats: int = 0) -> MemoryTimeline:
     """The timeline ``baseline`` (the pair before any change) with the tensors of ``off`` off the
-    device over their points, taken from its "saved" bytes. Pure; linear in points + intervals."""
+    device over their points, taken from its "saved" bytes. ``repeats``: earlier calls of the same
+    pair that code before it holds (``UpstreamMemory.repeats``), between their forward and their
+    backward at every point, so each tensor of ``off`` is off the device there too: ``repeats``
+    times its bytes less "outside" at every point. Pure; linear in points + intervals."""
     points = baseline.points
     delta = [0] * (len(points) + 1)
+    everywhere = 0
     for o in off:
         lo, hi = max(o.first, 0), min(o.last, len(points) - 1)
         if lo <= hi:
             delta[lo] -= o.nbytes
             delta[hi + 1] += o.nbytes
+        everywhere += repeats * o.nbytes
     out, running = [], 0
     for p, d in zip(points, delta):
         running += d
-        if running:
+        if running or everywhere:
             live = dict(p.live)
             live["saved"] += running
+            if everywhere:
+                live["outside"] -= min(everywhere, live.get("outside", 0))
             p = MemoryPoint(p.phase, p.node, live)
         out.append(p)
     return MemoryTimeline(tuple(out))
+
+
+def kept_saved_bytes(
+    fw: fx.GraphModule, num_fwd_outputs: int, static_input_indices: Sequence[int] = ()
+) -> int:
+    """Device bytes one call of the pair keeps for its backward: the distinct storages of what the
+    forward saves, less parameters (static inputs) and host copies. What ``upstream_memory`` reads of
+    an earlier call of the same graph."""
+    static = static_inputs(fw, static_input_indices)
+    outputs = list(fw.graph.output_node().args[0])[num_fwd_outputs:]
+    roots = {storage_root(o) for o in outputs if isinstance(o, fx.Node)}
+    return sum(_bytes(r) for r in roots if r not in static)

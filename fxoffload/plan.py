@@ -58,6 +58,8 @@ class PlanCosts:
     # model adds them at the node's point. Empty where they were not measured.
     temporaries: Mapping[fx.Node, int] = dataclasses.field(default_factory=dict, compare=False, repr=False)
     outside: int = 0  # device bytes code before the pair holds through it (``upstream.py``), in ``baseline``
+    # Earlier calls of this same pair in that code, running its plan too (``memory.with_plan``).
+    repeats: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -334,8 +336,8 @@ def plan_offloads(
         # only for a pair that returns a loss alone: one that returns activations may be one block of
         # a longer step, whose peak is where this pair's saved tensors wait for their backward.
         without = planned([t for t in chosen if t not in mine])
-        peak = with_plan(costs.baseline, off_device(plan)).peak
-        if peak.total >= with_plan(costs.baseline, off_device(without)).peak_bytes:
+        peak = with_plan(costs.baseline, off_device(plan), costs.repeats).peak
+        if peak.total >= with_plan(costs.baseline, off_device(without), costs.repeats).peak_bytes:
             dropped = {t.name for t in mine}
             why = (
                 f"offloading would not lower the predicted peak ({fmt_bytes(peak.total)} at "
@@ -636,7 +638,7 @@ def _fit_budget(
         applied = _recompute_ends(recomputes, all_saved, fw_points)
         off = [_offload_interval(t, timing, fw_points) for timing, t in zip(schedule.timings, [*chosen, *extra])]
         off += [_recompute_interval(all_saved[name], hi, fw_points) for name, hi in applied.items()]
-        checked = with_plan(costs.baseline, off)
+        checked = with_plan(costs.baseline, off, costs.repeats)
         tree = _MinTree.of([-float(p.total) for p in checked.points])  # -live bytes: its min is minus the peak
         if -tree.min(0, len(points) - 1) <= budget:
             break
@@ -647,11 +649,15 @@ def _fit_budget(
             pick = next(
                 (e for e in pool if _covers(_estimated_interval(e[3], fw_points), peak_at) and usable(e)), None
             )
+            if pick is None and costs.repeats:  # any tensor off the device is off in the earlier calls
+                pick = next((e for e in pool if usable(e)), None)
             if pick is None:
                 break
             pool.remove(pick)
             _, _, _, t, option = pick
             taken.add(t.name)
+            if costs.repeats:
+                tree.add(0, len(points) - 1, float(costs.repeats * t.nbytes))
             if option is None:
                 extra.append(t)
                 host_used += host_bytes(t)

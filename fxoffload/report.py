@@ -164,6 +164,14 @@ class OffloadReport:
     # runs, read from the autograd graph behind its inputs when it compiled: "outside" in every
     # timeline. None where it could not be read.
     upstream: UpstreamMemory | None = None
+    # Device bytes one call keeps for its backward with this plan (``memory.kept_saved_bytes``).
+    kept_bytes: int = 0
+
+    @property
+    def outside_bytes(self) -> int:
+        """"outside" in this pair's timelines with its plan: what code before it holds at the call
+        planned for, earlier calls of the same graph keeping ``kept_bytes`` each (``upstream``)."""
+        return self.upstream.outside(self.kept_bytes) if self.upstream is not None else 0
 
     @classmethod
     def from_plan(
@@ -363,8 +371,7 @@ class OffloadReport:
         if not forward or not backward:
             return None
         try:
-            outside = self.upstream.saved_bytes if self.upstream is not None else 0
-            return simulate_output_code(forward, backward, self.num_fwd_outputs, outside=outside)
+            return simulate_output_code(forward, backward, self.num_fwd_outputs, outside=self.outside_bytes)
         except ValueError as e:  # code this reader does not know (a new Inductor): no figure, no failure
             log.debug("fxoffload: cannot replay the generated code of graph %d: %s", self.graph_id, e)
             return None

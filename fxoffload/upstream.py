@@ -19,8 +19,10 @@ are read without unpacking: what the hook returned counts if it is a tensor on `
 
 Not seen, so not counted: tensors earlier code holds outside autograd (a cache, a Python variable),
 an optimizer's state, buffers saved by earlier code (counted as if made in the step: they cannot be
-told from a mask made there), and what code after this graph allocates. Read once, when the graph
-compiles; a later step that holds more is not seen until Dynamo compiles again.
+told from a mask made there), and what code after this graph allocates. Read when the graph
+compiles, and again at its first calls (``backend._UpstreamWatch``): a graph run again later in the
+step (a block compiled once and run per layer) holds more there, partly what its own earlier calls
+saved (``repeats``), which changes with its plan.
 """
 
 from __future__ import annotations
@@ -56,6 +58,16 @@ class UpstreamMemory:
     nodes: int  # autograd nodes read
     largest: tuple[tuple[str, int], ...] = ()  # the nodes saving the most bytes: (node name, bytes)
     complete: bool = True  # False: reading stopped at ``MAX_NODES``, more may be held
+    # Earlier calls of this same graph among that code (a block compiled once and run per layer,
+    # read at its later calls: ``backend._UpstreamWatch``), each holding ``per_call_bytes`` of
+    # ``saved_bytes``: what they hold changes with the graph's plan (``outside``).
+    repeats: int = 0
+    per_call_bytes: int = 0
+
+    def outside(self, kept_per_call: int) -> int:
+        """"outside" for a plan whose call keeps ``kept_per_call`` saved bytes on the device
+        (``memory.kept_saved_bytes``): the earlier calls of the same graph run that plan too."""
+        return max(0, self.saved_bytes + self.repeats * (kept_per_call - self.per_call_bytes))
 
     def summary(self) -> str:
         from .plan import fmt_bytes
@@ -63,6 +75,11 @@ class UpstreamMemory:
         text = f"{fmt_bytes(self.saved_bytes)} saved by code before this graph ({self.nodes} autograd nodes)"
         if self.largest:
             text += ", most by " + ", ".join(f"{name} {fmt_bytes(n)}" for name, n in self.largest)
+        if self.repeats:
+            text += (
+                f"; {fmt_bytes(self.repeats * self.per_call_bytes)} of it by {self.repeats} earlier calls of "
+                "this graph, which run its plan too"
+            )
         if not self.complete:
             text += f"; reading stopped after {self.nodes} nodes, more may be held"
         return text

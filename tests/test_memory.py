@@ -8,10 +8,11 @@ import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from fxoffload.lifetimes import analyze_saved_tensors, is_compute
-from fxoffload.memory import simulate, with_plan
+from fxoffload.memory import kept_saved_bytes, simulate, with_plan
 from fxoffload.options import OffloadOptions
 from fxoffload.plan import off_device, plan_offloads
 from fxoffload.rewrite import apply_plan
+from fxoffload.upstream import UpstreamMemory
 
 from .conftest import requires_saved_tensor_reads
 
@@ -153,7 +154,7 @@ def test_inductor_code_replay_agrees_with_the_allocator_and_checks_the_budget():
 _RATES = {"compute_rates": {"flops": 1e13, "memory_bandwidth": 1e12}, "min_bytes": "16KiB"}
 
 
-def _planned_and_rewritten(monkeypatch, name, inner, options):
+def _planned_and_rewritten(monkeypatch, name, inner, options, upstream=None):
     import importlib
 
     from fxoffload.models import GPT, GPTConfig, example, gpt_batch
@@ -164,6 +165,8 @@ def _planned_and_rewritten(monkeypatch, name, inner, options):
     real, seen = backend_module.offload_pass, []
 
     def spy(fw, bw, num_fwd_outputs, static, options, **kwargs):
+        if upstream is not None:
+            kwargs["upstream"] = upstream
         fw, bw, plan = real(fw, bw, num_fwd_outputs, static, options, **kwargs)
         seen.append((fw, bw, plan, num_fwd_outputs, tuple(static)))
         return fw, bw, plan
@@ -181,24 +184,38 @@ def _planned_and_rewritten(monkeypatch, name, inner, options):
         warnings.simplefilter("ignore", RuntimeWarning)  # an unreachable budget is not what this tests
         compiled(*batch)
     (fw, bw, plan, num_fwd_outputs, static) = seen[-1]
-    planned = with_plan(plan.costs.baseline, off_device(plan))
-    rewritten = simulate(fw, bw, num_fwd_outputs, static, plan.costs.temporaries, plan.costs.outside)
+    planned = with_plan(plan.costs.baseline, off_device(plan), plan.costs.repeats)
+    # What code before the pair holds with this plan: earlier calls of the same pair (``repeats``) keep
+    # what its rewritten forward saves on the device.
+    outside = plan.costs.outside
+    if upstream is not None:
+        outside = upstream.outside(kept_saved_bytes(fw, num_fwd_outputs, static))
+    rewritten = simulate(fw, bw, num_fwd_outputs, static, plan.costs.temporaries, outside)
     return plan, planned, rewritten, fw, bw
 
 
+# Three earlier calls of the same pair before it, each said to keep 1 MiB, and 256 KiB of other code.
+_REPEATED = UpstreamMemory(3 * 2**20 + 2**18, 0, 0, repeats=3, per_call_bytes=2**20)
+
+
 @pytest.mark.parametrize(
-    "name, inner, options",
+    "name, inner, options, upstream",
     [
-        ("gpt3", "aot_eager", {"policy": "auto", "bandwidth": "1GB", "memory_budget": 0.6}),
-        ("gpt3", "aot_eager", {"policy": "auto", "bandwidth": "1GB", "memory_budget": "4MiB"}),  # recomputes
-        ("gpt3", "aot_eager", {"policy": "all"}),
-        ("cnn", "aot_eager", {"policy": "auto", "memory_budget": 0.7, "min_bytes": 0}),
-        ("seq2seq", "aot_eager", {"policy": "all", "min_bytes": 0}),
+        ("gpt3", "aot_eager", {"policy": "auto", "bandwidth": "1GB", "memory_budget": 0.6}, None),
+        # recomputes:
+        ("gpt3", "aot_eager", {"policy": "auto", "bandwidth": "1GB", "memory_budget": "4MiB"}, None),
+        ("gpt3", "aot_eager", {"policy": "all"}, None),
+        ("gpt3", "aot_eager", {"policy": "auto", "bandwidth": "1GB", "memory_budget": 0.6}, _REPEATED),
+        ("gpt3", "aot_eager", {"policy": "auto", "bandwidth": "1GB", "memory_budget": "9MiB"}, _REPEATED),
+        ("cnn", "aot_eager", {"policy": "auto", "memory_budget": 0.7, "min_bytes": 0}, None),
+        ("seq2seq", "aot_eager", {"policy": "all", "min_bytes": 0}, None),
     ],
 )
-def test_the_plan_as_data_is_the_rewritten_pair(monkeypatch, name, inner, options):
-    plan, planned, rewritten, fw, bw = _planned_and_rewritten(monkeypatch, name, inner, options)
+def test_the_plan_as_data_is_the_rewritten_pair(monkeypatch, name, inner, options, upstream):
+    plan, planned, rewritten, fw, bw = _planned_and_rewritten(monkeypatch, name, inner, options, upstream)
     assert plan.offloaded
+    if upstream is not None:  # the earlier calls hold less with the plan: 3 times what it offloads
+        assert planned.peak.live["outside"] == plan.costs.outside - 3 * plan.offloaded_bytes > 0
     # Same peak, to the byte, and the budget fit's own figure is that peak.
     assert rewritten.peak_bytes == planned.peak_bytes
     if plan.fit_peak is not None:

@@ -191,27 +191,25 @@ def test_a_graph_after_a_graph_break_holds_what_the_first_kept_on_the_device(pol
 
 
 class _Block(nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, dim: int = 64, hidden: int = 256) -> None:
         super().__init__()
-        self.net = nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64))
+        self.net = nn.Sequential(nn.Linear(dim, hidden), nn.GELU(), nn.Linear(hidden, dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x + self.net(x)
 
 
-@pytest.mark.parametrize("budget", [None, 0.9])
-def test_a_block_compiled_once_and_run_per_layer_is_said_to_hold_more(budget, caplog):
+def test_a_block_compiled_once_and_run_per_layer_is_said_to_hold_more(caplog):
     """Each block compiled on its own: Dynamo compiles the first and runs that graph for the second
     too, whose call holds what the first block saved. The plan counted the first call's; the second
-    is read when it runs and said once, with the figures (a warning where it misses the budget)."""
+    is read when it runs and said once, with the figures (a log line: no budget to miss)."""
     import logging
     import warnings
 
     torch._dynamo.reset()
     torch.manual_seed(0)
     blocks = nn.Sequential(_Block(), _Block())
-    options = {"policy": "none"} if budget is None else {"policy": "auto", "memory_budget": budget}
-    backend = fxoffload.backend(offload_cpu=True, inner="aot_eager", min_bytes=0, **options)
+    backend = fxoffload.backend(offload_cpu=True, inner="aot_eager", min_bytes=0, policy="none")
     for i in range(2):
         blocks[i] = torch.compile(blocks[i], backend=backend)
     x = torch.randn(64, 64, requires_grad=True)
@@ -222,17 +220,157 @@ def test_a_block_compiled_once_and_run_per_layer_is_said_to_hold_more(budget, ca
     (report,) = backend.reports  # one graph for both blocks
     assert report.upstream.saved_bytes == 0  # x is a leaf: the first block's call holds nothing before it
     # The second call holds what the first block saved: GELU's input, the second Linear's input (GELU's
-    # output), 64 x 256 float32 each, less what the budget's plan moved off the device.
-    first_saved = sum(r.nbytes for r in report.saved if r.producer != "placeholder" and r.decision == "keep")
+    # output), 64 x 256 float32 each.
+    first_saved = sum(r.nbytes for r in report.saved if r.producer != "placeholder")
+    assert first_saved == 2 * 64 * 256 * 4
+    assert report.kept_bytes == first_saved + 64 * 64 * 4  # and its input, a leaf here, not read as held
     assert backend.upstream_seen == {report.graph_id: first_saved}
-    assert first_saved == 2 * 64 * 256 * 4 if budget is None else 0 < first_saved < 2 * 64 * 256 * 4
     said = [r.getMessage() for r in caplog.records if "saved by code before it" in r.getMessage()]
-    said += [str(w.message) for w in caught if "saved by code before it" in str(w.message)]
     assert len(said) == 1, said  # once, though the second block ran three times
     assert f"ran with {fmt_bytes(first_saved)} saved by code before it" in said[0]
-    # Over the budget at that call: a RuntimeWarning; without a budget, a log line.
-    over = [w for w in caught if "saved by code before it" in str(w.message)]
-    assert bool(over) == ("over memory_budget" in said[0]) == (budget is not None)
+    assert "over memory_budget" not in said[0]
+    assert not [w for w in caught if "saved by code" in str(w.message)]
+    assert not report.replans  # nothing to plan again for
+
+
+class _Blocks(nn.Module):
+    """A stem, then four blocks each compiled on its own: one graph, run for all four."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Linear(128, 128)
+        self.blocks = nn.ModuleList(_Block(128, 512) for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.stem(x)
+        for block in self.blocks:
+            h = block(h)
+        return h.pow(2).mean()
+
+
+def _per_block(backend, inner="aot_eager"):
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = _Blocks()
+    if backend is not None:
+        for i, block in enumerate(model.blocks):
+            model.blocks[i] = torch.compile(block, backend=backend)
+    return model
+
+
+@pytest.mark.parametrize("inner", ["aot_eager", "inductor"])
+def test_a_block_run_per_layer_is_planned_again_for_its_last_call_and_meets_the_budget(inner, caplog):
+    """The budget is missed by the plan made at the block's first call: its later calls hold what the
+    earlier ones saved. The watch reads a whole step, plans the graph again for its last call, where
+    the three calls before it keep what the plan keeps, and compiles it again; from the next step on,
+    the measured step meets the budget, its last call holds what the model said, and the results match
+    eager code."""
+    import logging
+    import warnings
+
+    budget = 3 * 2**20
+    x = torch.randn(256, 128)
+    backend = fxoffload.backend(
+        offload_cpu=True, inner=inner, min_bytes=0, policy="auto", memory_budget=budget, verify_peak=False
+    )
+    model, eager = _per_block(backend, inner), _per_block(None)
+    logs = caplog.at_level(logging.INFO, logger="fxoffload.backend")
+    with logs, warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            model.zero_grad(set_to_none=True)
+            loss = model(x)
+            loss.backward()
+    (report,) = backend.reports  # the graph of the four blocks
+    # Planned again once, for block 4's call: blocks 1 to 3 ran the same graph before it.
+    (why,) = report.replans
+    assert why.startswith("at run time, a call held") and "3 earlier calls of this graph" in why
+    assert report.upstream.repeats == 3 and report.upstream.per_call_bytes > report.kept_bytes
+    assert not [w for w in caught if issubclass(w.category, RuntimeWarning)]  # the run met it: nothing said
+    said = [r.getMessage() for r in caplog.records]
+    assert any("planned again at run time" in m and "met" in m for m in said)
+
+    # What block 4's call holds before it, read now, is the model's "outside" for the new plan.
+    held = {}
+
+    def read(_, args):
+        held["bytes"] = upstream_memory(args, CPU).saved_bytes
+
+    hook = model.blocks[3].register_forward_pre_hook(read)
+    model.zero_grad(set_to_none=True)
+    model(x).backward()
+    hook.remove()
+    assert held["bytes"] == report.outside_bytes
+
+    measured = fxoffload.measure_memory(lambda: model(x).backward()).cpu.peak_bytes
+    # Everything the graph's timeline holds (its parameters; its input x, made in the step, is measured).
+    step = measured + report.start_bytes
+    compiled = report.compiled_memory()
+    predicted = compiled.peak_bytes if compiled is not None else report.predicted_peak_after
+    assert step <= budget * 1.03, (fmt_bytes(step), fmt_bytes(budget))
+    # Above the step by two known over-counts, no more: the batch the stem saved is read as held by
+    # code before the graph, though it was live before the step (a saved tensor does not say); and
+    # Inductor's replay holds the block's output to the end of the step (``codememory``), where this
+    # step drops it after the loss's backward.
+    over = x.nbytes + (256 * 128 * 4 if inner == "inductor" else 0)
+    assert 0 <= predicted - step <= over, (step, predicted)
+
+    torch.manual_seed(1)
+    for m in (model, eager):
+        m.zero_grad(set_to_none=True)
+        m(x).backward()
+    for a, b in zip(model.parameters(), eager.parameters()):
+        torch.testing.assert_close(a.grad, b.grad)
+
+
+def test_a_block_with_dynamic_shapes_is_not_planned_again_and_says_why():
+    import warnings
+
+    backend = fxoffload.backend(
+        offload_cpu=True, inner="aot_eager", min_bytes=0, policy="auto", memory_budget="2MiB"
+    )
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = _Blocks()
+    for i, block in enumerate(model.blocks):
+        model.blocks[i] = torch.compile(block, backend=backend, dynamic=True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            model(torch.randn(256, 128)).backward()
+    said = [str(w.message) for w in caught if "saved by code before it" in str(w.message)]
+    assert len(said) == 1 and "not planned again: its shapes are dynamic" in said[0], said
+    assert not any(r.replans for r in backend.reports)
+
+
+def test_a_failed_plan_again_keeps_the_plan_and_the_step(monkeypatch, caplog):
+    import importlib
+    import logging
+    import warnings
+
+    backend_module = importlib.import_module("fxoffload.backend")  # the attribute is the function
+
+    def fail(*args, **kwargs):
+        raise RuntimeError("no compiler today")
+
+    monkeypatch.setattr(backend_module, "_compile_outside_dynamo", fail)
+    backend = fxoffload.backend(
+        offload_cpu=True, inner="aot_eager", min_bytes=0, policy="auto", memory_budget="3MiB"
+    )
+    model, eager = _per_block(backend), _per_block(None)
+    x = torch.randn(256, 128)
+    with caplog.at_level(logging.WARNING, logger="fxoffload.backend"), warnings.catch_warnings(record=True):
+        warnings.simplefilter("always")
+        for _ in range(3):
+            model.zero_grad(set_to_none=True)
+            model(x).backward()
+    said = [r.getMessage() for r in caplog.records]
+    assert any("planning it again failed (no compiler today); its plan is kept" in m for m in said)
+    (report,) = backend.reports
+    assert not report.replans
+    eager(x).backward()
+    for a, b in zip(model.parameters(), eager.parameters()):
+        torch.testing.assert_close(a.grad, b.grad)
 
 
 def test_reading_stops_at_max_nodes_and_says_so(monkeypatch):
