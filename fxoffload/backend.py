@@ -18,7 +18,7 @@ import torch.fx as fx
 from . import _compat
 from .cost import calibrate, device_rates, node_start_times
 from .lifetimes import GraphLifetimes, analyze_saved_tensors, returns_only_scalars
-from .memory import MemoryTimeline, kept_saved_bytes, simulate, with_plan
+from .memory import CallOutside, MemoryTimeline, kept_saved_bytes, param_grad_bytes, simulate, with_plan
 from .mutation import protect_mutated_reads
 from .options import OffloadOptions
 from .plan import (
@@ -321,15 +321,19 @@ class _UpstreamWatch:
     more, which its plan did not count.
 
     The calls are judged in runs: a run ends where a call holds no more than the one before (the next
-    step's first block) or where reading ends. Its most held gives the peak of its worst call (the
-    plan's peak, Inductor's code where there is one, plus what it held beyond the plan's count).
+    step's first block) or where reading ends. Call ``k`` of a run of ``n`` holds what it was read
+    holding, and the parameters of the ``n - 1 - k`` calls after it (the same graph, so as many bytes
+    as its own; unseen from its inputs), at every point; during its backward, those calls' parameter
+    gradients too (their backward ran first). Its peak is the plan's (Inductor's code where there is
+    one, forward and backward apart) plus what it held beyond the plan's count.
 
-    - **Planned again.** With a memory_budget that peak is over, the graph is planned for the most
-      held and compiled again, outside Dynamo, from a copy of its graph with the current call's
-      arguments; this call and the later ones run the new code. Its report replaces the old one under
-      the same id, ``report.replans`` saying why. The new plan counts what the earlier calls held
-      under the old plan, which kept more on the device: its compile's own verdict on the budget is
-      held back, and the next run is the verdict. At most ``REPLANS`` times per graph.
+    - **Planned again.** With a memory_budget that the worst call's peak is over, the graph is planned
+      for that call and compiled again, outside Dynamo, from a copy of its graph with the current
+      call's arguments; this call and the later ones run the new code. Its report replaces the old
+      one under the same id, ``report.replans`` saying why. The calls before the worst one hold what
+      the plan keeps (``UpstreamMemory.repeats``), so the new plan counts them as changing with it.
+      Its compile's own verdict on the budget is held back: the next run is the verdict. At most
+      ``REPLANS`` times per graph.
     - **Said,** once per graph with the figures (a RuntimeWarning where over the budget, else a log
       line): a call holding more than the plan counted that is not planned again (no budget, dynamic
       shapes: compiling again would fix the sizes, ``REPLANS`` spent), or a re-planned graph whose
@@ -360,11 +364,8 @@ class _UpstreamWatch:
         self.left = self.CALLS
         self.spent = 0.0
         self.said = False
-        # The current run: the most held at one of its calls (the compile read the first) and where.
-        self.most: UpstreamMemory | None = report.upstream
-        self.most_at = 0
-        self.run_first = self.last = report.upstream.saved_bytes if report.upstream is not None else 0
-        self.run_calls = 1
+        # What each call of the current run held, in order (the compile read the first run's first).
+        self.run: list[UpstreamMemory] = [report.upstream] if report.upstream is not None else []
         self.replans = 0
         self.held: list[warnings.WarningMessage] = []  # the last re-plan's compile-time verdict
         self.verdict_due = False  # planned again, and no run of the new plan judged yet
@@ -396,63 +397,86 @@ class _UpstreamWatch:
             self.spent += time.perf_counter() - start
             if self.spent > self.SECONDS:
                 self.left = 0
-        held = seen.saved_bytes
-        if self.most is not None and held <= self.last:
+        if self.run and seen.held_bytes <= self.run[-1].held_bytes:
             self.judge(args)  # the run before this call: this one holds no more than the last
-            self.most = None
-        if self.most is None:
-            self.run_first, self.run_calls = held, 0
-        if self.most is None or held > self.most.saved_bytes:
-            self.most, self.most_at = seen, self.run_calls
-        self.run_calls += 1
-        self.last = held
+            self.run = []
+        self.run.append(seen)
         if not self.left:
             self.judge(args)  # reading ends: the run so far
-            self.most = None
+            self.run = []
+
+    def peaks(self) -> tuple[int, int]:
+        """The plan's predicted peak in the forward and in the backward: Inductor's code where there
+        is one, else the FX memory model."""
+        compiled = self.report.compiled_memory()
+        timeline = compiled if compiled is not None and compiled.points else self.report.memory_after
+        points = timeline.points if timeline is not None else ()
+        fw = max((p.total for p in points if p.phase == "forward"), default=0)
+        return fw, max((p.total for p in points if p.phase == "backward"), default=fw)
 
     def judge(self, args: Any) -> None:
-        """The run that just ended, whose most held is ``self.most``; ``args``: the current call's."""
-        report, most = self.report, self.most
-        assert most is not None
-        gid = report.graph_id
-        planned = report.outside_bytes
-        beyond = most.saved_bytes - planned
+        """The run that just ended (``self.run``); ``args``: the current call's."""
+        report, run = self.report, self.run
+        if not run:
+            return
+        gid, up, kept = report.graph_id, report.upstream, report.kept_bytes
+        planned_fw, planned_bw = report.outside_bytes, up.outside(kept, "backward") if up is not None else 0
+        fw_peak, bw_peak = self.peaks()
+        n, grads, params = len(run), report.param_grad_bytes, _own_parameter_bytes(report)
+        held = [u.held_bytes + (n - 1 - k) * params for k, u in enumerate(run)]  # at every point
+
+        def reached(k: int) -> int:
+            return max(fw_peak + held[k] - planned_fw, bw_peak + held[k] + (n - 1 - k) * grads - planned_bw)
+
+        worst = max(range(n), key=reached)
+        most, peak = run[worst], reached(worst)
+        beyond = peak - max(fw_peak, bw_peak)
         more = beyond > BUDGET_TOLERANCE * report.predicted_peak_after
         if more:
-            self.backend.upstream_seen[gid] = max(most.saved_bytes, self.backend.upstream_seen.get(gid, 0))
-        compiled = report.compiled_memory()  # Inductor's code, where there is one, is the prediction
-        peak = report.predicted_peak_after
-        if compiled is not None and compiled.points:
-            peak = compiled.peak_bytes
-        reached = peak + max(0, beyond)
+            seen = max(u.held_bytes for u in run)
+            self.backend.upstream_seen[gid] = max(seen, self.backend.upstream_seen.get(gid, 0))
         budget = report.memory_budget
-        over = budget is not None and reached > budget * (1 + BUDGET_TOLERANCE)
+        over = budget is not None and peak > budget * (1 + BUDGET_TOLERANCE)
         if over and more and self.pristine is not None and self.replans < self.REPLANS:
-            # The calls of this graph before the worst one in its run hold what this plan keeps, each:
-            # as many as the run had before it, as far as what the run gained covers them.
-            kept = report.kept_bytes
-            repeats = min(self.most_at, (most.saved_bytes - self.run_first) // kept) if kept > 0 else 0
-            self.replan(args, dataclasses.replace(most, repeats=repeats, per_call_bytes=kept), reached)
+            # Planned for the first call, the worst and the last at once (each point's bytes are
+            # linear in the call's place in the run, so one of the ends is the worst of any plan).
+            # The calls before one hold what this plan keeps, each: as many as the run had before
+            # it, as far as what the run gained by then covers them.
+            calls = []
+            for k in sorted({0, worst, n - 1}):
+                repeats = min(k, (run[k].held_bytes - run[0].held_bytes) // kept) if kept > 0 else 0
+                calls.append(CallOutside(held[k] - repeats * kept, repeats, (n - 1 - k) * grads))
+            model = dataclasses.replace(
+                most, params_bytes=most.params_bytes + (n - 1 - worst) * params, calls=tuple(calls)
+            )
+            self.replan(args, model, peak, worst, n)
             return
-        held, due, self.held, self.verdict_due = self.held, self.verdict_due, [], False
+        said, due, self.held, self.verdict_due = self.held, self.verdict_due, [], False
         if not over and due:
             log.info(
                 "fxoffload: graph %d: planned again at run time, its calls peak at %s at most, "
-                "memory_budget %s met", gid, fmt_bytes(reached), fmt_bytes(budget or 0),
+                "memory_budget %s met", gid, fmt_bytes(peak), fmt_bytes(budget or 0),
             )  # fmt: skip
         # Said: more held than planned, or a plan made again at run time still over. A plan over the
         # budget by itself was said at its compile.
         if self.said or not (more or (over and due)):
             return
         self.said = True
-        text = f"fxoffload: graph {gid} ran with {fmt_bytes(most.saved_bytes)} saved by code before it"
+        text = (
+            f"fxoffload: graph {gid}, call {worst + 1} of {n} in a row: ran with "
+            f"{fmt_bytes(most.held_bytes)} held by code before it"
+        )
+        if worst < n - 1:
+            text += (
+                f", {fmt_bytes((n - 1 - worst) * params)} of the later calls' parameters and "
+                f"{fmt_bytes((n - 1 - worst) * grads)} of their gradients in its backward"
+            )
         if more:
             text += (
-                f", {fmt_bytes(beyond)} more than at its compile, which its plan and report count "
-                f"({fmt_bytes(planned)}): a graph compiled once and run again later in the step (a block "
-                "compiled once and called for every layer) holds more there"
+                f", {fmt_bytes(beyond)} more than its plan and report count: a graph compiled once and run "
+                "again later in the step (a block compiled once and called for every layer) holds more there"
             )
-        text += f". Its predicted peak at that call: {fmt_bytes(reached)}"
+        text += f". Its predicted peak at that call: {fmt_bytes(peak)}"
         if over:
             text += f", over memory_budget {fmt_bytes(budget or 0)}"
             if report.replans:
@@ -461,26 +485,26 @@ class _UpstreamWatch:
                 text += f"; not planned again: {self.why_not}"
         text += ". Compiling the whole model as one graph lets the plan see all of it."
         if over:
-            for w in held:  # what the last plan's compile said about the budget
+            for w in said:  # what the last plan's compile said about the budget
                 log.info("fxoffload: graph %d: at its last compile: %s", gid, w.message)
             warnings.warn(text, RuntimeWarning, stacklevel=3)
         else:
             log.warning(text)
 
-    def replan(self, args: Any, most: UpstreamMemory, reached: int) -> None:
-        """Plan and compile the graph again for what ``most`` held; its report replaces the old one."""
+    def replan(self, args: Any, most: UpstreamMemory, reached: int, call: int, calls: int) -> None:
+        """Plan and compile the graph again for ``most`` (call ``call`` of a run of ``calls``); its
+        report replaces the old one."""
         old, reports = self.report, self.backend.reports
         gid, budget = old.graph_id, old.memory_budget or 0
         why = (
-            f"at run time, a call held {fmt_bytes(most.saved_bytes)} saved by code before the graph, where "
-            f"its plan counted {fmt_bytes(old.outside_bytes)}: its predicted peak there, "
-            f"{fmt_bytes(reached)}, was over memory_budget {fmt_bytes(budget)}; planned for that call"
-            + (
-                f", where {most.repeats} earlier calls of this graph hold {fmt_bytes(most.per_call_bytes)} "
-                "each, which its new plan changes"
-                if most.repeats else ""
-            )
-        )
+            f"at run time, call {call + 1} of {calls} in a row had {fmt_bytes(most.held_bytes)} held by code "
+            f"before it: its predicted peak, {fmt_bytes(reached)}, was over memory_budget "
+            f"{fmt_bytes(budget)}; "
+            f"planned for the first and the last call of {calls} at once"
+            + (f", and call {call + 1}" if 0 < call < calls - 1 else "")
+            + f", where the last runs after {max(c.repeats for c in most.calls)} calls of this graph that "
+            "keep what its plan keeps"
+        )  # fmt: skip
         log.info("fxoffload: graph %d: %s", gid, why)
         self.replans += 1
         if old in reports:
@@ -520,6 +544,13 @@ def _compile_outside_dynamo(
 ) -> Callable[..., Any]:
     """``backend._compile`` from a running step (``_UpstreamWatch.replan``): Dynamo is not to trace it."""
     return backend._compile(gm, example_inputs, opts, upstream=upstream, graph_id=graph_id)
+
+
+def _own_parameter_bytes(report: OffloadReport) -> int:
+    """The pair's parameters (static inputs) on the device, as its timeline counts them."""
+    timeline = report.memory_before or report.memory_after
+    points = timeline.points if timeline is not None else ()
+    return max((p.live.get("parameters", 0) for p in points), default=0)
 
 
 def _static_shapes(gm: fx.GraphModule) -> bool:
@@ -672,16 +703,17 @@ class _OffloadPartitioner(_compat.CustomPartitionerFn):
         temporaries = plan.costs.temporaries if plan.costs is not None else {}
         kept = kept_saved_bytes(fw, num_fwd_outputs, static)
         memory_after = memory_before
+        up = self.upstream
         if changed:
-            outside = self.upstream.outside(kept) if self.upstream is not None else 0
-            memory_after = simulate(fw, bw, num_fwd_outputs, tuple(static), temporaries, outside)
+            outside, later = (up.outside(kept), up.outside_backward(kept)) if up is not None else (0, 0)
+            memory_after = simulate(fw, bw, num_fwd_outputs, tuple(static), temporaries, outside, later)
         timings = PassTimings(pass_s, repartition_s, time.perf_counter() - start, *nodes_in)
         report = OffloadReport.from_plan(
             graph_id, plan, fw, bw, self.options.host_budget, host_before, memory_before, memory_after
         )
         report = dataclasses.replace(
             report, timings=timings, num_fwd_outputs=num_fwd_outputs, graphs=(fw, bw), upstream=self.upstream,
-            kept_bytes=kept,
+            kept_bytes=kept, param_grad_bytes=param_grad_bytes(fw, bw, static),
         )
         if self.report_budget is not None:
             report = dataclasses.replace(report, memory_budget=self.report_budget)
@@ -781,7 +813,8 @@ def offload_pass(
             second = replan_after_recompute(
                 plan, new_lifetimes, new_costs, options, sources, host_bytes_available=host_bytes_available
             )
-            peak = with_plan(new_costs.baseline, off_device(second), new_costs.repeats).peak_bytes
+            planned = with_plan(new_costs.baseline, off_device(second), new_costs.calls, new_costs.kept)
+            peak = planned.peak_bytes
             tries.append((peak, new_fw, new_bw, dataclasses.replace(second, memory_budget=budget)))
             if budget is None or peak <= budget or target is None or attempt == _REPLANS:
                 break
@@ -804,14 +837,14 @@ def offload_pass(
         if not tries or (budget is not None and min(t[0] for t in tries) > budget):
             try:
                 alternative = offload_only()
-                peak = with_plan(costs.baseline, off_device(alternative), costs.repeats).peak_bytes
+                peak = with_plan(costs.baseline, off_device(alternative), costs.calls, costs.kept).peak_bytes
                 tries.append((peak, fw, bw, alternative))
             except ValueError:  # strict=True and unreachable without recomputation
                 if not tries:
                     raise
     peak, best_fw, best_bw, best = min(tries, key=lambda t: t[0])
     if budget is not None and peak > budget:
-        at = with_plan(best.costs.baseline, off_device(best), best.costs.repeats).peak
+        at = with_plan(best.costs.baseline, off_device(best), best.costs.calls, best.costs.kept).peak
         unreachable_budget(budget, peak, at, options.strict)
     elif len(tries) > 1:
         log.info("fxoffload: of %d plans tried for memory_budget %s, the chosen one peaks at %s",
@@ -905,8 +938,11 @@ def plan_costs(
     temporaries = {}
     if lifetimes.saved and (options.offload_cpu if device.type == "cpu" else options.calibrate and wants_measure):
         temporaries = op_temporaries((fw, bw), device)
-    outside = upstream.outside(kept_saved_bytes(fw, num_fwd_outputs, static)) if upstream is not None else 0
-    baseline = simulate(fw, bw, num_fwd_outputs, static, temporaries, outside)
+    kept = kept_saved_bytes(fw, num_fwd_outputs, static)
+    outside, later = 0, 0
+    if upstream is not None:
+        outside, later = upstream.outside(kept), upstream.outside_backward(kept)
+    baseline = simulate(fw, bw, num_fwd_outputs, static, temporaries, outside, later)
     return PlanCosts(
         rates,
         tuple(node_start_times(fw, rates, fw_times)),
@@ -915,7 +951,8 @@ def plan_costs(
         calibrated=len(fw_times or ()) + len(bw_times or ()),
         temporaries=temporaries,
         outside=outside,
-        repeats=upstream.repeats if upstream is not None else 0,
+        calls=upstream.calls if upstream is not None else (),
+        kept=kept,
     )
 
 
@@ -933,7 +970,7 @@ def _upstream(example_inputs: list[Any]) -> UpstreamMemory | None:
         return None
     if not upstream.complete:
         log.warning("fxoffload: %s", upstream.summary())
-    elif upstream.saved_bytes:
+    elif upstream.held_bytes:
         log.info("fxoffload: %s", upstream.summary())
     return upstream
 

@@ -338,6 +338,7 @@ def simulate_output_code(
     temporaries: Mapping[str, int] | None = None,
     symbols: Mapping[str, int] | None = None,
     outside: int = 0,
+    outside_backward: int = 0,
 ) -> MemoryTimeline:
     """The device-memory timeline of one training step through Inductor's forward then backward wrapper.
 
@@ -352,7 +353,8 @@ def simulate_output_code(
     may not be what Inductor's layouts need: on a CPU, a CNN's ``convolution_backward`` measured 1 MiB
     alone, while in the channels-last wrapper the whole step stayed within 19 KB of this model without
     them. ``symbols``: values of symbolic sizes (``{"s0": 8}``). ``outside``: bytes code before the
-    pair holds through it, "outside" at every point (``memory.simulate``).
+    pair holds through it, "outside" at every point (``memory.simulate``), and ``outside_backward``
+    more at the backward's points.
 
     Points are ``MemoryPoint(phase, "<phase> line <n>: <statement>", live)`` with ``live`` in the
     categories of ``memory.CATEGORIES``; the peak less "parameters" and "inputs" is what the step
@@ -416,7 +418,8 @@ def simulate_output_code(
     points = []
     for phase, label, live, scratch in state.events:
         by = dict.fromkeys(CATEGORIES, 0)
-        by["outside"] = outside  # what code before the pair holds through it (``memory.simulate``)
+        # What code before the pair holds through it, and later code in its backward (``memory.simulate``).
+        by["outside"] = outside + (outside_backward if phase == "backward" else 0)
         for i in live:
             by[state.storages[i].category] += state.storages[i].nbytes
         by["transient"] += scratch

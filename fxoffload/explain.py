@@ -186,7 +186,7 @@ def _backward_growth(r: OffloadReport) -> list[str]:
         + (f" (+ {fmt_bytes(host[bw[0]])} of host copies)" if host and host[bw[0]] else "")
         + f", gradients {fmt_bytes(start['gradients'])}",
     ]  # fmt: skip
-    if r.upstream is not None and r.upstream.saved_bytes:  # the "outside" of every point
+    if r.upstream is not None and r.upstream.held_bytes:  # the "outside" of every point
         lines.append(
             f"  held from before its forward to after its backward: {r.upstream.summary()} (autograd frees "
             "them when it reaches that code, after this graph's backward)"

@@ -9,10 +9,12 @@ Rules (sizes from fake values, symbolic sizes at their hints):
 - Forward outputs saved for the backward are "saved" from their producer until their last backward
   use; user outputs live until the end of the forward; everything else is "transient".
 - Backward outputs are "gradients" and live until the end of the backward; tangents are "transient".
-- "outside": what code before the pair saved for its own backward (``upstream.py``), given as
-  ``outside``; held at every point, since autograd runs that backward after this pair's. Where that
-  code is earlier calls of the same pair (a block run per layer), they hold what the plan keeps:
-  ``with_plan(..., repeats)``.
+- "outside": what code before the pair saved for its own backward and its parameters
+  (``upstream.py``), given as ``outside``; held at every point, since autograd runs that backward
+  after this pair's; ``outside_backward`` more during the backward (later code's gradients). A pair
+  run several times in a step (a block run per layer) is planned for its calls at once
+  (``CallOutside``): each point holds the most any of them holds there, and the earlier calls hold
+  what the plan keeps.
 - Host tensors (the outputs of ``fxoffload.offload`` and the backward placeholders holding them) are
   not device memory. A ``fxoffload.reload`` allocates its device destination when it is issued.
 
@@ -123,12 +125,15 @@ def simulate(
     static_input_indices: Sequence[int] = (),
     temporaries: Mapping[fx.Node, int] | None = None,
     outside: int = 0,
+    outside_backward: int = 0,
 ) -> MemoryTimeline:
     """The device-memory timeline of one training step through ``fw`` then ``bw``.
 
     ``temporaries``: scratch bytes a node allocates and frees inside its own call (measured, see
     ``temporaries.op_temporaries``), counted at that node's point as "transient". ``outside``: bytes
-    code before the pair holds through it (``upstream.UpstreamMemory.saved_bytes``)."""
+    code before the pair holds through it (``upstream.UpstreamMemory.outside``); ``outside_backward``:
+    bytes more there during the backward, which later code made after this pair's forward (the
+    gradients of later calls of the same pair, ``UpstreamMemory.later_grad_bytes``)."""
     scratch = temporaries or {}
     live = dict.fromkeys(CATEGORIES, 0)
     live["outside"] = outside
@@ -167,6 +172,7 @@ def simulate(
             live["transient"] -= _bytes(owner)
 
     # ---- backward: saved tensors enter as placeholders named like the forward outputs
+    live["outside"] += outside_backward
     saved_owner_of = {
         o.name: owners[o] for o in outputs[num_fwd_outputs:] if o in owners and category.get(owners[o]) == "saved"
     }
@@ -211,6 +217,27 @@ def simulate(
 
 
 @dataclasses.dataclass(frozen=True)
+class CallOutside:
+    """What code around one call of a pair holds at the pair's points (``UpstreamMemory.calls``):
+    ``fixed`` bytes at every point, ``backward`` more at the backward's, and ``repeats`` earlier
+    calls of the same pair, each keeping what the pair keeps for its backward
+    (``kept_saved_bytes``), which changes with the plan."""
+
+    fixed: int
+    repeats: int = 0
+    backward: int = 0
+
+    def at(self, phase: str, kept: int) -> int:
+        return max(0, self.fixed + self.repeats * kept) + (self.backward if phase == "backward" else 0)
+
+
+def outside_at(calls: Sequence[CallOutside], phase: str, kept: int) -> int:
+    """"outside" at a point of ``phase`` for a pair keeping ``kept`` bytes per call: the most any of
+    its ``calls`` holds there."""
+    return max(c.at(phase, kept) for c in calls)
+
+
+@dataclasses.dataclass(frozen=True)
 class OffDevice:
     """``nbytes`` of saved tensor ``name`` off the device from point ``first`` to point ``last`` of a
     timeline (inclusive; forward points, then backward points: one per node before the output)."""
@@ -221,32 +248,49 @@ class OffDevice:
     last: int
 
 
-def with_plan(baseline: MemoryTimeline, off: Iterable[OffDevice], repeats: int = 0) -> MemoryTimeline:
+def with_plan(
+    baseline: MemoryTimeline, off: Iterable[OffDevice], calls: Sequence[CallOutside] = (), kept: int = 0
+) -> MemoryTimeline:
     """The timeline ``baseline`` (the pair before any change) with the tensors of ``off`` off the
-    device over their points, taken from its "saved" bytes. ``repeats``: earlier calls of the same
-    pair that code before it holds (``UpstreamMemory.repeats``), between their forward and their
-    backward at every point, so each tensor of ``off`` is off the device there too: ``repeats``
-    times its bytes less "outside" at every point. Pure; linear in points + intervals."""
+    device over their points, taken from its "saved" bytes. ``calls``: the calls of the pair it is
+    planned for, where earlier calls of the same pair hold what it keeps (``CallOutside``);
+    ``kept``: what the baseline pair keeps per call. Each tensor of ``off`` is off the device in
+    those earlier calls too (between their forward and their backward at every point): "outside"
+    is then that of a pair keeping ``kept`` less all of ``off``. Pure; linear in points + intervals."""
     points = baseline.points
     delta = [0] * (len(points) + 1)
-    everywhere = 0
+    off_bytes = 0
     for o in off:
         lo, hi = max(o.first, 0), min(o.last, len(points) - 1)
         if lo <= hi:
             delta[lo] -= o.nbytes
             delta[hi + 1] += o.nbytes
-        everywhere += repeats * o.nbytes
+        off_bytes += o.nbytes
+    repeated = any(c.repeats for c in calls) and off_bytes
+    outside = {}
+    if repeated:
+        outside = {phase: outside_at(calls, phase, kept - off_bytes) for phase in ("forward", "backward")}
     out, running = [], 0
     for p, d in zip(points, delta):
         running += d
-        if running or everywhere:
+        if running or repeated:
             live = dict(p.live)
             live["saved"] += running
-            if everywhere:
-                live["outside"] -= min(everywhere, live.get("outside", 0))
+            if repeated:
+                live["outside"] = outside[p.phase]
             p = MemoryPoint(p.phase, p.node, live)
         out.append(p)
     return MemoryTimeline(tuple(out))
+
+
+def param_grad_bytes(fw: fx.GraphModule, bw: fx.GraphModule, static_input_indices: Sequence[int]) -> int:
+    """Device bytes of the gradients the backward returns for the pair's parameters (its static
+    inputs): what ``AccumulateGrad`` holds after one call's backward. The backward returns one
+    gradient (or None) per forward input, in their order."""
+    static = static_inputs(fw, static_input_indices)
+    placeholders = [n for n in fw.graph.nodes if n.op == "placeholder"]
+    grads = list(bw.graph.output_node().args[0])
+    return sum(_bytes(g) for p, g in zip(placeholders, grads) if p in static and isinstance(g, fx.Node))
 
 
 def kept_saved_bytes(

@@ -17,7 +17,7 @@ import torch.fx as fx
 from .cost import DeviceRates
 from .host_memory import size_class
 from .lifetimes import GraphLifetimes, SavedTensor
-from .memory import MemoryPoint, MemoryTimeline, OffDevice, with_plan
+from .memory import CallOutside, MemoryPoint, MemoryTimeline, OffDevice, outside_at, with_plan
 from .options import OffloadOptions
 from .policy import user_choice
 from .reasons import Action, Reason, ReasonCode
@@ -58,8 +58,10 @@ class PlanCosts:
     # model adds them at the node's point. Empty where they were not measured.
     temporaries: Mapping[fx.Node, int] = dataclasses.field(default_factory=dict, compare=False, repr=False)
     outside: int = 0  # device bytes code before the pair holds through it (``upstream.py``), in ``baseline``
-    # Earlier calls of this same pair in that code, running its plan too (``memory.with_plan``).
-    repeats: int = 0
+    # The calls of this pair it is planned for (``UpstreamMemory.calls``), where earlier calls of
+    # the same pair keep what it keeps (``kept``, before any change): ``memory.with_plan``.
+    calls: tuple[CallOutside, ...] = ()
+    kept: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -336,8 +338,8 @@ def plan_offloads(
         # only for a pair that returns a loss alone: one that returns activations may be one block of
         # a longer step, whose peak is where this pair's saved tensors wait for their backward.
         without = planned([t for t in chosen if t not in mine])
-        peak = with_plan(costs.baseline, off_device(plan), costs.repeats).peak
-        if peak.total >= with_plan(costs.baseline, off_device(without), costs.repeats).peak_bytes:
+        peak = with_plan(costs.baseline, off_device(plan), costs.calls, costs.kept).peak
+        if peak.total >= with_plan(costs.baseline, off_device(without), costs.calls, costs.kept).peak_bytes:
             dropped = {t.name for t in mine}
             why = (
                 f"offloading would not lower the predicted peak ({fmt_bytes(peak.total)} at "
@@ -616,6 +618,14 @@ def _fit_budget(
     pool.sort(key=lambda e: e[:3])
     pinned = {s for option in recomputes.values() for s in option.sources}  # recomputed from: stays
     extra: list[SavedTensor] = []
+    # A pair planned for several of its calls (``costs.calls``): a tensor off the device is off in the
+    # earlier calls too, which lowers "outside" in a phase where the call holding the most there
+    # has earlier calls. Tracked per phase by the bytes off the device per call.
+    repeated = any(c.repeats for c in costs.calls)
+
+    def outside(phase: str, off_bytes: int) -> int:
+        return outside_at(costs.calls, phase, costs.kept - off_bytes) if repeated else 0
+
 
     def usable(entry) -> bool:
         _, _, _, t, option = entry
@@ -638,10 +648,11 @@ def _fit_budget(
         applied = _recompute_ends(recomputes, all_saved, fw_points)
         off = [_offload_interval(t, timing, fw_points) for timing, t in zip(schedule.timings, [*chosen, *extra])]
         off += [_recompute_interval(all_saved[name], hi, fw_points) for name, hi in applied.items()]
-        checked = with_plan(costs.baseline, off, costs.repeats)
+        checked = with_plan(costs.baseline, off, costs.calls, costs.kept)
         tree = _MinTree.of([-float(p.total) for p in checked.points])  # -live bytes: its min is minus the peak
         if -tree.min(0, len(points) - 1) <= budget:
             break
+        off_bytes = sum(o.nbytes for o in off)
         # A greedy round on estimated intervals.
         added = False
         while -tree.min(0, len(points) - 1) > budget:
@@ -649,15 +660,23 @@ def _fit_budget(
             pick = next(
                 (e for e in pool if _covers(_estimated_interval(e[3], fw_points), peak_at) and usable(e)), None
             )
-            if pick is None and costs.repeats:  # any tensor off the device is off in the earlier calls
-                pick = next((e for e in pool if usable(e)), None)
+            phase = points[peak_at].phase
+            if pick is None and repeated:  # one that lowers "outside" there, by the earlier calls
+                now = outside(phase, off_bytes)
+                lowers = (e for e in pool if usable(e) and outside(phase, off_bytes + e[3].nbytes) < now)
+                pick = next(lowers, None)
             if pick is None:
                 break
             pool.remove(pick)
             _, _, _, t, option = pick
             taken.add(t.name)
-            if costs.repeats:
-                tree.add(0, len(points) - 1, float(costs.repeats * t.nbytes))
+            if repeated:
+                phases = ((0, fw_points - 1, "forward"), (fw_points, len(points) - 1, "backward"))
+                for lo, hi, phase in phases:
+                    lower = outside(phase, off_bytes) - outside(phase, off_bytes + t.nbytes)
+                    if lo <= hi and lower:
+                        tree.add(lo, hi, float(lower))
+                off_bytes += t.nbytes
             if option is None:
                 extra.append(t)
                 host_used += host_bytes(t)

@@ -17,7 +17,7 @@ from tabulate import tabulate
 from . import ops
 from .codememory import simulate_output_code
 from .lifetimes import _tensor_bytes, storage_users
-from .memory import CATEGORIES, MemoryPoint, MemoryTimeline
+from .memory import CATEGORIES, CallOutside, MemoryPoint, MemoryTimeline
 from .plan import OFFLOAD, RECOMPUTE, OffloadPlan, PlanCosts, fmt_bytes
 from .reasons import Action
 from .rewrite import host_placeholder_name
@@ -78,7 +78,7 @@ BUDGET_TOLERANCE = 0.03
 KINDS = ("parameters", "inputs", "gradients", "saved", "transient", "outside", "host")
 _KIND_NAMES = {
     "saved": "saved activations", "transient": "transients", "host": "host copies in flight",
-    "outside": "saved by code before this graph",
+    "outside": "held by code before this graph",
 }  # fmt: skip
 TIMELINES = ("before", "after", "compiled")
 
@@ -166,6 +166,8 @@ class OffloadReport:
     upstream: UpstreamMemory | None = None
     # Device bytes one call keeps for its backward with this plan (``memory.kept_saved_bytes``).
     kept_bytes: int = 0
+    # Device bytes of its parameters' gradients, held after its backward (``memory.param_grad_bytes``).
+    param_grad_bytes: int = 0
 
     @property
     def outside_bytes(self) -> int:
@@ -355,12 +357,14 @@ class OffloadReport:
     @property
     def start_bytes(self) -> int:
         """Bytes of every timeline live before the step starts: the parameters and the inputs, less the
-        inputs that code before this graph made in the step (``upstream``). A measured peak above the
-        step's start (``fxoffload.measure_memory``) plus these compares with a point's total."""
+        inputs that code before this graph made in the step, and that code's parameters
+        (``upstream``). A measured peak above the step's start (``fxoffload.measure_memory``) plus
+        these compares with a point's total."""
         timeline = self.memory_after or self.memory_before
         points = timeline.points if timeline is not None else ()
         held = max((p.live["parameters"] + p.live["inputs"] for p in points), default=0)
-        return max(0, held - (self.upstream.made_inputs_bytes if self.upstream is not None else 0))
+        up = self.upstream
+        return max(0, held - (up.made_inputs_bytes if up is not None else 0)) + (up.params_bytes if up else 0)
 
     def compiled_memory(self) -> MemoryTimeline | None:
         """Device memory of one step replayed from the code Inductor generated for this pair
@@ -371,7 +375,10 @@ class OffloadReport:
         if not forward or not backward:
             return None
         try:
-            return simulate_output_code(forward, backward, self.num_fwd_outputs, outside=self.outside_bytes)
+            later = self.upstream.outside_backward(self.kept_bytes) if self.upstream is not None else 0
+            return simulate_output_code(
+                forward, backward, self.num_fwd_outputs, outside=self.outside_bytes, outside_backward=later
+            )
         except ValueError as e:  # code this reader does not know (a new Inductor): no figure, no failure
             log.debug("fxoffload: cannot replay the generated code of graph %d: %s", self.graph_id, e)
             return None
@@ -466,7 +473,7 @@ class OffloadReport:
             lines.append(
                 f"  predicted peak {label}: {fmt_bytes(peak.total)} at {peak.phase} node {peak.node} ({peak.kinds()})"
             )
-        if self.upstream is not None and self.upstream.saved_bytes:
+        if self.upstream is not None and self.upstream.held_bytes:
             lines.append(f"  held through it: {self.upstream.summary()}")
         compiled = self.compiled_memory()
         if compiled is not None and compiled.points:
@@ -594,7 +601,10 @@ class OffloadReport:
         data["replans"] = tuple(data.get("replans", ()))
         if data.get("upstream") is not None:
             up = data["upstream"]
-            data["upstream"] = UpstreamMemory(**{**up, "largest": tuple(tuple(x) for x in up["largest"])})
+            data["upstream"] = UpstreamMemory(**{
+                **up, "largest": tuple(tuple(x) for x in up["largest"]),
+                "calls": tuple(CallOutside(**c) for c in up.get("calls", ())),
+            })  # fmt: skip
         return cls(**data)
 
     def graph_code(self) -> str:

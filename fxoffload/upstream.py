@@ -8,18 +8,23 @@ own tensors. A backend sees it through the real tensors Dynamo passes at compile
 graph behind each input (its ``grad_fn`` and what that node reaches) holds the saved tensors.
 
     upstream = upstream_memory(example_inputs, torch.device("cuda", 0))
-    upstream.saved_bytes        # "outside" at every point of the graph's timeline
+    upstream.held_bytes         # "outside" at every point of the graph's timeline
+    upstream.saved_bytes        #   of it, what earlier code saved for its backward
+    upstream.params_bytes       #   and its parameters, with their gradients where they exist
     upstream.made_inputs_bytes  # inputs that earlier code made in this step: not live at its start
 
-Counted: the storages of the tensors saved by the nodes reached, on ``device``, once each. Left out:
-storages of the graph's inputs (its timeline has them), of leaves that gradients accumulate into
-(parameters), of ``nn.Parameter``s and their views (a frozen weight is saved by a linear layer too),
-and fxoffload's own host buffers. Saved tensors behind a pack hook (``save_on_cpu``, checkpointing)
-are read without unpacking: what the hook returned counts if it is a tensor on ``device``.
+Counted, on ``device``, each storage once and none of the graph's own inputs (its timeline has
+them): the tensors saved by the nodes reached, less fxoffload's own host buffers; apart, the
+parameters of that code (the leaves its gradients accumulate into, found at their
+``AccumulateGrad`` nodes, and ``nn.Parameter``s it saved, a frozen weight) and the gradients those
+leaves hold already. Those were live before the step, so ``report.start_bytes`` has them too.
+Saved tensors behind a pack hook (``save_on_cpu``, checkpointing) are read without unpacking: what
+the hook returned counts if it is a tensor on ``device``.
 
 Not seen, so not counted: tensors earlier code holds outside autograd (a cache, a Python variable),
 an optimizer's state, buffers saved by earlier code (counted as if made in the step: they cannot be
-told from a mask made there), and what code after this graph allocates. Read when the graph
+told from a mask made there), parameters of code after this graph, and what that code allocates
+(an eager LM head after per-layer blocks; a later graph's gradients). Read when the graph
 compiles, and again at its first calls (``backend._UpstreamWatch``): a graph run again later in the
 step (a block compiled once and run per layer) holds more there, partly what its own earlier calls
 saved (``repeats``), which changes with its plan.
@@ -36,6 +41,7 @@ from typing import Any
 import torch
 
 from ._compat import is_fake, saved_tensor_payload
+from .memory import CallOutside, outside_at
 from .ops import host_buffer_ranges
 
 log = logging.getLogger(__name__)
@@ -58,16 +64,30 @@ class UpstreamMemory:
     nodes: int  # autograd nodes read
     largest: tuple[tuple[str, int], ...] = ()  # the nodes saving the most bytes: (node name, bytes)
     complete: bool = True  # False: reading stopped at ``MAX_NODES``, more may be held
-    # Earlier calls of this same graph among that code (a block compiled once and run per layer,
-    # read at its later calls: ``backend._UpstreamWatch``), each holding ``per_call_bytes`` of
-    # ``saved_bytes``: what they hold changes with the graph's plan (``outside``).
-    repeats: int = 0
-    per_call_bytes: int = 0
+    # Parameters of that code (and other leaves its gradients go to, frozen weights it saved), with
+    # their gradients where they exist, on the device: live before the step and through it, in no
+    # graph's timeline but this one's "outside" (another block's weights, an eager encoder's).
+    params_bytes: int = 0
+    # A graph run several times in a step (a block compiled once and run per layer, read at its
+    # calls: ``backend._UpstreamWatch``) is planned for its calls at once: what each holds, less what
+    # the earlier calls of the same graph keep (that changes with its plan), and the gradients of the
+    # calls after it during its backward. Empty: one call, holding ``held_bytes``.
+    calls: tuple[CallOutside, ...] = ()
 
-    def outside(self, kept_per_call: int) -> int:
-        """"outside" for a plan whose call keeps ``kept_per_call`` saved bytes on the device
-        (``memory.kept_saved_bytes``): the earlier calls of the same graph run that plan too."""
-        return max(0, self.saved_bytes + self.repeats * (kept_per_call - self.per_call_bytes))
+    @property
+    def held_bytes(self) -> int:
+        """All that code before the graph holds on its device: what it saved, and its parameters."""
+        return self.saved_bytes + self.params_bytes
+
+    def outside(self, kept_per_call: int, phase: str = "forward") -> int:
+        """"outside" at a point of ``phase`` for a plan whose call keeps ``kept_per_call`` saved bytes
+        on the device (``memory.kept_saved_bytes``): the earlier calls of the same graph run that
+        plan too."""
+        return outside_at(self.calls, phase, kept_per_call) if self.calls else self.held_bytes
+
+    def outside_backward(self, kept_per_call: int) -> int:
+        """How much more "outside" is during the backward than during the forward."""
+        return self.outside(kept_per_call, "backward") - self.outside(kept_per_call)
 
     def summary(self) -> str:
         from .plan import fmt_bytes
@@ -75,10 +95,14 @@ class UpstreamMemory:
         text = f"{fmt_bytes(self.saved_bytes)} saved by code before this graph ({self.nodes} autograd nodes)"
         if self.largest:
             text += ", most by " + ", ".join(f"{name} {fmt_bytes(n)}" for name, n in self.largest)
-        if self.repeats:
+        if self.params_bytes:
+            text += f"; and {fmt_bytes(self.params_bytes)} of its parameters and their gradients"
+        if self.calls:
             text += (
-                f"; {fmt_bytes(self.repeats * self.per_call_bytes)} of it by {self.repeats} earlier calls of "
-                "this graph, which run its plan too"
+                f"; planned for {len(self.calls)} of its calls in a row, the last after "
+                f"{max(c.repeats for c in self.calls)} calls of this graph that run its plan too, the first "
+                f"with {fmt_bytes(max(c.backward for c in self.calls))} of later calls' gradients in its "
+                "backward"
             )
         if not self.complete:
             text += f"; reading stopped after {self.nodes} nodes, more may be held"
@@ -103,10 +127,13 @@ def upstream_memory(inputs: Sequence[Any], device: torch.device, largest: int = 
     own = {k for k in map(_storage_key, tensors) if k is not None}
     nodes, complete = _reachable([t.grad_fn for t in tensors if t.grad_fn is not None])
     leaves = set()
+    params: dict[tuple[int, int], int] = {}  # parameters, leaves and their gradients, on ``device``
     for node in nodes:
         variable = getattr(node, "variable", None)  # AccumulateGrad: the leaf its gradient goes to
         if isinstance(variable, torch.Tensor):
             leaves.add(_storage_key(variable))
+            for t in (variable, variable.grad):
+                _count(params, t, device, own)
     made = {}
     for t in tensors:
         key, root = _storage_key(t), t._base if t._base is not None else t
@@ -119,16 +146,30 @@ def upstream_memory(inputs: Sequence[Any], device: torch.device, largest: int = 
     for node in nodes:
         for t in _saved_tensors(node):
             key = _storage_key(t)
+            if _is_parameter(t):  # a frozen weight saved (one with a gradient is a leaf, above)
+                _count(params, t._base if t._base is not None else t, device, own)
+                continue
             if (
                 key is None or key in counted or key in own or key in leaves or not _on(t, device)
-                or _is_parameter(t) or (host is not None and key[0] in host)
+                or (host is not None and key[0] in host)
             ):  # fmt: skip
                 continue
             counted[key] = key[1]
             name = node.name()
             by_node[name] = by_node.get(name, 0) + key[1]
     top = sorted(by_node.items(), key=lambda kv: -kv[1])[:largest]
-    return UpstreamMemory(sum(counted.values()), sum(made.values()), len(nodes), tuple(top), complete)
+    return UpstreamMemory(
+        sum(counted.values()), sum(made.values()), len(nodes), tuple(top), complete,
+        params_bytes=sum(params.values()),
+    )  # fmt: skip
+
+
+def _count(into: dict[tuple[int, int], int], t: Any, device: torch.device, own: set) -> None:
+    """Add the storage of ``t`` (a tensor on ``device``, none of the graph's own inputs) to ``into``."""
+    if isinstance(t, torch.Tensor) and _on(t, device):
+        key = _storage_key(t)
+        if key is not None and key not in own:
+            into[key] = key[1]
 
 
 def _reachable(roots: list[Any]) -> tuple[list[Any], bool]:

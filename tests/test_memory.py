@@ -8,7 +8,7 @@ import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from fxoffload.lifetimes import analyze_saved_tensors, is_compute
-from fxoffload.memory import kept_saved_bytes, simulate, with_plan
+from fxoffload.memory import CallOutside, kept_saved_bytes, simulate, with_plan
 from fxoffload.options import OffloadOptions
 from fxoffload.plan import off_device, plan_offloads
 from fxoffload.rewrite import apply_plan
@@ -184,18 +184,21 @@ def _planned_and_rewritten(monkeypatch, name, inner, options, upstream=None):
         warnings.simplefilter("ignore", RuntimeWarning)  # an unreachable budget is not what this tests
         compiled(*batch)
     (fw, bw, plan, num_fwd_outputs, static) = seen[-1]
-    planned = with_plan(plan.costs.baseline, off_device(plan), plan.costs.repeats)
-    # What code before the pair holds with this plan: earlier calls of the same pair (``repeats``) keep
-    # what its rewritten forward saves on the device.
-    outside = plan.costs.outside
+    planned = with_plan(plan.costs.baseline, off_device(plan), plan.costs.calls, plan.costs.kept)
+    # What code around the pair holds with this plan: earlier calls of the same pair keep what its
+    # rewritten forward saves on the device.
+    outside, later = plan.costs.outside, 0
     if upstream is not None:
-        outside = upstream.outside(kept_saved_bytes(fw, num_fwd_outputs, static))
-    rewritten = simulate(fw, bw, num_fwd_outputs, static, plan.costs.temporaries, outside)
+        kept = kept_saved_bytes(fw, num_fwd_outputs, static)
+        outside, later = upstream.outside(kept), upstream.outside_backward(kept)
+    rewritten = simulate(fw, bw, num_fwd_outputs, static, plan.costs.temporaries, outside, later)
     return plan, planned, rewritten, fw, bw
 
 
-# Three earlier calls of the same pair before it, each said to keep 1 MiB, and 256 KiB of other code.
-_REPEATED = UpstreamMemory(3 * 2**20 + 2**18, 0, 0, repeats=3, per_call_bytes=2**20)
+# Planned for two calls of a pair run four times in a row: the first, with 1 MiB of the later calls'
+# gradients in its backward, and the last, after three calls that keep what the plan keeps; both
+# with 256 KiB of other code.
+_REPEATED = UpstreamMemory(0, 0, 0, calls=(CallOutside(2**18, 0, 2**20), CallOutside(2**18, 3)))
 
 
 @pytest.mark.parametrize(
@@ -214,8 +217,12 @@ _REPEATED = UpstreamMemory(3 * 2**20 + 2**18, 0, 0, repeats=3, per_call_bytes=2*
 def test_the_plan_as_data_is_the_rewritten_pair(monkeypatch, name, inner, options, upstream):
     plan, planned, rewritten, fw, bw = _planned_and_rewritten(monkeypatch, name, inner, options, upstream)
     assert plan.offloaded
-    if upstream is not None:  # the earlier calls hold less with the plan: 3 times what it offloads
-        assert planned.peak.live["outside"] == plan.costs.outside - 3 * plan.offloaded_bytes > 0
+    if upstream is not None:  # each point holds what the call holding the most there holds
+        kept = plan.costs.kept - plan.offloaded_bytes  # the earlier calls hold less with the plan
+        for phase in ("forward", "backward"):
+            expected = max(2**18 + 3 * kept, 2**18 + (2**20 if phase == "backward" else 0))
+            assert {p.live["outside"] for p in planned.points if p.phase == phase} == {expected}
+        assert planned.peak.live["outside"] < plan.costs.outside + 3 * plan.offloaded_bytes
     # Same peak, to the byte, and the budget fit's own figure is that peak.
     assert rewritten.peak_bytes == planned.peak_bytes
     if plan.fit_peak is not None:
