@@ -188,8 +188,8 @@ def _backward_growth(r: OffloadReport) -> list[str]:
     ]  # fmt: skip
     if r.upstream is not None and r.upstream.held_bytes:  # the "outside" of every point
         lines.append(
-            f"  held from before its forward to after its backward: {r.upstream.summary()} (autograd frees "
-            "them when it reaches that code, after this graph's backward)"
+            f"  held from before its forward to after its backward: {r.upstream.summary()} (what it saved is "
+            "freed by autograd when it reaches that code, after this graph's backward)"
         )
     partial = _gradient_partials(r, bpeak - len(fw))
     lines.append(
@@ -273,7 +273,7 @@ def _after_step(reports: Sequence[OffloadReport], step: StepMemory) -> list[str]
         )
         lines.append(
             f"  the compiled graphs predict at most {fmt_bytes(above)} above the step's start (what code "
-            f"before them saved included); the measured peak is {fmt_bytes(abs(gap))} "
+            f"before them holds included); the measured peak is {fmt_bytes(abs(gap))} "
             f"{'more' if gap >= 0 else 'less'}" + share + (unseen if gap > 0.05 * b.peak_bytes else "")
         )
     state = (

@@ -210,3 +210,18 @@ def test_memory_bench_rows(restore_threads):
     (_, _, row, other) = memory_table(rows).splitlines()[1:]
     assert row.split()[:4] == ["mlp", "32", "aot_eager", "all"] and "FX graphs" in row
     assert other.split()[:4] == ["mlp", "128", "aot_eager", "all"]
+
+
+def test_blocks_bench_rows(restore_threads):
+    """``python -m bench.blocks``'s rows: each GPT block compiled apart, a budget the blocks' first plan
+    misses is planned again for all the calls, met when measured, and predicted within 2%."""
+    from bench.blocks import measure
+    from bench.blocks import table as blocks_table
+
+    torch.set_num_threads(1)
+    base = measure("aot_eager", "baseline", layers=2, batch=8)
+    row = measure("aot_eager", "budget", layers=2, batch=8, budget=int(0.4 * base["measured"]))
+    assert row["replans"] == 1 and not row["warned"], row
+    assert row["measured"] <= 1.03 * row["budget"] and abs(row["predicted"] / row["measured"] - 1) < 0.02, row
+    (line,) = blocks_table([base, row]).splitlines()[3:]
+    assert line.split()[:4] == ["aot_eager", "2", "8", "budget"] and line.split()[-1] == "yes"
