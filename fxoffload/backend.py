@@ -29,7 +29,7 @@ from .recompute import recompute_options, recompute_sources
 from .report import BUDGET_TOLERANCE, OffloadReport, PassTimings, SavedRow
 from .rewrite import apply_plan, hoist_saved_views
 from .temporaries import op_temporaries
-from .upstream import UpstreamMemory, graph_device, upstream_memory
+from .upstream import UpstreamMemory, graph_device, mark_call, upstream_memory
 
 log = logging.getLogger(__name__)
 
@@ -71,7 +71,12 @@ class OffloadBackend:
             opts = opts.replace(**(options or {}), **({"mode": mode} if mode else {}))
         before = len(self.reports)
         # Kept to plan again at run time for what code before the graph holds there (``_UpstreamWatch``).
-        pristine = _copy_graph_module(gm) if opts.memory_budget is not None and _static_shapes(gm) else None
+        pristine = None
+        if opts.memory_budget is not None and _static_shapes(gm):
+            try:
+                pristine = _copy_graph_module(gm)
+            except Exception as e:  # then it is said, not planned again
+                log.debug("fxoffload: cannot keep a copy of the graph to plan it again (%s)", e)
         compiled = self._compile(gm, example_inputs, opts)
         # The report of this graph is the last one recorded while it compiled (none: no backward).
         report = self.reports[-1] if len(self.reports) > before else None
@@ -320,20 +325,24 @@ class _UpstreamWatch:
     once and run again later in the step (a block compiled once and called for every layer) runs with
     more, which its plan did not count.
 
-    The calls are judged in runs: a run ends where a call holds no more than the one before (the next
-    step's first block) or where reading ends. Call ``k`` of a run of ``n`` holds what it was read
+    The calls are judged in runs, the calls of one step: a call continues the run where what it
+    reads reaches an earlier call of the graph whose backward is pending (``upstream.mark_call``
+    marks each call's backward node), else it starts the next (the next step's first block, a graph
+    run once per step, a micro-batch after its backward). A run that reading ends in (after
+    ``CALLS`` calls or ``SECONDS``) is not judged. Call ``k`` of a run of ``n`` holds what it was read
     holding, and the parameters of the ``n - 1 - k`` calls after it (the same graph, so as many bytes
     as its own; unseen from its inputs), at every point; during its backward, those calls' parameter
     gradients too (their backward ran first). Its peak is the plan's (Inductor's code where there is
     one, forward and backward apart) plus what it held beyond the plan's count.
 
-    - **Planned again.** With a memory_budget that the worst call's peak is over, the graph is planned
-      for that call and compiled again, outside Dynamo, from a copy of its graph with the current
-      call's arguments; this call and the later ones run the new code. Its report replaces the old
-      one under the same id, ``report.replans`` saying why. The calls before the worst one hold what
-      the plan keeps (``UpstreamMemory.repeats``), so the new plan counts them as changing with it.
-      Its compile's own verdict on the budget is held back: the next run is the verdict. At most
-      ``REPLANS`` times per graph.
+    - **Planned again.** With a memory_budget that the worst call's peak is over (and more than the
+      plan counted), the graph is planned for the run's first and last calls (and the worst) at once
+      (``UpstreamMemory.calls``) and compiled again, outside Dynamo, from a copy of its graph with
+      the current call's arguments; this call and the later ones run the new code. Its report
+      replaces the old one under the same id, ``report.replans`` saying why. The calls before a call
+      hold what the plan keeps, so the new plan counts them as changing with it. Its compile's own
+      verdict on the budget is held back: the next run is the verdict. At most ``REPLANS`` times
+      per graph.
     - **Said,** once per graph with the figures (a RuntimeWarning where over the budget, else a log
       line): a call holding more than the plan counted that is not planned again (no budget, dynamic
       shapes: compiling again would fix the sizes, ``REPLANS`` spent), or a re-planned graph whose
@@ -369,50 +378,72 @@ class _UpstreamWatch:
         self.replans = 0
         self.held: list[warnings.WarningMessage] = []  # the last re-plan's compile-time verdict
         self.verdict_due = False  # planned again, and no run of the new plan judged yet
+        self.mark = object()  # on the backward node of each call read (``upstream.mark_call``)
+        self._peaks: tuple[int, int] | None = None
 
     def wrap(self, compiled: Callable[..., Any]) -> Callable[..., Any]:
         self.compiled = compiled
 
         @functools.wraps(compiled)
         def run(*args: Any) -> Any:
-            if self.left:
-                self.left -= 1
-                # The first call is the one Dynamo compiled for, with the arguments the compile read.
-                if self.left < self.CALLS - 1:
-                    # A boxed call passes its arguments in one list (which the callee may empty): read first.
-                    self.see(args[0] if len(args) == 1 and isinstance(args[0], list) else args)
-            return self.compiled(*args)
+            if not self.left:
+                return self.compiled(*args)
+            self.left -= 1
+            # The first call is the one Dynamo compiled for, with the arguments the compile read.
+            if self.left < self.CALLS - 1:
+                # A boxed call passes its arguments in one list (which the callee may empty): read first.
+                self.see(args[0] if len(args) == 1 and isinstance(args[0], list) else args)
+            outputs = self.compiled(*args)
+            try:
+                mark_call(outputs, self.mark)  # a later call in this step reaches it
+            except Exception as e:  # an estimate never fails a step
+                log.debug("fxoffload: graph %d: cannot mark its call (%s)", self.report.graph_id, e)
+            return outputs
 
         return run
 
     def see(self, args: Any) -> None:
         start = time.perf_counter()
         try:
-            seen = upstream_memory(args, graph_device(args))
+            seen = upstream_memory(args, graph_device(args), mark=self.mark)
         except Exception as e:  # an estimate never fails a step
             gid = self.report.graph_id
             log.debug("fxoffload: graph %d: cannot read what code before it holds (%s)", gid, e)
-            return
+            seen = None
         finally:
             self.spent += time.perf_counter() - start
             if self.spent > self.SECONDS:
                 self.left = 0
-        if self.run and seen.held_bytes <= self.run[-1].held_bytes:
-            self.judge(args)  # the run before this call: this one holds no more than the last
-            self.run = []
-        self.run.append(seen)
-        if not self.left:
-            self.judge(args)  # reading ends: the run so far
-            self.run = []
+        try:
+            if seen is not None and self.run and not seen.reaches_mark:
+                self.judge(args)  # the run before this call: this one is not run after it in a step
+                self.run = []
+            if seen is not None:
+                self.run.append(seen)
+            if not self.left:
+                self.stop()
+        except Exception as e:  # a verdict never fails a step either
+            log.warning("fxoffload: graph %d: judging its calls failed (%s)", self.report.graph_id, e)
+            self.left, self.run = 0, []
+
+    def stop(self) -> None:
+        """Reading ends, within a run that may go on: it is not judged (its later calls are not
+        known). The last re-plan's compile-time verdict on the budget, held back for a run that will
+        not be judged now, is said as it was."""
+        if self.verdict_due:
+            _reissue(self.held)
+        self.run, self.held, self.verdict_due, self.pristine = [], [], False, None
 
     def peaks(self) -> tuple[int, int]:
         """The plan's predicted peak in the forward and in the backward: Inductor's code where there
-        is one, else the FX memory model."""
-        compiled = self.report.compiled_memory()
-        timeline = compiled if compiled is not None and compiled.points else self.report.memory_after
-        points = timeline.points if timeline is not None else ()
-        fw = max((p.total for p in points if p.phase == "forward"), default=0)
-        return fw, max((p.total for p in points if p.phase == "backward"), default=fw)
+        is one, else the FX memory model (computed once per plan)."""
+        if self._peaks is None:
+            compiled = self.report.compiled_memory()
+            timeline = compiled if compiled is not None and compiled.points else self.report.memory_after
+            points = timeline.points if timeline is not None else ()
+            fw = max((p.total for p in points if p.phase == "forward"), default=0)
+            self._peaks = (fw, max((p.total for p in points if p.phase == "backward"), default=fw))
+        return self._peaks
 
     def judge(self, args: Any) -> None:
         """The run that just ended (``self.run``); ``args``: the current call's."""
@@ -440,12 +471,10 @@ class _UpstreamWatch:
         if over and more and self.pristine is not None and self.replans < self.REPLANS:
             # Planned for the first call, the worst and the last at once (each point's bytes are
             # linear in the call's place in the run, so one of the ends is the worst of any plan).
-            # The calls before one hold what this plan keeps, each: as many as the run had before
-            # it, as far as what the run gained by then covers them.
-            calls = []
-            for k in sorted({0, worst, n - 1}):
-                repeats = min(k, (run[k].held_bytes - run[0].held_bytes) // kept) if kept > 0 else 0
-                calls.append(CallOutside(held[k] - repeats * kept, repeats, (n - 1 - k) * grads))
+            # The k calls before call k hold what this plan keeps, each (their backward is pending:
+            # call k reached them).
+            ends = sorted({0, worst, n - 1})
+            calls = [CallOutside(held[k] - k * kept, k, (n - 1 - k) * grads) for k in ends]
             model = dataclasses.replace(
                 most, params_bytes=most.params_bytes + (n - 1 - worst) * params, calls=tuple(calls)
             )
@@ -479,8 +508,8 @@ class _UpstreamWatch:
         text += f". Its predicted peak at that call: {fmt_bytes(peak)}"
         if over:
             text += f", over memory_budget {fmt_bytes(budget or 0)}"
-            if report.replans:
-                text += f"; planned again {len(report.replans)} times, this is the last plan's"
+            if self.replans:
+                text += f"; planned again {self.replans} times at run time, this is the last plan's"
             elif self.why_not:
                 text += f"; not planned again: {self.why_not}"
         text += ". Compiling the whole model as one graph lets the plan see all of it."
@@ -507,13 +536,14 @@ class _UpstreamWatch:
         )  # fmt: skip
         log.info("fxoffload: graph %d: %s", gid, why)
         self.replans += 1
+        index = reports.index(old) if old in reports else len(reports)
         if old in reports:
             reports.remove(old)  # host_budget counts the plan that runs
         start = len(reports)
-        graph = _copy_graph_module(self.pristine)
         # strict is a compile's verdict: the run judges this plan, and a step is not failed over it.
         opts = self.options.replace(strict=False)
         try:
+            graph = _copy_graph_module(self.pristine)
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
                 compiled = _compile_outside_dynamo(self.backend, graph, list(args), opts, most, gid)
@@ -524,13 +554,13 @@ class _UpstreamWatch:
         except Exception as e:  # never fail a step over a re-plan: the old plan runs on
             log.warning("fxoffload: graph %d: planning it again failed (%s); its plan is kept", gid, e)
             del reports[start:]
-            reports.append(old)
+            reports.insert(index, old)
             self.pristine, self.why_not = None, f"planning it again failed ({e})"
             return
         new = dataclasses.replace(new, replans=(*old.replans, why, *new.replans))
         reports[-1] = new
         self.report, self.compiled, self.held = new, compiled, list(caught)
-        self.said, self.verdict_due = False, True
+        self.said, self.verdict_due, self._peaks = False, True, None
 
 
 @torch.compiler.disable
@@ -556,12 +586,15 @@ def _own_parameter_bytes(report: OffloadReport) -> int:
 def _static_shapes(gm: fx.GraphModule) -> bool:
     """Every input of Dynamo's graph a tensor of fixed sizes: it can be compiled again from its
     arguments at any call without fixing a size Dynamo left dynamic."""
-    for node in gm.graph.find_nodes(op="placeholder"):
-        val = node.meta.get("example_value", node.meta.get("val"))
-        if not isinstance(val, torch.Tensor):
-            return False
-        if not all(isinstance(n, int) for n in (*val.shape, *val.stride(), val.storage_offset())):
-            return False
+    try:
+        for node in gm.graph.find_nodes(op="placeholder"):
+            val = node.meta.get("example_value", node.meta.get("val"))
+            if not isinstance(val, torch.Tensor):
+                return False
+            if not all(isinstance(n, int) for n in (*val.shape, *val.stride(), val.storage_offset())):
+                return False
+    except Exception:  # a layout without strides (sparse, nested): not compiled again
+        return False
     return True
 
 

@@ -133,7 +133,7 @@ def simulate(
     ``temporaries.op_temporaries``), counted at that node's point as "transient". ``outside``: bytes
     code before the pair holds through it (``upstream.UpstreamMemory.outside``); ``outside_backward``:
     bytes more there during the backward, which later code made after this pair's forward (the
-    gradients of later calls of the same pair, ``UpstreamMemory.later_grad_bytes``)."""
+    gradients of later calls of the same pair: ``UpstreamMemory.outside_backward``)."""
     scratch = temporaries or {}
     live = dict.fromkeys(CATEGORIES, 0)
     live["outside"] = outside

@@ -46,7 +46,7 @@ from .ops import host_buffer_ranges
 
 log = logging.getLogger(__name__)
 
-__all__ = ["UpstreamMemory", "upstream_memory", "graph_device"]
+__all__ = ["UpstreamMemory", "upstream_memory", "graph_device", "mark_call"]
 
 # Autograd nodes read at most (about 20 us each on a CPU): an eager prefix of a big model has
 # thousands; this bounds a pathological one to about 2 s per compile.
@@ -73,6 +73,8 @@ class UpstreamMemory:
     # the earlier calls of the same graph keep (that changes with its plan), and the gradients of the
     # calls after it during its backward. Empty: one call, holding ``held_bytes``.
     calls: tuple[CallOutside, ...] = ()
+    # Read with a ``mark``: an earlier call of the same graph is among that code (``mark_call``).
+    reaches_mark: bool = dataclasses.field(default=False, compare=False)
 
     @property
     def held_bytes(self) -> int:
@@ -117,10 +119,14 @@ def graph_device(inputs: Iterable[Any]) -> torch.device:
     return torch.device("cpu")
 
 
-def upstream_memory(inputs: Sequence[Any], device: torch.device, largest: int = 3) -> UpstreamMemory:
+def upstream_memory(
+    inputs: Sequence[Any], device: torch.device, largest: int = 3, mark: object | None = None
+) -> UpstreamMemory:
     """The autograd graph behind ``inputs`` (a compiled graph's real example inputs), read on
     ``device``. Reads only: no saved tensor is unpacked, no hook called. A tensor whose storage
-    cannot be read (a wrapper subclass such as DTensor) is skipped; fake inputs give nothing."""
+    cannot be read (a wrapper subclass such as DTensor) is skipped; fake inputs give nothing.
+    ``mark``: ``reaches_mark`` says whether a compiled function's backward node that ``mark_call``
+    marked with it is among the nodes read (an earlier call of the same graph, backward pending)."""
     tensors = [t for t in inputs if isinstance(t, torch.Tensor)]
     if any(is_fake(t) for t in tensors):
         return UpstreamMemory(0, 0, 0)
@@ -143,6 +149,9 @@ def upstream_memory(inputs: Sequence[Any], device: torch.device, largest: int = 
     host = _HostRanges() if device.type == "cpu" else None  # elsewhere a host buffer is never on the device
     counted: dict[tuple[int, int], int] = {}
     by_node: dict[str, int] = {}
+    reaches = mark is not None and any(
+        node.name().startswith("CompiledFunction") and node.metadata.get(_MARK) is mark for node in nodes
+    )
     for node in nodes:
         for t in _saved_tensors(node):
             key = _storage_key(t)
@@ -160,8 +169,26 @@ def upstream_memory(inputs: Sequence[Any], device: torch.device, largest: int = 
     top = sorted(by_node.items(), key=lambda kv: -kv[1])[:largest]
     return UpstreamMemory(
         sum(counted.values()), sum(made.values()), len(nodes), tuple(top), complete,
-        params_bytes=sum(params.values()),
+        params_bytes=sum(params.values()), reaches_mark=reaches,
     )  # fmt: skip
+
+
+_MARK = "fxoffload_call"  # the key of ``mark_call``'s mark in an autograd node's ``metadata``
+
+
+def mark_call(outputs: Any, mark: object) -> None:
+    """Mark the backward node of a compiled call (the ``CompiledFunctionBackward`` behind its
+    outputs) with ``mark``, for ``upstream_memory(..., mark=mark)`` at a later call. The mark lives
+    as long as the node: until that call's backward ran."""
+    for t in outputs if isinstance(outputs, (list, tuple)) else (outputs,):
+        node = t.grad_fn if isinstance(t, torch.Tensor) else None
+        for _ in range(3):  # an output that is a view: its view node, then the compiled function's
+            if node is None or node.name().startswith("CompiledFunction"):
+                break
+            node = next((fn for fn, _ in node.next_functions if fn is not None), None)
+        if node is not None:
+            node.metadata[_MARK] = mark
+            return
 
 
 def _count(into: dict[tuple[int, int], int], t: Any, device: torch.device, own: set) -> None:

@@ -338,6 +338,44 @@ def test_a_block_run_per_layer_is_planned_for_all_its_calls_and_meets_the_budget
         torch.testing.assert_close(a.grad, b.grad)
 
 
+class _GrowingEager(nn.Module):
+    """Eager code before one compiled graph that saves more at each step (one sigmoid more)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = nn.Linear(64, 64)
+        self.graph = torch.compile(nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 1)))
+        self.steps = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.first(x)
+        self.steps += 1
+        for _ in range(8 * self.steps):
+            h = torch.sigmoid(h)  # saves its 16 KiB output
+        return self.graph(h).pow(2).mean()
+
+
+def test_a_graph_run_once_per_step_is_not_taken_for_calls_in_a_row(caplog):
+    """Its calls of two steps are two runs of one call, though the second holds more before it: it
+    does not reach the first call's backward node (run, then freed). So no later calls' parameters
+    are counted: it is said holding more, as one call."""
+    import logging
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = _GrowingEager()
+    backend = fxoffload.backend(offload_cpu=True, inner="aot_eager", min_bytes=0, policy="none")
+    model.graph = torch.compile(model.graph._orig_mod, backend=backend)
+    x = torch.randn(64, 64)
+    with caplog.at_level(logging.WARNING, logger="fxoffload.backend"):
+        for _ in range(4):
+            model(x).backward()
+    (report,) = backend.reports
+    said = [r.getMessage() for r in caplog.records if "held by code before it" in r.getMessage()]
+    assert len(said) == 1 and "call 1 of 1 in a row" in said[0], said
+    assert "later calls' parameters" not in said[0]
+
+
 def test_a_block_with_dynamic_shapes_is_not_planned_again_and_says_why():
     import warnings
 
