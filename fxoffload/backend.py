@@ -77,7 +77,7 @@ class OffloadBackend:
                 pristine = _copy_graph_module(gm)
             except Exception as e:  # then it is said, not planned again
                 log.debug("fxoffload: cannot keep a copy of the graph to plan it again (%s)", e)
-        compiled = self._compile(gm, example_inputs, opts)
+        compiled = self._compile(gm, example_inputs, opts, pristine=pristine)
         # The report of this graph is the last one recorded while it compiled (none: no backward).
         report = self.reports[-1] if len(self.reports) > before else None
         if report is None or report.upstream is None:
@@ -91,9 +91,11 @@ class OffloadBackend:
         opts: OffloadOptions,
         upstream: UpstreamMemory | None = None,
         graph_id: int | None = None,
+        pristine: fx.GraphModule | None = None,
     ) -> Callable[..., Any]:
         """Compile ``gm`` with the pass; ``upstream``: what code before it holds, where not read from
-        ``example_inputs``; ``graph_id``: the id of the graph it compiles again (``_UpstreamWatch``)."""
+        ``example_inputs``; ``graph_id``: the id of the graph it compiles again (``_UpstreamWatch``);
+        ``pristine``: an unchanged copy of ``gm`` made already, which this only copies from."""
         partitioner = _OffloadPartitioner(
             self, opts, upstream=upstream or _upstream(example_inputs), graph_id=graph_id
         )
@@ -112,7 +114,8 @@ class OffloadBackend:
             return _compat.compile_with_inductor(
                 gm, example_inputs, partitioner, patches, partitioner.record_output_code
             )
-        pristine = _copy_graph_module(gm)  # compile_fx may change the graph it is given
+        if pristine is None:
+            pristine = _copy_graph_module(gm)  # compile_fx may change the graph it is given
         if opts.memory_budget is None:
             lowering = _compat.backward_lowered_at_compile()
             with lowering as lowered, warnings.catch_warnings(record=True) as caught:
