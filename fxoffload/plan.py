@@ -626,7 +626,6 @@ def _fit_budget(
     def outside(phase: str, off_bytes: int) -> int:
         return outside_at(costs.calls, phase, costs.kept - off_bytes) if repeated else 0
 
-
     def usable(entry) -> bool:
         _, _, _, t, option = entry
         if t.name in taken:

@@ -27,7 +27,7 @@ told from a mask made there), parameters of code after this graph, and what that
 (an eager LM head after per-layer blocks; a later graph's gradients). Read when the graph
 compiles, and again at its first calls (``backend._UpstreamWatch``): a graph run again later in the
 step (a block compiled once and run per layer) holds more there, partly what its own earlier calls
-saved (``repeats``), which changes with its plan.
+saved, which changes with its plan (``calls``).
 """
 
 from __future__ import annotations
