@@ -61,10 +61,7 @@ def measure(inner: str, plan: str, layers: int = 4, batch: int = 8, budget: int 
         return row
     report = backend.reports[-1]  # the blocks' graph (planned again: recorded again)
     if report.upstream is not None and report.upstream.calls:  # planned for all its calls: a prediction
-        compiled = report.compiled_memory()
-        row["predicted"] = report.predicted_peak_after
-        if compiled is not None and compiled.points:
-            row["predicted"] = compiled.peak_bytes
+        row["predicted"] = report.expected_memory().peak_bytes
     row["graphs"] = len(backend.reports)
     row["offloaded"] = f"{len(report.offloaded)} of {len(report.saved)}"
     row["replans"] = len(report.replans)

@@ -441,8 +441,7 @@ class _UpstreamWatch:
         """The plan's predicted peak in the forward and in the backward: Inductor's code where there
         is one, else the FX memory model (computed once per plan)."""
         if self._peaks is None:
-            compiled = self.report.compiled_memory()
-            timeline = compiled if compiled is not None and compiled.points else self.report.memory_after
+            timeline = self.report.expected_memory()
             points = timeline.points if timeline is not None else ()
             fw = max((p.total for p in points if p.phase == "forward"), default=0)
             self._peaks = (fw, max((p.total for p in points if p.phase == "backward"), default=fw))

@@ -74,6 +74,12 @@ class HostCopy:
 # A memory_budget is met when the peak is at most this much above it (the issue's 3%).
 BUDGET_TOLERANCE = 0.03
 
+
+def _code_else_model(compiled: MemoryTimeline | None, after: MemoryTimeline | None) -> MemoryTimeline | None:
+    """``compiled`` (Inductor's code replayed) where it has points, else ``after`` (the FX model)."""
+    return compiled if compiled is not None and compiled.points else after
+
+
 # The kinds a breakdown shows, in this order; "host" is host memory and not part of the device total.
 KINDS = ("parameters", "inputs", "gradients", "saved", "transient", "outside", "host")
 _KIND_NAMES = {
@@ -366,6 +372,11 @@ class OffloadReport:
         up = self.upstream
         return max(0, held - (up.made_inputs_bytes if up is not None else 0)) + (up.params_bytes if up else 0)
 
+    def expected_memory(self) -> MemoryTimeline | None:
+        """The prediction the code that runs is held to: the replay of Inductor's code where there is
+        one (``compiled_memory``), else the FX model's ``memory_after``."""
+        return _code_else_model(self.compiled_memory(), self.memory_after)
+
     def compiled_memory(self) -> MemoryTimeline | None:
         """Device memory of one step replayed from the code Inductor generated for this pair
         (``codememory``): the buffers it really allocates after fusion and reuse, freed where it frees
@@ -481,7 +492,8 @@ class OffloadReport:
             node = _cut(peak.node, 72)
             lines.append(f"  peak of Inductor's generated code: {fmt_bytes(peak.total)} at {node} ({peak.kinds()})")
         if self.memory_budget is not None:
-            reached = compiled.peak_bytes if compiled is not None else self.predicted_peak_after
+            expected = _code_else_model(compiled, self.memory_after)
+            reached = expected.peak_bytes if expected is not None else 0
             fits = "met" if reached <= self.memory_budget * (1 + BUDGET_TOLERANCE) else "NOT met"
             lines.append(f"  memory_budget: {fmt_bytes(self.memory_budget)} ({fits})")
             lines.extend(f"  planned again: {r}" for r in self.replans)
