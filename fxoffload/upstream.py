@@ -186,7 +186,7 @@ def mark_call(outputs: Any, mark: object) -> None:
             if node is None or node.name().startswith("CompiledFunction"):
                 break
             node = next((fn for fn, _ in node.next_functions if fn is not None), None)
-        if node is not None:
+        if node is not None and node.name().startswith("CompiledFunction"):  # only those are looked at
             node.metadata[_MARK] = mark
             return
 
