@@ -2,7 +2,7 @@
 
 torchtitan-style per-block compilation: ``torch.compile`` wraps each block of the built-in GPT, and
 Dynamo compiles one graph that every block then runs. The graph's report counts what the code around
-each call holds (``report.upstream``: what earlier blocks saved, every other block's parameters, and
+each call holds (``report.outside``: what earlier blocks saved, every other block's parameters, and
 the later blocks' gradients during a call's backward), read at the calls of the first step; with a
 ``memory_budget`` that one of those calls misses, the graph is planned again for all of them at the
 next step (``report.replans``).
@@ -32,8 +32,8 @@ import torch
 from tabulate import tabulate
 
 import fxoffload
-from fxoffload.measure import measure_steady_step
-from fxoffload.models import GPT, GPTConfig, gpt_batch
+from fxoffload.measure.allocator import measure_steady_step
+from fxoffload.testing.models import GPT, GPTConfig, gpt_batch
 
 
 def measure(inner: str, plan: str, layers: int = 4, batch: int = 8, budget: int | None = None) -> dict:
@@ -60,7 +60,7 @@ def measure(inner: str, plan: str, layers: int = 4, batch: int = 8, budget: int 
     if plan == "baseline":
         return row
     report = backend.reports[-1]  # the blocks' graph (planned again: recorded again)
-    if report.upstream is not None and report.upstream.calls:  # planned for all its calls: a prediction
+    if report.outside is not None and report.outside.calls:  # planned for all its calls: a prediction
         row["predicted"] = report.expected_memory().peak_bytes
     row["graphs"] = len(backend.reports)
     row["offloaded"] = f"{len(report.offloaded)} of {len(report.saved)}"

@@ -1,7 +1,7 @@
 """Kernels between each copy and its wait, read from the code Inductor generates.
 
 For each model, lowering and schedule rule, one training step is compiled with
-``policy="all", min_bytes=0``; ``fxoffload.codecheck`` reads Inductor's wrapper code
+``policy="all", min_bytes=0``; ``fxoffload.analysis.output_code`` reads Inductor's wrapper code
 (``report.output_code``) and the FX code handed to it. Per direction it prints the kernels launched
 between each copy and its wait, how many of the copies the plan put compute behind (at least one
 matmul, convolution or attention kernel in the FX graph between copy and wait) end up with none in
@@ -10,16 +10,15 @@ the generated code, and, for reloads, the kernels between the copy and its first
     python -m bench.kernels                      # CPU Inductor and the CUDA lowering (fake tensors)
     python -m bench.kernels --lowering cpu --models mlp3
 
-"order edges: off" compiles with ``fxoffload.testing.broken_rule("no_order_edges")``: the rewrite
+"order edges: off" compiles with ``broken_rule="no_order_edges"``: the rewrite
 without the ``fxoffload.order`` edges that bound each copy from below, i.e. the schedule before
-they existed. The CUDA lowering runs on this machine with fake tensors (``fxoffload._cuda_codegen``):
+they existed. The CUDA lowering runs on this machine with fake tensors (``fxoffload.testing.cuda_codegen``):
 it is the code Inductor would generate for an H100, not code that ran.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import statistics
 
 import torch
@@ -27,9 +26,8 @@ import torch.nn as nn
 from tabulate import tabulate
 
 import fxoffload
-from fxoffload import codecheck
-from fxoffload.models import CNN, GPT, MLP, GPTConfig, gpt_batch
-from fxoffload.testing import broken_rule
+from fxoffload.analysis import output_code as codecheck
+from fxoffload.testing.models import CNN, GPT, MLP, GPTConfig, gpt_batch
 
 # Cost-model figures of an H100-class device, so that the CUDA lowering plans as it would there.
 _OPTIONS = dict(policy="all", min_bytes=0, bandwidth=10e9, compute_rates={"flops": 1e14, "memory_bandwidth": 2e12})
@@ -59,15 +57,16 @@ def _loss(out: torch.Tensor) -> torch.Tensor:
     return out if out.dim() == 0 else out.float().pow(2).mean()
 
 
-def _report(lowering: str, model: nn.Module, args: tuple) -> fxoffload.OffloadReport:
+def _report(lowering: str, model: nn.Module, args: tuple, **options) -> fxoffload.OffloadReport:
     torch._dynamo.reset()
+    options = {**_OPTIONS, **options}
     if lowering == "cpu":
-        backend = fxoffload.backend(offload_cpu=True, inner="inductor", **_OPTIONS)
+        backend = fxoffload.backend(offload_cpu=True, inner="inductor", **options)
         _loss(torch.compile(model, backend=backend)(*args)).backward()
     else:
-        from fxoffload import _cuda_codegen
+        from fxoffload.testing import cuda_codegen as _cuda_codegen
 
-        backend = fxoffload.backend(**_OPTIONS)
+        backend = fxoffload.backend(**options)
         _cuda_codegen.cuda_wrapper_code(model, args, backend)
     (report,) = backend.reports
     return report
@@ -82,8 +81,7 @@ def _summary(values: list[int]) -> str:
 def measure(lowering: str, name: str, order_edges: bool) -> list[dict]:
     torch.manual_seed(0)
     model, args = _models(lowering)[name]()
-    with contextlib.nullcontext() if order_edges else broken_rule("no_order_edges"):
-        report = _report(lowering, model, args)
+    report = _report(lowering, model, args, **({} if order_edges else {"broken_rule": "no_order_edges"}))
     rows = []
     for kind, fx_code in (("forward", report.fw_code), ("backward", report.bw_code)):
         code = {t.key: t for t in codecheck.transfers(report.output_code[kind])}

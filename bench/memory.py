@@ -26,8 +26,8 @@ import torch
 from tabulate import tabulate
 
 import fxoffload
-from fxoffload.measure import measure_steady_step, track_cpu_frees
-from fxoffload.models import example
+from fxoffload.measure.allocator import measure_steady_step, track_cpu_frees
+from fxoffload.testing.models import example
 
 _MODELS = ("mlp", "gpt", "cnn", "seq2seq", "hf-llama", "hf-gpt2")
 _MORE = ("seq2seq-decoder",)  # seq2seq's compiled part alone, the encoder's output an input

@@ -19,8 +19,8 @@ import time
 import torch
 
 import fxoffload
-from fxoffload import ops
-from fxoffload.models import GPT, GPTConfig, gpt_batch
+from fxoffload.runtime import copy_engine
+from fxoffload.testing.models import GPT, GPTConfig, gpt_batch
 
 
 def measure(model, args, steps: int = 3, **options) -> dict[str, float]:
@@ -34,12 +34,12 @@ def measure(model, args, steps: int = 3, **options) -> dict[str, float]:
         compiled(*args).backward()
 
     step()  # compile and warm up
-    ops.reset_copy_stats()
+    copy_engine.reset_copy_stats()
     t0 = time.perf_counter()
     for _ in range(steps):
         step()
     seconds = (time.perf_counter() - t0) / steps
-    stats = ops.copy_stats()
+    stats = copy_engine.copy_stats()
     return {
         "offloaded": sum(len(r.offloaded) for r in backend.reports),
         "predicted_stall_s": sum(r.predicted_stall_ms for r in backend.reports) / 1e3,

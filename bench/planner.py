@@ -18,7 +18,7 @@ import torch
 from tabulate import tabulate
 
 import fxoffload
-from fxoffload.models import GPT, GPTConfig, gpt_batch
+from fxoffload.testing.models import GPT, GPTConfig, gpt_batch
 
 
 def measure(layers: int, bandwidth: str = "2GB") -> dict:

@@ -15,7 +15,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from fxoffload.models import GPT, PRESETS, Seq2Seq, gpt_batch, seq2seq_batch
+from fxoffload.testing.models import GPT, PRESETS, Seq2Seq, gpt_batch, seq2seq_batch
 
 
 class WorkloadUnavailable(RuntimeError):
@@ -177,7 +177,7 @@ def _gpt(preset: str, device, batch: int) -> Workload:
         lambda m: list(m.blocks),
         batch * cfg.seq,
         "tokens",
-        f"GPT-style decoder (fxoffload.models.GPT): {cfg.layers} layers, dim {cfg.dim}, {cfg.heads} heads, "
+        f"GPT-style decoder (fxoffload.testing.models.GPT): {cfg.layers} layers, dim {cfg.dim}, {cfg.heads} heads, "
         f"seq {cfg.seq}, vocab {cfg.vocab}, batch {batch}",
     )
 
@@ -257,7 +257,7 @@ def _seq2seq(preset: str, device, batch: int | None) -> Workload:
         lambda m: [m.encoder, m.cell],
         batch,
         "samples",
-        f"attention seq2seq (fxoffload.models.Seq2Seq): packed bidirectional GRU {kw['hidden']}, "
+        f"attention seq2seq (fxoffload.testing.models.Seq2Seq): packed bidirectional GRU {kw['hidden']}, "
         f"GRUCell decoder with additive attention, vocab {kw['vocab']}, src {kw['src_len']}, "
         f"tgt {kw['tgt_len']}, batch {batch}",
     )

@@ -2,36 +2,42 @@
 
     torch.compile(model, backend="fxoffload")                      # after pip install
     torch.compile(model, backend=fxoffload.backend(policy="all"))  # an object with .reports
+
+The package follows the data: ``analysis`` (reads graphs) -> ``planning`` (decides, pure) ->
+``rewrite`` (the only graph mutation) -> ``runtime`` (the transfer ops) -> ``reporting``; the
+``compiler`` wires them into a backend, ``measure`` reads the device, ``tools`` is what people run.
 """
 
 from __future__ import annotations
 
 import logging
 
-from . import ops
-from .backend import OffloadBackend, backend, fxoffload_backend, offload_pass, reports
-from .explain import explain, explain_and_measure, explain_step, where_memory_goes
-from .lifetimes import SavedTensor, analyze_saved_tensors
-from .memory import MemoryTimeline, OffDevice, simulate, with_plan
-from .measure import DeviceMemory, MeasuredMemory, measure_memory, measure_steady_step, track_cpu_frees
-from .ops import host_pool_stats, release_host_memory
+from . import runtime  # registers the transfer ops' implementations
+from .analysis.lifetimes import SavedTensor, analyze_saved_tensors
+from .analysis.memory import MemoryTimeline, OffDevice, simulate, with_plan
+from .compiler.backend import OffloadBackend, backend, fxoffload_backend, reports
+from .measure.allocator import DeviceMemory, MeasuredMemory, measure_memory, measure_steady_step, track_cpu_frees
 from .options import OffloadOptions
-from .plan import Decision, OffloadPlan, off_device, plan_offloads
-from .report import OffloadReport, SavedRow
+from .planning.budget import off_device
+from .planning.decisions import Decision, OffloadPlan
+from .planning.plan import plan_offloads
+from .reporting.report import OffloadReport, SavedRow
+from .runtime.host_pool import host_pool_stats, release_host_memory
+from .tools.explain import explain, explain_and_measure, explain_step, where_memory_goes
 
 __version__ = "0.1.0"
 
 __all__ = [
     "Decision",
     "DeviceMemory",
+    "MeasuredMemory",
+    "MemoryTimeline",
+    "OffDevice",
     "OffloadBackend",
     "OffloadOptions",
     "OffloadPlan",
     "OffloadReport",
     "SavedRow",
-    "MeasuredMemory",
-    "MemoryTimeline",
-    "OffDevice",
     "SavedTensor",
     "analyze_saved_tensors",
     "backend",
@@ -39,15 +45,14 @@ __all__ = [
     "explain_and_measure",
     "explain_step",
     "fxoffload_backend",
+    "host_pool_stats",
     "measure_memory",
     "measure_steady_step",
-    "host_pool_stats",
     "off_device",
-    "offload_pass",
-    "ops",
     "plan_offloads",
     "release_host_memory",
     "reports",
+    "runtime",
     "simulate",
     "track_cpu_frees",
     "where_memory_goes",
@@ -65,10 +70,10 @@ def _register_name() -> None:
     """
     from importlib.metadata import entry_points
 
-    if any(ep.name == "fxoffload" for ep in entry_points(group="torch_dynamo_backends")):
-        return
     from torch._dynamo.backends.registry import _COMPILER_FNS, register_backend
 
+    if any(ep.name == "fxoffload" for ep in entry_points(group="torch_dynamo_backends")):
+        return
     if "fxoffload" not in _COMPILER_FNS:
         register_backend(fxoffload_backend, name="fxoffload")
 

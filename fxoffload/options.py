@@ -11,6 +11,8 @@ POLICIES = ("auto", "all", "none")
 INNER_COMPILERS = ("inductor", "aot_eager")
 PARTITIONERS = ("min_cut", "default")
 MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+# The ordering rules of the rewrite that the ``broken_rule`` option breaks on purpose (``rewrite``).
+BROKEN_RULES = ("no_wait_before_use", "source_released_at_issue", "reload_before_written", "no_order_edges")
 
 _UNITS = {
     "": 1, "b": 1,
@@ -105,6 +107,14 @@ class OffloadOptions:
     # policy function returned "offload" for them; the rest follows ``policy``. A path is dotted from
     # the compiled module ("layers.0.mlp.fc1"), the innermost module that produced the tensor.
     offload_modules: tuple[str, ...] = ()
+    # How many times a plan is made again when the peak it reached (on the memory model of the new
+    # partition, in the code Inductor generated, or at run time) misses ``memory_budget``: each time
+    # for a target lowered by the miss, and the lowest peak is kept. 0 keeps the first plan.
+    max_replans: int = 2
+    # For fxoffload's own tests only: compile with one ordering rule of the rewrite broken on purpose
+    # (one of ``BROKEN_RULES``), to prove that the suite notices (NaNs from the CPU copy engine's
+    # poison, wrong gradients, or a failed check). Never set it to train.
+    broken_rule: str | None = None
 
     def __post_init__(self) -> None:
         self._check_policy()
@@ -143,6 +153,13 @@ class OffloadOptions:
             raise ValueError(f"fxoffload: offload_cpu must be True or False, got {self.offload_cpu!r}")
         if self.cpu_link_bandwidth is not None and not self.offload_cpu:
             raise ValueError("fxoffload: cpu_link_bandwidth sets the CPU copy engine's speed; it needs offload_cpu=True")
+        if isinstance(self.max_replans, bool) or not isinstance(self.max_replans, int) or self.max_replans < 0:
+            raise ValueError(f"fxoffload: max_replans must be an int >= 0, got {self.max_replans!r}")
+        if self.broken_rule is not None and self.broken_rule not in BROKEN_RULES:
+            raise ValueError(
+                f"fxoffload: broken_rule={self.broken_rule!r} is not valid; choose one of: "
+                f"{', '.join(map(repr, BROKEN_RULES))} (for fxoffload's own tests), or None"
+            )
         if self.inner == "aot_eager" and self.mode != "default":
             raise ValueError(f"fxoffload: mode={self.mode!r} applies to inner='inductor' only")
 

@@ -48,6 +48,7 @@ class ReasonCode(_StrEnum):
     NON_DENSE = "non_dense"
     UNUSED_IN_BACKWARD = "unused_in_backward"
     EMPTY = "empty"
+    TOO_SMALL = "too_small"
     # Thresholds and budgets.
     MIN_BYTES = "min_bytes"
     HOST_BUDGET = "host_budget"

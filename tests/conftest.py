@@ -74,9 +74,9 @@ def returned_names(code: str) -> set[str]:
 
 
 def measured_example(name, backend):
-    """``measured_steady_step`` of a training step of ``fxoffload.models.example(name)`` compiled with
+    """``measured_steady_step`` of a training step of ``fxoffload.testing.models.example(name)`` compiled with
     ``backend`` (a non-scalar output is reduced to a loss): the peak bytes above the step's start."""
-    from fxoffload.models import example
+    from fxoffload.testing.models import example
 
     torch._dynamo.reset()
     torch.manual_seed(0)
@@ -95,7 +95,7 @@ def measured_steady_step(model, step, warmup=2):
     """The CPU allocator's peak of one ``step()`` after ``warmup`` ones, above what was live when it
     started (``fxoffload.measure_memory``, one thread, frees of earlier blocks counted), and the
     warnings the warm-up steps gave (where the compiles happen)."""
-    from fxoffload.measure import measure_steady_step, track_cpu_frees
+    from fxoffload.measure.allocator import measure_steady_step, track_cpu_frees
 
     track_cpu_frees()
     threads = torch.get_num_threads()

@@ -12,7 +12,7 @@ from bench.methods import Context, Method, parse_methods
 from bench.runner import check_losses, copies_from_trace, run_method
 from bench.streamed import StreamedOffload
 from bench.workloads import WORKLOADS, Workload, WorkloadUnavailable, build
-from fxoffload.models import GPT, PRESETS, gpt_batch
+from fxoffload.testing.models import GPT, PRESETS, gpt_batch
 
 
 @pytest.fixture
@@ -196,7 +196,7 @@ def test_memory_bench_rows(restore_threads):
     MLP under aot_eager (the FX model is its prediction there), and the table says which model."""
     from bench.memory import measure
     from bench.memory import table as memory_table
-    from fxoffload.measure import track_cpu_frees
+    from fxoffload.measure.allocator import track_cpu_frees
 
     track_cpu_frees()
     torch.set_num_threads(1)

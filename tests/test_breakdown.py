@@ -5,10 +5,10 @@ import pytest
 import torch
 
 import fxoffload
-from fxoffload.explain import explain_step, where_memory_goes
-from fxoffload.models import example
-from fxoffload.plan import fmt_bytes
-from fxoffload.report import OffloadReport
+from fxoffload.tools.explain import explain_step, where_memory_goes
+from fxoffload.testing.models import example
+from fxoffload.sizes import fmt_bytes
+from fxoffload.reporting.report import OffloadReport
 
 from .conftest import cpu_backend, requires_saved_tensor_reads
 
@@ -170,10 +170,10 @@ def test_seq2seq_answer_is_figures_from_the_timeline_and_the_optimizer():
     # The eager packed-GRU encoder runs before the graph: what it saved, and its weights, are held
     # through it, and with them the prediction is the measured step (CPU allocator, within 1%; 372 B
     # apart on torch 2.13: its weights are in the start as well).
-    up = report.upstream
+    up = report.outside
     assert up.saved_bytes > 100_000 and up.params_bytes > 100_000
     assert {k["outside"] for k in kinds} == {up.held_bytes}
-    assert f"held from before its forward to after its backward: {report.upstream.summary()}" in text
+    assert f"held from before its forward to after its backward: {report.outside.summary()}" in text
     above = max(sum(k.values()) for k in kinds) - report.start_bytes
     assert abs(above / step.backward.peak_bytes - 1) < 0.01, (above, step.backward.peak_bytes)
     assert f"the compiled graphs predict at most {fmt_bytes(above)} above the step's start" in text
@@ -194,7 +194,7 @@ def test_explain_step_bad_input():
 
 
 def test_cli_optimizer_says_what_is_live_after_the_step(capsys):
-    from fxoffload.__main__ import main
+    from fxoffload.tools.cli import main
 
     argv = ["explain", "--model", "mlp", "--device", "cpu", "--offload-cpu", "--inner", "aot_eager",
             "--optimizer", "sgd"]  # fmt: skip

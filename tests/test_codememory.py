@@ -7,8 +7,9 @@ import pytest
 import torch
 
 import fxoffload
-from fxoffload.codememory import simulate_output_code, storage_bytes
-from fxoffload.measure import track_cpu_frees
+from fxoffload.analysis.code_memory import simulate_output_code
+from fxoffload.sizes import span_bytes as storage_bytes
+from fxoffload.measure.allocator import track_cpu_frees
 
 from .conftest import measured_example
 

@@ -17,7 +17,7 @@ from torch.utils.checkpoint import checkpoint
 
 import fxoffload
 from fxoffload import _compat
-from fxoffload.models import GPT, MLP, GPTConfig, gpt_batch
+from fxoffload.testing.models import GPT, MLP, GPTConfig, gpt_batch
 
 from .conftest import assert_same, cpu_backend, train_step
 

@@ -2,19 +2,17 @@
 checks, and a link probe that is small, runs on the graph's own device, and only when a plan needs it."""
 
 import contextlib
-import importlib
-import warnings
-from unittest import mock
 
 import pytest
 import torch
 import torch.nn.functional as F
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from fxoffload import cost
-from fxoffload.lifetimes import is_compute
+from fxoffload.analysis import cost
+from fxoffload.measure import link, standalone
+from fxoffload.analysis.graph import is_compute
 
-from .conftest import cpu_backend, requires_cuda
+from .conftest import requires_cuda
 
 aten = torch.ops.aten
 
@@ -62,8 +60,8 @@ def test_calibrating_index_and_range_checked_ops_times_them():
     gm = _graph()
     present = {n.target for n in gm.graph.nodes}
     assert CHECKED_OPS <= present, CHECKED_OPS - present
-    cost._timed_ops.clear()
-    times = cost.calibrate(gm, torch.device("cpu"), repeats=1)
+    standalone._timed_ops.clear()
+    times = standalone.calibrate(gm, torch.device("cpu"), repeats=1)
     timed = {n.target: t for n, t in times.items()}
     for op in CHECKED_OPS:
         assert timed.get(op, 0) > 0, f"{op} was not timed: {timed}"
@@ -77,14 +75,14 @@ def test_calibration_inputs_pass_value_checks():
         torch.empty(3, 5).t(),
     )  # fmt: skip
     vals = [n.meta["val"] for n in fake.graph.nodes if n.op == "placeholder"]
-    floats, ints, bools, transposed = (cost._real(v, torch.device("cpu")) for v in vals)
+    floats, ints, bools, transposed = (standalone._real(v, torch.device("cpu")) for v in vals)
     assert floats.min() >= 0 and floats.max() < 1 and floats.std() > 0.1
     assert not ints.any() and not bools.any()
     assert transposed.stride() == (1, 5) and transposed.shape == (5, 3)
     # A broadcast (stride 0) layout: values are laid under it, never written through it.
-    expanded = cost._real(torch.empty(4, 1).expand(4, 6), torch.device("cpu"))
+    expanded = standalone._real(torch.empty(4, 1).expand(4, 6), torch.device("cpu"))
     assert expanded.stride() == (1, 0) and ((expanded >= 0) & (expanded < 1)).all()
-    half = cost._real(torch.empty(16, dtype=torch.float8_e4m3fn), torch.device("cpu"))
+    half = standalone._real(torch.empty(16, dtype=torch.float8_e4m3fn), torch.device("cpu"))
     assert half.dtype == torch.float8_e4m3fn and (half.float() >= 0).all()
 
 
@@ -107,8 +105,8 @@ def test_ops_inputs_cannot_make_safe_keep_the_models_time():
     gm = make_fx(f, tracing_mode="fake")(
         torch.randn(8, 8), torch.rand(4, 5), torch.ones(3, dtype=torch.bool), torch.empty(0, 8)
     )
-    cost._timed_ops.clear()
-    times = cost.calibrate(gm, torch.device("cpu"), repeats=1)
+    standalone._timed_ops.clear()
+    times = standalone.calibrate(gm, torch.device("cpu"), repeats=1)
     timed = {str(n.target) for n in times}
     assert "aten.add.Tensor" in timed, timed
     for skipped in ("aten._assert_async.default", "aten.multinomial.default", "fxoffload_test.scaled.default",
@@ -122,8 +120,8 @@ def test_ops_inputs_cannot_make_safe_keep_the_models_time():
 @pytest.mark.cuda
 def test_calibrating_checked_ops_on_cuda_leaves_the_context_usable():
     gm = _graph()
-    cost._timed_ops.clear()
-    times = cost.calibrate(gm, torch.device("cuda", torch.cuda.device_count() - 1), repeats=1)
+    standalone._timed_ops.clear()
+    times = standalone.calibrate(gm, torch.device("cuda", torch.cuda.device_count() - 1), repeats=1)
     torch.cuda.synchronize()  # a device-side assert would surface here, and in every later call
     assert {n.target for n in times} >= CHECKED_OPS
     assert torch.ones(2, device="cuda").sum().item() == 2
@@ -136,7 +134,8 @@ def test_calibrating_checked_ops_on_cuda_leaves_the_context_usable():
 
 @pytest.fixture
 def fake_cuda(monkeypatch):
-    """A CPU machine that claims CUDA devices: records where the probe would run, times nothing."""
+    """A CPU machine that claims CUDA devices (torch's own switches): records where the probe would
+    run, through the probe's ``timer``, and times nothing."""
     calls = []
     entered = []
 
@@ -153,63 +152,56 @@ def fake_cuda(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda d=None: "NVIDIA H100 80GB HBM3")
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 2)
     monkeypatch.setattr(torch.cuda, "device", device)
-    monkeypatch.setattr(cost, "_time_link", time_link)
-    monkeypatch.setattr(cost, "_measured_links", {})
-    return calls
+    link.forget_links()
+    yield calls, time_link
+    link.forget_links()
 
 
 def test_link_is_measured_on_the_graphs_device_with_little_memory(fake_cuda):
-    rates = cost.device_rates(torch.device("cuda", 1), measure=True)
+    calls, timer = fake_cuda
+    rates = cost.device_rates(torch.device("cuda", 1), link=link.measure_link(torch.device("cuda", 1), timer=timer))
     assert (rates.d2h, rates.h2d) == (25e9, 26e9)
-    ((device, nbytes, current),) = fake_cuda
+    ((device, nbytes, current),) = calls
     assert device == torch.device("cuda", 1) and current == torch.device("cuda", 1)
     assert nbytes <= 32 << 20
-    cost.device_rates(torch.device("cuda", 1), measure=True)
-    assert len(fake_cuda) == 1, "measured once per device and process"
-    cost.device_rates(torch.device("cuda", 0), measure=True)
-    assert [c[0] for c in fake_cuda] == [torch.device("cuda", 1), torch.device("cuda", 0)]
-    assert set(cost._measured_links) == {"cuda:0", "cuda:1"}
+    link.measure_link(torch.device("cuda", 1), timer=timer)
+    assert len(calls) == 1, "measured once per device and process"
+    link.measure_link(torch.device("cuda", 0), timer=timer)
+    assert [c[0] for c in calls] == [torch.device("cuda", 1), torch.device("cuda", 0)]
 
 
 def test_a_bare_cuda_device_is_the_current_one(fake_cuda):
-    cost.device_rates(torch.device("cuda"), measure=True)
-    assert [c[0] for c in fake_cuda] == [torch.device("cuda", 2)]
-    assert set(cost._measured_links) == {"cuda:2"}
+    calls, timer = fake_cuda
+    link.measure_link(torch.device("cuda"), timer=timer)
+    assert [c[0] for c in calls] == [torch.device("cuda", 2)]
 
 
-def test_link_is_not_measured_when_not_needed(fake_cuda):
-    rates = cost.device_rates(torch.device("cuda", 0), measure=False)
+def test_the_model_prices_a_given_link_over_a_measured_one():
+    rates = cost.device_rates(torch.device("cuda", 0))
     assert (rates.d2h, rates.h2d) == (cost._DEFAULT_LINK, cost._DEFAULT_LINK)
-    rates = cost.device_rates(torch.device("cuda", 0), {"d2h": 1e9, "h2d": 2e9}, measure=True)
+    rates = cost.device_rates(torch.device("cuda", 0), {"d2h": 1e9, "h2d": 2e9}, link=(25e9, 26e9))
     assert (rates.d2h, rates.h2d) == (1e9, 2e9)
-    assert not fake_cuda
-    rates = cost.device_rates(torch.device("cuda", 0), {"d2h": 1e9}, measure=True)
+    rates = cost.device_rates(torch.device("cuda", 0), {"d2h": 1e9}, link=(25e9, 26e9))
     assert (rates.d2h, rates.h2d) == (1e9, 26e9), "the direction not given is measured"
 
 
-class Mlp(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.a, self.b = torch.nn.Linear(32, 64), torch.nn.Linear(64, 32)
+@pytest.mark.parametrize(
+    "policy, bandwidth, wanted", [("none", None, False), ("all", None, True), ("all", {"d2h": 1e9, "h2d": 1e9}, False)]
+)
+def test_a_plan_asks_for_a_measured_link_only_when_it_may_offload_and_the_link_is_not_given(policy, bandwidth, wanted):
+    """The probe copies on the user's device: only where a plan may offload, on that device."""
+    from fxoffload.analysis.lifetimes import analyze_saved_tensors
+    from fxoffload.compiler.costs import plan_costs
+    from fxoffload.options import OffloadOptions
 
-    def forward(self, x):
-        return self.b(torch.relu(self.a(x))).square().mean()
+    from .test_release import _two_device_graphs
 
-
-@pytest.mark.parametrize("policy, wanted", [("none", False), ("all", True)])
-def test_backend_asks_for_a_measurement_only_when_it_may_offload(policy, wanted):
-    backend_module = importlib.import_module("fxoffload.backend")  # the package's `backend` is a function
+    fw, bw, num_outputs = _two_device_graphs(("cuda:1",))
     asked = []
-    real = backend_module.device_rates
-
-    def spy(device, overrides=None, measure=True):
-        asked.append(measure)
-        return real(device, overrides, measure=measure)
-
-    with mock.patch.object(backend_module, "device_rates", spy), warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)
-        torch.compile(Mlp(), backend=cpu_backend(policy=policy, inner="aot_eager"))(torch.randn(16, 32)).backward()
-    assert asked and set(asked) == {wanted}, asked
+    options = OffloadOptions(policy=policy, bandwidth=bandwidth)
+    plan_costs(fw, bw, analyze_saved_tensors(fw, bw, num_outputs, ()), options, num_outputs,
+               probe=lambda device: asked.append(device))  # fmt: skip
+    assert asked == ([torch.device("cuda", 1)] if wanted else [])
 
 
 @requires_cuda
@@ -220,21 +212,21 @@ def test_link_probe_runs_on_its_device_and_gives_its_memory_back():
     torch.cuda.synchronize(device)
     before, peak = torch.cuda.memory_allocated(device), torch.cuda.max_memory_allocated(device)
     others = {i: torch.cuda.memory_reserved(i) for i in range(torch.cuda.device_count()) if i != device.index}
-    cost._measured_links.pop(str(device), None)
-    d2h, h2d = cost.measure_link(device)
+    link.forget_links()
+    d2h, h2d = link.measure_link(device)
     assert d2h > 1e8 and h2d > 1e8
     assert torch.cuda.current_device() == current
     assert torch.cuda.memory_allocated(device) == before, "the probe's buffers are freed"
-    assert torch.cuda.max_memory_allocated(device) <= max(peak, before + cost.LINK_PROBE_BYTES)
+    assert torch.cuda.max_memory_allocated(device) <= max(peak, before + link.LINK_PROBE_BYTES)
     assert {i: torch.cuda.memory_reserved(i) for i in others} == others, "no other device was touched"
 
 
-def test_a_failing_probe_falls_back_to_the_default_link(fake_cuda, monkeypatch):
+def test_a_failing_probe_says_so_and_the_default_link_is_used(fake_cuda):
     def out_of_memory(device, nbytes):
         raise torch.OutOfMemoryError("CUDA out of memory")
 
-    monkeypatch.setattr(cost, "_time_link", out_of_memory)
-    rates = cost.device_rates(torch.device("cuda", 0), measure=True)
+    assert link.measure_link(torch.device("cuda", 0), timer=out_of_memory) is None
+    rates = cost.device_rates(torch.device("cuda", 0), link=None)
     assert (rates.d2h, rates.h2d) == (cost._DEFAULT_LINK, cost._DEFAULT_LINK)
 
 
@@ -244,8 +236,8 @@ def test_a_failing_probe_falls_back_to_the_default_link(fake_cuda, monkeypatch):
 def test_the_graph_is_priced_on_the_device_of_its_saved_tensors(devices, priced):
     """A graph on cuda:1 measures cuda:1's link, whatever device is current while it compiles (fake
     tensors: no GPU needed)."""
-    from fxoffload.backend import cost_device
-    from fxoffload.lifetimes import analyze_saved_tensors
+    from fxoffload.compiler.costs import cost_device
+    from fxoffload.analysis.lifetimes import analyze_saved_tensors
 
     from .test_release import _two_device_graphs
 

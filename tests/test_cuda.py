@@ -8,7 +8,8 @@ import torch
 import torch._inductor.config as inductor_config
 
 import fxoffload
-from fxoffload.models import GPT, GPTConfig, gpt_batch
+from fxoffload import ir
+from fxoffload.testing.models import GPT, GPTConfig, gpt_batch
 
 pytestmark = pytest.mark.cuda
 
@@ -109,9 +110,9 @@ def test_fifty_steps_identical_and_no_memory_growth():
 
 def test_reload_goes_to_the_original_device():
     src = torch.randn(1024, 1024, device="cuda")
-    host = fxoffload.ops.wait(fxoffload.ops.offload(src, []), src, [])
+    host = ir.WAIT(ir.OFFLOAD(src, []), src, [])
     assert host.device.type == "cpu" and host.is_pinned()
-    back = fxoffload.ops.wait(fxoffload.ops.reload(host, src.device, []), host, [])
+    back = ir.WAIT(ir.RELOAD(host, src.device, []), host, [])
     torch.cuda.synchronize()
     assert back.device == src.device and torch.equal(back, src)
 
@@ -318,7 +319,7 @@ def test_ddp_on_one_gpu(tmp_path):
 def test_measure_memory_reads_the_cuda_allocator_to_its_rounding():
     """``measure_memory`` on CUDA: peak and end above the start from the caching allocator's statistics,
     each block rounded up to 512 bytes as the allocator hands them out."""
-    from fxoffload.measure import measure_memory
+    from fxoffload.measure.allocator import measure_memory
 
     def fn():
         kept = torch.empty(1000, dtype=torch.uint8, device="cuda")  # a 1024-byte block
@@ -337,7 +338,7 @@ def test_measure_memory_reads_the_cuda_allocator_to_its_rounding():
 def test_the_prediction_is_the_cuda_allocators_peak(policy):
     """The replay of Inductor's CUDA wrapper code (``report.compiled_memory()``) against the caching
     allocator's peak of a steady step, as ``bench.memory`` does on a CPU: within 5%."""
-    from fxoffload.measure import measure_steady_step
+    from fxoffload.measure.allocator import measure_steady_step
 
     torch._dynamo.reset()
     torch.manual_seed(0)

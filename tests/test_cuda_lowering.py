@@ -9,13 +9,13 @@ import torch
 import torch.nn as nn
 
 import fxoffload
-from fxoffload import codecheck
+from fxoffload.analysis import output_code as codecheck
 
 OPTIONS = dict(policy="all", min_bytes=0, bandwidth=10e9, compute_rates={"flops": 1e14, "memory_bandwidth": 2e12})
 
 
 def _lower(model, x):
-    cuda_codegen = pytest.importorskip("fxoffload._cuda_codegen")
+    cuda_codegen = pytest.importorskip("fxoffload.testing.cuda_codegen")
     backend = fxoffload.backend(**OPTIONS)
     try:
         codes = cuda_codegen.cuda_wrapper_code(model, (x,), backend)
@@ -60,7 +60,7 @@ def test_cuda_code_keeps_kernels_between_copies_and_waits():
 
 def test_cuda_codegen_touches_no_private_torch_api():
     """Private torch pieces live in fxoffload/_compat.py, so a torch upgrade is one file's work."""
-    cuda_codegen = pytest.importorskip("fxoffload._cuda_codegen")
+    cuda_codegen = pytest.importorskip("fxoffload.testing.cuda_codegen")
     tree = ast.parse(inspect.getsource(cuda_codegen))
     private = []
     for node in ast.walk(tree):
@@ -74,7 +74,7 @@ def test_cuda_codegen_touches_no_private_torch_api():
 
 
 def test_a_missing_torch_piece_says_which_and_undoes_the_others(monkeypatch):
-    cuda_codegen = pytest.importorskip("fxoffload._cuda_codegen")
+    cuda_codegen = pytest.importorskip("fxoffload.testing.cuda_codegen")
     real = torch.cuda.is_available, torch.cuda.get_device_properties
     monkeypatch.delattr("torch._inductor.scheduler.has_triton")  # as on a torch without it
     model = _mlp(64)

@@ -4,7 +4,7 @@ import functools
 import re
 
 import fxoffload
-from fxoffload import demo
+from fxoffload.tools import demo
 
 
 def test_demo_first_screen(monkeypatch, capsys):

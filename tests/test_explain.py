@@ -11,8 +11,8 @@ import pytest
 import torch
 
 import fxoffload
-from fxoffload.models import example
-from fxoffload.report import load_reports, save_reports
+from fxoffload.testing.models import example
+from fxoffload.reporting.report import load_reports, save_reports
 
 OPTIONS = dict(offload_cpu=True, min_bytes=0, policy="all", inner="aot_eager")
 
@@ -72,7 +72,7 @@ def _cli(*argv, env=None):
     """``python -m fxoffload *argv``, run in this process (a new interpreter costs 4-5 s of imports a
     call on two cores): its exit code, stdout and stderr, as ``subprocess.run`` gives them. ``env``:
     variables set for the call (``COLUMNS``)."""
-    from fxoffload.__main__ import main
+    from fxoffload.tools.cli import main
 
     out, err = io.StringIO(), io.StringIO()
     saved = {k: os.environ.get(k) for k in env or {}}
@@ -175,7 +175,7 @@ def test_cli_explain_help_shows_defaults_and_examples():
     assert "examples: # the plan for the built-in GPT" in text
     assert "python -m fxoffload explain --model cnn --offload-cpu --measure" in text
     # Every flag has a help text (--inner had none).
-    from fxoffload.__main__ import build_parser
+    from fxoffload.tools.cli import build_parser
 
     (sub,) = [a for a in build_parser()._actions if a.dest == "command"]
     flags = {a.option_strings[0]: a.help for a in sub.choices["explain"]._actions}

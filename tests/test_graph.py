@@ -4,9 +4,10 @@ import pytest
 import torch
 import torch.fx as fx
 
-from fxoffload import codecheck, ops
-from fxoffload.models import GPT, MLP, GPTConfig, gpt_batch
-from fxoffload.report import OffloadReport
+from fxoffload import ir
+from fxoffload.analysis import output_code as codecheck
+from fxoffload.testing.models import GPT, MLP, GPTConfig, gpt_batch
+from fxoffload.reporting.report import OffloadReport
 
 from .conftest import cpu_backend, train_step
 
@@ -45,15 +46,15 @@ def test_one_copy_and_one_wait_per_offloaded_tensor_each_way(gpt_graphs):
     report, fw, bw = gpt_graphs
     n = len(report.offloaded)
     assert n > 0
-    assert len(_by_target(fw, ops.offload)) == n
-    assert len(_by_target(fw, ops.wait)) == n
-    assert len(_by_target(bw, ops.reload)) == n
-    assert len(_by_target(bw, ops.wait)) == n
+    assert len(_by_target(fw, ir.OFFLOAD)) == n
+    assert len(_by_target(fw, ir.WAIT)) == n
+    assert len(_by_target(bw, ir.RELOAD)) == n
+    assert len(_by_target(bw, ir.WAIT)) == n
     # Each forward wait consumes exactly one offload, each backward wait exactly one reload.
-    for gm, copy_op in ((fw, ops.offload), (bw, ops.reload)):
-        for wait in _by_target(gm, ops.wait):
+    for gm, copy_op in ((fw, ir.OFFLOAD), (bw, ir.RELOAD)):
+        for wait in _by_target(gm, ir.WAIT):
             assert wait.args[0].target == copy_op
-            assert len([u for u in wait.args[0].users if u.target == ops.wait]) == 1
+            assert len([u for u in wait.args[0].users if u.target == ir.WAIT]) == 1
 
 
 def test_forward_outputs_save_host_copies_not_originals(gpt_graphs):
@@ -62,7 +63,7 @@ def test_forward_outputs_save_host_copies_not_originals(gpt_graphs):
     names = {getattr(o, "name", None) for o in outputs}
     for row in report.offloaded:
         assert row.name not in names, f"{row.name} is still saved on the device"
-    waits = [o for o in outputs if isinstance(o, fx.Node) and o.target == ops.wait]
+    waits = [o for o in outputs if isinstance(o, fx.Node) and o.target == ir.WAIT]
     assert len(waits) == len(report.offloaded)
     assert all(w.meta["val"].device.type == "cpu" for w in waits)
     bw_inputs = {n.name for n in bw.graph.nodes if n.op == "placeholder"}
@@ -73,15 +74,15 @@ def test_forward_outputs_save_host_copies_not_originals(gpt_graphs):
 def test_offload_follows_producer_and_its_wait_keeps_the_source(gpt_graphs):
     _, fw, _ = gpt_graphs
     order = {n: i for i, n in enumerate(fw.graph.nodes)}
-    for copy in _by_target(fw, ops.offload):
+    for copy in _by_target(fw, ir.OFFLOAD):
         src = copy.args[0]
         assert order[src] < order[copy]
-        wait = next(u for u in copy.users if u.target == ops.wait)
+        wait = next(u for u in copy.users if u.target == ir.WAIT)
         # The source lives until its wait through this argument (a reader scheduled after the wait
         # keeps it alive longer, which is safe: the copy is complete by then).
         assert wait.args[1] is src, "the wait keeps the source alive"
         # Copies issued before a later kernel reach it through an order node, and the wait follows it.
-        for order_node in (u for u in copy.users if u.target == ops.order):
+        for order_node in (u for u in copy.users if u.target == ir.ORDER):
             kernel = next(iter(order_node.users))
             assert kernel in _ancestors(wait) or kernel in wait.args[2]
 
@@ -89,9 +90,9 @@ def test_offload_follows_producer_and_its_wait_keeps_the_source(gpt_graphs):
 def test_reload_wait_precedes_first_use_and_follows_its_anchor(gpt_graphs):
     _, _, bw = gpt_graphs
     order = {n: i for i, n in enumerate(bw.graph.nodes)}
-    for wait in _by_target(bw, ops.wait):
+    for wait in _by_target(bw, ir.WAIT):
         reload = wait.args[0]
-        assert reload.target == ops.reload
+        assert reload.target == ir.RELOAD
         first_use = min((u for u in wait.users), key=order.__getitem__)
         assert order[reload] < order[wait] < order[first_use]
         # The anchor is a data edge: the reload cannot be hoisted above it (that would raise the peak).
@@ -110,9 +111,9 @@ def test_prefetch_sets_the_lookahead():
         nodes = list(bw.graph.nodes)
         order = {n: i for i, n in enumerate(nodes)}
         gaps = []
-        for wait in _by_target(bw, ops.wait):
+        for wait in _by_target(bw, ir.WAIT):
             between = nodes[order[wait.args[0]] + 1 : order[wait]]
-            gaps.append(sum(n.op == "call_function" and n.target not in ops.TRANSFER_OPS for n in between))
+            gaps.append(sum(n.op == "call_function" and n.target not in ir.TRANSFER_OPS for n in between))
         distances.append(max(gaps))
     assert distances[1] > distances[0]
 
@@ -126,7 +127,7 @@ def test_the_report_holds_the_graphs_the_inner_compiler_was_given(inner):
     fw, bw = report.graphs
     assert (len(fw.graph.nodes), len(bw.graph.nodes)) == (report.fw_nodes, report.bw_nodes)
     n = len(report.offloaded)
-    assert n > 0 and len(_by_target(fw, ops.offload)) == len(_by_target(bw, ops.reload)) == n
+    assert n > 0 and len(_by_target(fw, ir.OFFLOAD)) == len(_by_target(bw, ir.RELOAD)) == n
     # AOTAutograd compiles the backward from a deep copy of the graph it was given; the original is kept.
     assert bw.code == report.bw_code
     if inner == "aot_eager":
@@ -137,8 +138,8 @@ def test_the_report_holds_the_graphs_the_inner_compiler_was_given(inner):
     else:
         assert fw.code == report.fw_code
         # Inductor's wrapper code has one copy and one wait per transfer of the graph it was given.
-        assert len(codecheck.transfers(report.output_code["forward"])) == len(_by_target(fw, ops.offload))
-        assert len(codecheck.transfers(report.output_code["backward"])) == len(_by_target(bw, ops.reload))
+        assert len(codecheck.transfers(report.output_code["forward"])) == len(_by_target(fw, ir.OFFLOAD))
+        assert len(codecheck.transfers(report.output_code["backward"])) == len(_by_target(bw, ir.RELOAD))
 
 
 def test_the_report_times_the_pass_and_keeps_graphs_out_of_json():
@@ -147,8 +148,8 @@ def test_the_report_times_the_pass_and_keeps_graphs_out_of_json():
     t = report.timings
     assert t.pass_s > 0 and t.simulate_s > 0 and t.repartition_s == 0  # no memory_budget: no recomputation
     # The node counts are those of the pair the pass was given: the rewrite adds the transfer nodes.
-    inserted_fw = sum(n.target in ops.TRANSFER_OPS for n in fw.graph.nodes)
-    inserted_bw = sum(n.target in ops.TRANSFER_OPS for n in bw.graph.nodes)
+    inserted_fw = sum(n.target in ir.TRANSFER_OPS for n in fw.graph.nodes)
+    inserted_bw = sum(n.target in ir.TRANSFER_OPS for n in bw.graph.nodes)
     assert inserted_fw > 0 and inserted_bw > 0
     assert (t.fw_nodes, t.bw_nodes) == (report.fw_nodes - inserted_fw, report.bw_nodes - inserted_bw)
     assert report.num_fwd_outputs == 1  # the loss

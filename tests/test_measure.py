@@ -9,8 +9,8 @@ import pytest
 import torch
 
 import fxoffload
-from fxoffload import ops
-from fxoffload.measure import DeviceMemory, _tracking_cpu_frees, cpu_memory_from_trace, measure_memory
+from fxoffload.runtime import host_pool
+from fxoffload.measure.allocator import DeviceMemory, _tracking_cpu_frees, cpu_memory_from_trace, measure_memory
 
 MiB = 2**20
 
@@ -76,7 +76,7 @@ def test_a_free_of_a_block_from_before_the_start():
     # Without track_cpu_frees, in a process of its own (other tests may have switched it on here).
     code = textwrap.dedent("""
         import torch
-        from fxoffload.measure import measure_memory
+        from fxoffload.measure.allocator import measure_memory
         held = [torch.empty(1000)]
         m = measure_memory(held.clear)
         print(m.cpu.peak_bytes, m.cpu.end_bytes, m.cpu.freed_earlier_bytes)
@@ -91,7 +91,7 @@ def test_track_cpu_frees_counts_earlier_blocks_below_the_start():
     # A one-way switch for the whole process: run it in its own.
     code = textwrap.dedent("""
         import torch
-        from fxoffload.measure import measure_memory, track_cpu_frees
+        from fxoffload.measure.allocator import measure_memory, track_cpu_frees
         assert track_cpu_frees()
         held = [torch.empty(1000)]
         def step():
@@ -178,12 +178,12 @@ def _mlp_step(backend):
 def test_host_pool_buffers_are_left_out():
     torch._dynamo.reset()
     fxoffload.release_host_memory()
-    ops.STAGING_POOL.clear()
+    host_pool.STAGING_POOL.clear()
     backend = fxoffload.backend(offload_cpu=True, policy="all", min_bytes=0, inner="aot_eager")
     step = _mlp_step(backend)
     first = measure_memory(step)  # compiles, and the pools allocate their buffers, kept after the step
     assert sum(r.offloaded_bytes for r in backend.reports) > 0
-    pools = ops.host_pool_stats().bytes_allocated + ops.STAGING_POOL.stats().bytes_allocated
+    pools = host_pool.host_pool_stats().bytes_allocated + host_pool.STAGING_POOL.stats().bytes_allocated
     assert pools > 0 and first.cpu.excluded_bytes == pools
     assert first.cpu.end_bytes == 0  # the pools' bytes, still held, do not appear
     # Every figure repeats step to step; the profiler's event index of the peak need not (the
@@ -224,7 +224,7 @@ def test_explain_and_measure_restores_the_model():
 
 
 def test_cli_explain_measure(capsys):
-    from fxoffload.__main__ import main
+    from fxoffload.tools.cli import main
 
     torch._dynamo.reset()
     argv = ["explain", "--model", "gpt", "--device", "cpu", "--offload-cpu", "--policy", "all",

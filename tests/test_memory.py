@@ -7,12 +7,14 @@ import torch
 import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from fxoffload.lifetimes import analyze_saved_tensors, is_compute
-from fxoffload.memory import CallOutside, kept_saved_bytes, simulate, with_plan
+from fxoffload.analysis.graph import is_compute
+from fxoffload.analysis.lifetimes import analyze_saved_tensors
+from fxoffload.analysis.memory import CallOutside, kept_saved_bytes, simulate, with_plan
 from fxoffload.options import OffloadOptions
-from fxoffload.plan import off_device, plan_offloads
-from fxoffload.rewrite import apply_plan
-from fxoffload.upstream import UpstreamMemory
+from fxoffload.planning.budget import off_device
+from fxoffload.planning.plan import plan_offloads
+from fxoffload.rewrite.transfers import apply_plan
+from fxoffload.analysis.outside import OutsideMemory as UpstreamMemory
 
 from .conftest import requires_saved_tensor_reads
 
@@ -121,11 +123,9 @@ def test_inductor_code_replay_agrees_with_the_allocator_and_checks_the_budget():
     """With Inductor the report also replays the code that runs (``compiled_memory``): its peak is
     the measured one (the CPU allocator's events) to within 5%, and a budget that code misses is said
     at compile time, with the figures."""
-    import dataclasses
-
     import fxoffload
-    from fxoffload.backend import _check_compiled_budget
-    from fxoffload.models import example
+    from fxoffload.compiler.compile import budget_verdict
+    from fxoffload.testing.models import example
 
     from .conftest import measured_steady_step
 
@@ -140,11 +140,12 @@ def test_inductor_code_replay_agrees_with_the_allocator_and_checks_the_budget():
     assert abs((replay.peak_bytes - start) / measured - 1) < 0.05, (replay.peak_bytes - start, measured)
     assert "peak of Inductor's generated code" in report.summary()
     assert not [w for w in caught if "is not met by the code" in str(w.message)]
+    predicted = report.predicted_peak_after
     with pytest.warns(RuntimeWarning, match=r"memory_budget .* is not met by the code Inductor generated: it peaks at"):
-        _check_compiled_budget(dataclasses.replace(report, memory_budget=replay.peak_bytes // 2))
+        budget_verdict(report.graph_id, replay.peak_bytes // 2, replay, predicted)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        _check_compiled_budget(dataclasses.replace(report, memory_budget=replay.peak_bytes))
+        budget_verdict(report.graph_id, replay.peak_bytes, replay, predicted)
 
 
 # One memory model: the plan as data (``with_plan`` on the baseline, ``off_device(plan)``) against
@@ -154,24 +155,23 @@ def test_inductor_code_replay_agrees_with_the_allocator_and_checks_the_budget():
 _RATES = {"compute_rates": {"flops": 1e13, "memory_bandwidth": 1e12}, "min_bytes": "16KiB"}
 
 
-def _planned_and_rewritten(monkeypatch, name, inner, options, upstream=None):
-    import importlib
+def _planned_and_rewritten(name, inner, options, upstream=None):
+    """The plan and the pair the rewrite made of it, compiled through the compiler itself, told what
+    code before the graph holds (``upstream``) where given."""
+    from fxoffload.compiler.compile import GraphCompiler
+    from fxoffload.compiler.pair import PairRegister
+    from fxoffload.options import OffloadOptions
+    from fxoffload.testing.models import GPT, GPTConfig, example, gpt_batch
 
-    from fxoffload.models import GPT, GPTConfig, example, gpt_batch
+    register = PairRegister()
+    compiler = GraphCompiler(register)
+    opts = OffloadOptions.from_dict(
+        {"offload_cpu": True, "min_bytes": 0, "policy": "all", "verify_peak": False, "inner": inner, **_RATES, **options}
+    )
 
-    from .conftest import cpu_backend
+    def backend(gm, example_inputs):
+        return compiler.compile(gm, example_inputs, opts, outside=upstream)[0]
 
-    backend_module = importlib.import_module("fxoffload.backend")
-    real, seen = backend_module.offload_pass, []
-
-    def spy(fw, bw, num_fwd_outputs, static, options, **kwargs):
-        if upstream is not None:
-            kwargs["upstream"] = upstream
-        fw, bw, plan = real(fw, bw, num_fwd_outputs, static, options, **kwargs)
-        seen.append((fw, bw, plan, num_fwd_outputs, tuple(static)))
-        return fw, bw, plan
-
-    monkeypatch.setattr(backend_module, "offload_pass", spy)
     torch._dynamo.reset()
     torch.manual_seed(0)
     if name == "gpt3":
@@ -179,11 +179,12 @@ def _planned_and_rewritten(monkeypatch, name, inner, options, upstream=None):
         model, batch = GPT(cfg), gpt_batch(cfg, 8)
     else:
         model, batch = example(name)
-    compiled = torch.compile(model, backend=cpu_backend(inner=inner, **{**_RATES, **options}))
+    compiled = torch.compile(model, backend=backend)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)  # an unreachable budget is not what this tests
         compiled(*batch)
-    (fw, bw, plan, num_fwd_outputs, static) = seen[-1]
+    pair = register.pairs()[-1]
+    fw, bw, plan, num_fwd_outputs, static = pair.fw, pair.bw, pair.plan, pair.num_fwd_outputs, pair.static
     planned = with_plan(plan.costs.baseline, off_device(plan), plan.costs.calls, plan.costs.kept)
     # What code around the pair holds with this plan: earlier calls of the same pair keep what its
     # rewritten forward saves on the device.
@@ -214,8 +215,8 @@ _REPEATED = UpstreamMemory(0, 0, 0, calls=(CallOutside(2**18, 0, 2**20), CallOut
         ("seq2seq", "aot_eager", {"policy": "all", "min_bytes": 0}, None),
     ],
 )
-def test_the_plan_as_data_is_the_rewritten_pair(monkeypatch, name, inner, options, upstream):
-    plan, planned, rewritten, fw, bw = _planned_and_rewritten(monkeypatch, name, inner, options, upstream)
+def test_the_plan_as_data_is_the_rewritten_pair(name, inner, options, upstream):
+    plan, planned, rewritten, fw, bw = _planned_and_rewritten(name, inner, options, upstream)
     assert plan.offloaded
     if upstream is not None:  # each point holds what the call holding the most there holds
         kept = plan.costs.kept - plan.offloaded_bytes  # the earlier calls hold less with the plan

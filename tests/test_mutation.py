@@ -1,6 +1,6 @@
 """A forward that reads a buffer and then updates it in place: torch's min-cut partitioner recomputes
 the read in the backward, after the update, and the gradients are silently wrong.
-``fxoffload.mutation.protect_mutated_reads`` tags those reads MUST_SAVE in the joint graph."""
+``fxoffload.rewrite.mutated_reads.protect_mutated_reads`` tags those reads MUST_SAVE in the joint graph."""
 
 
 import pytest
@@ -13,7 +13,8 @@ from torch._functorch.partitioners import min_cut_rematerialization_partition
 from torch.utils.checkpoint import CheckpointPolicy
 
 import fxoffload
-from fxoffload.mutation import mutated_inputs, protect_mutated_reads
+from fxoffload.analysis.graph import mutated_inputs
+from fxoffload.rewrite.mutated_reads import protect_mutated_reads
 
 
 class BufferUpdate(nn.Module):

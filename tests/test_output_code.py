@@ -9,8 +9,8 @@ backward placeholder they read.
 import pytest
 import torch
 
-from fxoffload import codecheck
-from fxoffload.models import CNN, GPT, MLP, GPTConfig, gpt_batch
+from fxoffload.analysis import output_code as codecheck
+from fxoffload.testing.models import CNN, GPT, MLP, GPTConfig, gpt_batch
 
 from .conftest import cpu_backend
 
@@ -111,12 +111,9 @@ def test_reloads_are_issued_their_planned_distance_ahead_of_the_first_use(case):
 def test_without_the_order_edges_the_kernel_check_fails():
     """The rule the ``order`` edges keep, broken on purpose: without them Inductor's peak-memory
     reordering slides reloads down to their waits, and the check above fails on the same model."""
-    from fxoffload.testing import broken_rule
-
     torch._dynamo.reset()
     torch.manual_seed(0)
-    with broken_rule("no_order_edges"):
-        report = compiled_report(*_mlp())
+    report = compiled_report(*_mlp(), broken_rule="no_order_edges")
     assert "fxoffload.order" not in report.fw_code + report.bw_code
     short = [code.key for code, plan in _pairs(report, "backward") if code.kernels_between < plan.kernels_between]
     assert short, "with no order edges some reload ends up next to its wait"

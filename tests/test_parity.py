@@ -5,7 +5,7 @@ import torch
 import torch._inductor.config as inductor_config
 
 import fxoffload
-from fxoffload.models import CNN, GPT, MLP, GPTConfig, gpt_batch
+from fxoffload.testing.models import CNN, GPT, MLP, GPTConfig, gpt_batch
 
 from .conftest import assert_same, cpu_backend, train_step
 

@@ -5,9 +5,13 @@ import dataclasses
 import pytest
 import torch
 
-from fxoffload.lifetimes import GraphLifetimes, SavedTensor, is_dense
+from fxoffload.analysis.graph import is_dense
+from fxoffload.analysis.lifetimes import GraphLifetimes, SavedTensor
 from fxoffload.options import OffloadOptions
-from fxoffload.plan import KEEP, OFFLOAD, plan_offloads
+from fxoffload.planning.plan import plan_offloads
+from fxoffload.reasons import Action
+
+KEEP, OFFLOAD = Action.KEEP, Action.OFFLOAD
 from fxoffload.reasons import Action, Reason, ReasonCode
 
 from .conftest import cpu_backend, train_step
@@ -157,8 +161,8 @@ def test_a_recompute_chain_holds_its_source_from_when_the_next_link_is_rebuilt()
     """sin = sin(mm), both recomputed: mm is off the device until just before sin is rebuilt (sin's
     first use comes first), not until its own first use; a link with no recomputed reader keeps
     its own interval."""
-    from fxoffload.plan import _estimated_interval, _recompute_ends
-    from fxoffload.recompute import RecomputeOption
+    from fxoffload.planning.budget import estimated_interval as _estimated_interval, recompute_ends as _recompute_ends
+    from fxoffload.analysis.recompute import RecomputeOption
 
     fw_points = 20
     mm = saved("mm", fw_last_use=5, bw_first_use=15)

@@ -5,7 +5,7 @@ import warnings
 import pytest
 import torch
 
-from fxoffload.models import GPT, GPTConfig, gpt_batch
+from fxoffload.testing.models import GPT, GPTConfig, gpt_batch
 
 from .conftest import assert_same, cpu_backend, returned_names, train_step
 
@@ -165,7 +165,7 @@ def test_random_ops_are_never_recomputed():
 
 
 def test_calibrate_times_the_ops_and_plans_with_them():
-    from fxoffload import cost
+    from fxoffload.measure import standalone as cost
 
     analytic, _, _ = _plan(bandwidth="4GB")
     cost._timed_ops.clear()

@@ -13,13 +13,13 @@ import pytest
 import torch
 
 import fxoffload
-from fxoffload.lifetimes import GraphLifetimes
-from fxoffload.models import GPT, GPTConfig, gpt_batch
+from fxoffload.analysis.lifetimes import GraphLifetimes
+from fxoffload.testing.models import GPT, GPTConfig, gpt_batch
 from fxoffload.options import OffloadOptions
-from fxoffload.plan import plan_offloads
-from fxoffload.policy import TensorInfo
+from fxoffload.planning.plan import plan_offloads
+from fxoffload.planning.policy import TensorInfo
 from fxoffload.reasons import Action
-from fxoffload.recompute import RecomputeOption
+from fxoffload.analysis.recompute import RecomputeOption
 
 from .conftest import assert_same, returned_names, train_step
 from .test_plan import saved
@@ -55,9 +55,9 @@ def test_a_user_keep_is_never_overridden():
 
 def test_a_user_keep_is_not_overridden_by_memory_budget_either():
     """Under a budget the fit may offload or recompute tensors auto left; not one the user kept."""
-    from fxoffload.plan import PlanCosts
-    from fxoffload.cost import DeviceRates
-    from fxoffload.memory import MemoryPoint, MemoryTimeline
+    from fxoffload.planning.decisions import PlanCosts
+    from fxoffload.analysis.cost import DeviceRates
+    from fxoffload.analysis.memory import MemoryPoint, MemoryTimeline
 
     rates = DeviceRates("test", d2h=1e6, h2d=1e6, flops=1e12, memory_bandwidth=1e12)
     live = [(100 << 20) if 2 <= i <= 17 else 0 for i in range(20)]  # a and b: last use to reload

@@ -7,7 +7,6 @@ milliseconds, while a recomputed op costs microseconds at the fixed compute rate
 
 import copy
 import functools
-import importlib
 import re
 import warnings
 
@@ -18,8 +17,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-from fxoffload.memory import simulate
-from fxoffload.report import OffloadReport
+from fxoffload import _compat
+from fxoffload.analysis.memory import simulate
+from fxoffload.reporting.report import OffloadReport
 
 from .conftest import assert_same, cpu_backend, returned_names, train_step
 
@@ -32,7 +32,6 @@ FORCE = {
     "compute_rates": {"flops": 1e13, "memory_bandwidth": 1e12},
 }
 D, N = 32, 1024  # small weights, large batch: activations dominate the peak
-backend_module = importlib.import_module("fxoffload.backend")
 
 
 @pytest.fixture(autouse=True)
@@ -205,7 +204,7 @@ def test_a_failing_second_partition_falls_back_to_offloads(inner, caplog):
     torch.manual_seed(0)
     model, x = Stack(), (torch.randn(N, D),)
     calls = []
-    original = backend_module._compat.call_partitioner
+    original = _compat.call_partitioner
 
     def second_fails(*args, **kwargs):
         calls.append(args[0])
@@ -215,7 +214,7 @@ def test_a_failing_second_partition_falls_back_to_offloads(inner, caplog):
 
     backend = _backend(inner)
     with pytest.MonkeyPatch.context() as mp, caplog.at_level("WARNING", logger="fxoffload"):
-        mp.setattr(backend_module._compat, "call_partitioner", second_fails)
+        mp.setattr(_compat, "call_partitioner", second_fails)
         got = _run(model, x, backend)
     assert len(calls) == 2
     (report,) = backend.reports
@@ -337,7 +336,7 @@ def test_batchnorm_buffers_and_results_with_recomputation():
 def test_calibrate_with_dynamic_shapes_leaves_no_state_behind(inner):
     from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
-    from fxoffload import cost
+    from fxoffload.measure import standalone as cost
 
     torch.manual_seed(0)
     model, x = Stack(), torch.randn(N, D)

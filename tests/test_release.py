@@ -7,8 +7,11 @@ import torch
 import torch.fx as fx
 
 import fxoffload
-from fxoffload import ops
-from fxoffload.models import MLP
+from fxoffload import ir
+from fxoffload import sizes
+from fxoffload.runtime import host_pool
+from fxoffload.runtime import transfers
+from fxoffload.testing.models import MLP
 
 from .conftest import cpu_backend, train_step
 
@@ -22,7 +25,7 @@ def test_source_storage_is_freed_after_forward(inner):
     backend = cpu_backend(inner=inner)
     compiled = torch.compile(model, backend=backend)
     compiled(x).backward()  # compile outside the tracked region
-    with ops.track_releases() as tracked:
+    with transfers.track_releases() as tracked:
         loss = compiled(x)
         # Between forward and backward: every offloaded source storage is gone, while autograd
         # holds only the host copies.
@@ -34,9 +37,9 @@ def test_source_storage_is_freed_after_forward(inner):
 def test_release_tracking_can_fail():
     """The tracker itself sees a storage that is kept alive."""
     keep = torch.randn(1000)
-    with ops.track_releases() as tracked:
-        host = ops.offload(keep, [])
-        ops.wait(host, keep, [])
+    with transfers.track_releases() as tracked:
+        host = ir.OFFLOAD(keep, [])
+        ir.WAIT(host, keep, [])
     assert tracked.count() == 1 and tracked.alive() == 1
     del keep
     assert tracked.alive() == 0
@@ -45,14 +48,14 @@ def test_release_tracking_can_fail():
 def test_wait_without_copy_is_an_error():
     t = torch.randn(4)
     with pytest.raises(RuntimeError, match="no transfer is pending"):
-        ops.wait(t, t, [])
+        ir.WAIT(t, t, [])
 
 
 def test_reload_restores_size_and_stride_of_non_contiguous_tensors():
     src = torch.randn(8, 6, 4).permute(2, 0, 1)  # dense, not contiguous
-    host = ops.wait(ops.offload(src, []), src, [])
+    host = ir.WAIT(ir.OFFLOAD(src, []), src, [])
     assert host.stride() == src.stride()
-    back = ops.wait(ops.reload(host, src.device, []), host, [])
+    back = ir.WAIT(ir.RELOAD(host, src.device, []), host, [])
     assert back.stride() == src.stride() and torch.equal(back, src)
 
 
@@ -102,7 +105,7 @@ def test_host_budget_bounds_offloaded_bytes():
     assert any("host_budget reached" in r.reason for r in report.saved)
     # CPU tensors go to pageable buffers of the pool's size class: that is what the budget counts.
     assert report.host_budget == budget
-    assert report.host_bytes_total == sum(ops.size_class(r.nbytes) for r in report.offloaded) <= budget
+    assert report.host_bytes_total == sum(sizes.host_bytes(r.nbytes) for r in report.offloaded) <= budget
     assert "host_budget:" in report.table() and "host_budget: unbounded" in full.reports[0].table()
     expected = train_step(model, x)
     torch.testing.assert_close(got[0], expected[0])
@@ -119,7 +122,7 @@ def test_min_bytes_filters_small_tensors():
 
 
 def test_pinned_allocation_failure_falls_back_to_pageable(monkeypatch):
-    pool = ops.HostBufferPool()
+    pool = host_pool.HostBufferPool()
     real_empty = torch.empty
 
     def failing_empty(*args, **kwargs):
@@ -135,7 +138,7 @@ def test_pinned_allocation_failure_falls_back_to_pageable(monkeypatch):
 
 
 def test_pinned_failure_warns_once_and_keeps_working(monkeypatch):
-    pool = ops.HostBufferPool()
+    pool = host_pool.HostBufferPool()
     real_empty = torch.empty
     calls = {"pinned": 0}
 
@@ -170,20 +173,20 @@ def _ptr(t):
 def test_acquire_claims_the_buffer_before_returning():
     """Two acquisitions with nothing wrapped in between get two buffers: the claim is made under the
     pool's lock, so another thread cannot take a buffer between acquire and its first tensor."""
-    pool = ops.HostBufferPool()
+    pool = host_pool.HostBufferPool()
     a, b = pool.acquire(1000, pin=False), pool.acquire(1000, pin=False)
     assert _ptr(a) != _ptr(b)
     assert a.shape == (1000,) and a.dtype == torch.uint8
-    assert a.untyped_storage().nbytes() == ops.size_class(1000)
-    assert pool.stats().bytes_in_use == 2 * ops.size_class(1000)
+    assert a.untyped_storage().nbytes() == sizes.host_bytes(1000)
+    assert pool.stats().bytes_in_use == 2 * sizes.host_bytes(1000)
     del a
-    assert pool.stats().bytes_in_use == ops.size_class(1000)
+    assert pool.stats().bytes_in_use == sizes.host_bytes(1000)
 
 
 def test_a_free_buffer_serves_only_the_device_it_served():
     """A reload's copy out of a buffer may still run on its device's transfer stream when the buffer
     turns free on the host; another device's stream would not wait for it, so no sharing."""
-    pool = ops.HostBufferPool()
+    pool = host_pool.HostBufferPool()
     first = pool.acquire(4096, pin=False, device="cuda:0")
     ptr = _ptr(first)
     del first  # free on the host
@@ -197,7 +200,7 @@ def test_a_free_buffer_serves_only_the_device_it_served():
 def test_acquire_from_many_threads_never_shares_a_buffer():
     import threading
 
-    pool, threads, barrier, errors = ops.HostBufferPool(), 8, threading.Barrier(8), []
+    pool, threads, barrier, errors = host_pool.HostBufferPool(), 8, threading.Barrier(8), []
 
     def work(k):
         for _ in range(50):
@@ -220,7 +223,7 @@ def test_acquire_from_many_threads_never_shares_a_buffer():
 
 
 def test_release_host_memory_frees_free_buffers_and_never_hands_out_held_ones():
-    pool = ops.HostBufferPool()
+    pool = host_pool.HostBufferPool()
     held = _take(pool, 4096)
     held.fill_(7)
     free = _take(pool, 8192)
@@ -234,18 +237,18 @@ def test_release_host_memory_frees_free_buffers_and_never_hands_out_held_ones():
     again.fill_(1)
     assert bool((held == 7).all())
     # The module-level function clears the pool the ops use.
-    ops.HOST_POOL.acquire(1 << 16, pin=False)  # taken and dropped at once: a free buffer
+    host_pool.HOST_POOL.acquire(1 << 16, pin=False)  # taken and dropped at once: a free buffer
     assert fxoffload.host_pool_stats().bytes_allocated >= 1 << 16
     fxoffload.release_host_memory()
     assert fxoffload.host_pool_stats().buffers == 0
 
 
 def test_eviction_never_drops_a_buffer_in_use():
-    pool = ops.HostBufferPool()
+    pool = host_pool.HostBufferPool()
     held = _take(pool, 40000)  # the least recently used buffer, but in use
     for n in (50000, 60000, 70000, 81000, 100000):  # each allocation goes past twice the peak
         del_me = _take(pool, n)
-        assert pool.stats().bytes_in_use == ops.size_class(40000) + ops.size_class(n)
+        assert pool.stats().bytes_in_use == sizes.host_bytes(40000) + sizes.host_bytes(n)
         del del_me
     ptr, buffers = _ptr(held), pool.stats().buffers
     assert buffers < 6, "free buffers were dropped"
@@ -255,7 +258,7 @@ def test_eviction_never_drops_a_buffer_in_use():
 
 
 def test_pinned_and_pageable_buffers_are_never_mixed(monkeypatch):
-    pool = ops.HostBufferPool()
+    pool = host_pool.HostBufferPool()
     # No accelerator here: pinned buffers are plain ones that the pool records as pinned.
     plain = lambda n, pin: (torch.empty(n, dtype=torch.uint8).untyped_storage(), pin)  # noqa: E731
     monkeypatch.setattr(pool, "_allocate", plain)
@@ -274,19 +277,19 @@ def test_pinned_and_pageable_buffers_are_never_mixed(monkeypatch):
 
 def test_offload_into_a_larger_pooled_buffer_views_only_its_bytes():
     fxoffload.release_host_memory()
-    big = ops.HOST_POOL.acquire(1 << 16, pin=False, device="cpu")  # the device the offload below serves
+    big = host_pool.HOST_POOL.acquire(1 << 16, pin=False, device="cpu")  # the device the offload below serves
     big.fill_(255)
     big_ptr = _ptr(big)
     del big
     src = torch.randn(40, 16, 20).permute(2, 0, 1)  # 51200 bytes, dense, not contiguous
-    assert ops.size_class(src.nbytes) <= 1 << 16 <= 2 * ops.size_class(src.nbytes)
-    host = ops.wait(ops.offload(src, []), src, [])
+    assert sizes.host_bytes(src.nbytes) <= 1 << 16 <= 2 * sizes.host_bytes(src.nbytes)
+    host = ir.WAIT(ir.OFFLOAD(src, []), src, [])
     assert _ptr(host) == big_ptr and host.untyped_storage().nbytes() == 1 << 16
     assert host.storage_offset() == 0 and host.shape == src.shape and host.stride() == src.stride()
     assert torch.equal(host, src)
     raw = torch.empty(0, dtype=torch.uint8).set_(host.untyped_storage())
     assert bool((raw[src.nbytes :] == 255).all()), "bytes past the tensor were written"
-    back = ops.wait(ops.reload(host, src.device, []), host, [])
+    back = ir.WAIT(ir.RELOAD(host, src.device, []), host, [])
     assert back.stride() == src.stride() and torch.equal(back, src)
     assert back.untyped_storage().nbytes() == src.nbytes
 
@@ -294,43 +297,43 @@ def test_offload_into_a_larger_pooled_buffer_views_only_its_bytes():
 def test_reload_copies_into_a_tensor_of_its_own():
     """The backward must not read the pooled host buffer, which is reused once the host copy goes."""
     src = torch.randn(64, 32)
-    host = ops.wait(ops.offload(src, []), src, [])
-    back = ops.wait(ops.reload(host, src.device, []), host, [])
+    host = ir.WAIT(ir.OFFLOAD(src, []), src, [])
+    back = ir.WAIT(ir.RELOAD(host, src.device, []), host, [])
     assert _ptr(back) != _ptr(host) and _ptr(back) != _ptr(src)
     host.zero_()
     assert torch.equal(back, src)
 
 
 def test_pool_size_classes_and_reuse():
-    assert [ops.size_class(n) for n in (1, 8, 1024, 1025, 1280, 1281, 3000, 4096, 5000)] == [
+    assert [sizes.host_bytes(n) for n in (1, 8, 1024, 1025, 1280, 1281, 3000, 4096, 5000)] == [
         1, 8, 1024, 1280, 1280, 1536, 3072, 4096, 5120,
     ]
     for n in range(9, 5000, 7):
-        assert n <= ops.size_class(n) <= 1.25 * n
-    pool = ops.HostBufferPool()
+        assert n <= sizes.host_bytes(n) <= 1.25 * n
+    pool = host_pool.HostBufferPool()
     big = _take(pool, 1 << 20)
     second = _take(pool, 1 << 20)  # the first is in use: a second buffer
     assert big.untyped_storage().data_ptr() != second.untyped_storage().data_ptr()
     del big, second
     # A free buffer up to twice the request serves it; a larger one does not.
     assert _take(pool, 600_000).untyped_storage().nbytes() == 1 << 20
-    assert _take(pool, 400_000).untyped_storage().nbytes() == ops.size_class(400_000)
+    assert _take(pool, 400_000).untyped_storage().nbytes() == sizes.host_bytes(400_000)
     assert pool.stats().buffers == 3
 
 
 def test_pool_drops_least_recently_used_free_buffers_past_twice_the_peak():
-    pool = ops.HostBufferPool()
+    pool = host_pool.HostBufferPool()
     for n in (40000, 50000, 60000, 70000, 81000):  # ascending: nothing earlier fits the next one
         held = _take(pool, n)
-        assert pool.stats().bytes_in_use == ops.size_class(n)
+        assert pool.stats().bytes_in_use == sizes.host_bytes(n)
         del held
     stats = pool.stats()
     assert stats.bytes_in_use == 0
-    assert stats.bytes_allocated <= 2 * ops.size_class(81000), stats
+    assert stats.bytes_allocated <= 2 * sizes.host_bytes(81000), stats
     assert stats.buffers < 5, "the oldest free buffers were dropped"
     held = _take(pool, 81000)  # the newest buffer survived and is reused
     assert pool.stats().buffers == stats.buffers
-    assert held.untyped_storage().nbytes() == ops.size_class(81000)
+    assert held.untyped_storage().nbytes() == sizes.host_bytes(81000)
 
 
 def test_host_budget_is_shared_by_the_graphs_of_one_backend():
@@ -406,7 +409,7 @@ def _two_device_graphs(devices, n=256):
 
 @pytest.mark.parametrize("devices", [("cuda:0", "cuda:1"), ("cuda:1", "cuda:0"), ("cpu", "cuda:1")])
 def test_each_reload_targets_the_device_of_its_saved_tensor(devices):
-    from fxoffload.backend import offload_pass
+    from fxoffload.compiler.offload_pass import offload_pass
     from fxoffload.options import OffloadOptions
 
     fw, bw, num_outputs = _two_device_graphs(devices)
@@ -417,14 +420,14 @@ def test_each_reload_targets_the_device_of_its_saved_tensor(devices):
     })  # fmt: skip
     fw, bw, plan = offload_pass(fw, bw, num_outputs, (), options)
     assert len(plan.offloaded) == 2
-    reloads = [n for n in bw.graph.nodes if n.target is ops.reload]
+    reloads = [n for n in bw.graph.nodes if n.target is ir.RELOAD]
     assert len(reloads) == 2
     for reload in reloads:
         host, device = reload.args[0], reload.args[1]
         assert host.op == "placeholder" and host.name.endswith("_host")
         assert host.meta["val"].device.type == "cpu"
         assert device == original[host.name.removesuffix("_host")]
-        (wait,) = [u for u in reload.users if u.target is ops.wait]
+        (wait,) = [u for u in reload.users if u.target is ir.WAIT]
         assert wait.meta["val"].device == device
         # Everything that used the saved tensor now reads the reloaded copy, on the same device.
         assert all(u.meta["val"].device == device for u in wait.users if u.op != "output")
@@ -436,7 +439,7 @@ def test_pinned_buffers_are_sized_as_the_host_allocator_rounds_them(monkeypatch)
     whole block: the pool asks for the power of two itself, so its size classes, its statistics and
     what it reuses are the real pinned bytes (a quarter-octave class of 1.1 MiB would take 2 MiB of
     page-locked memory while the pool counted 1.25)."""
-    assert [ops.size_class(n, pinned=True) for n in (1, 8, 9, 1024, 1025, 1_153_434, 33 << 20)] == [
+    assert [sizes.host_bytes(n, pinned=True) for n in (1, 8, 9, 1024, 1025, 1_153_434, 33 << 20)] == [
         1, 8, 16, 1024, 2048, 2 << 20, 64 << 20,
     ]
     asked = []
@@ -448,7 +451,7 @@ def test_pinned_buffers_are_sized_as_the_host_allocator_rounds_them(monkeypatch)
         return real_empty(*args, **kwargs)
 
     monkeypatch.setattr(torch, "empty", pinned_empty)
-    pool = ops.HostBufferPool()
+    pool = host_pool.HostBufferPool()
     held = _take(pool, 1_153_434, pin=True)
     assert asked == [2 << 20] and held.numel() == 1_153_434
     stats = pool.stats()
@@ -462,9 +465,9 @@ def test_pinned_buffers_are_sized_as_the_host_allocator_rounds_them(monkeypatch)
 def test_host_budget_counts_real_host_bytes():
     """Three 3 MiB tensors and a 9 MiB host budget: CPU tensors (pageable, 3 MiB each) all fit; CUDA
     tensors take 4 MiB of pinned memory each, so only two do."""
-    from fxoffload.lifetimes import GraphLifetimes
+    from fxoffload.analysis.lifetimes import GraphLifetimes
     from fxoffload.options import OffloadOptions
-    from fxoffload.plan import plan_offloads
+    from fxoffload.planning.plan import plan_offloads
 
     from .test_plan import saved
 

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from fxoffload.models import GPT, GPTConfig, gpt_batch
-from fxoffload.report import OffloadReport
+from fxoffload.testing.models import GPT, GPTConfig, gpt_batch
+from fxoffload.reporting.report import OffloadReport
 
 from .conftest import cpu_backend, train_step
 
@@ -99,7 +99,7 @@ def test_short_table_fits_the_width_and_lists_every_offloaded_tensor(gpt_report)
 
 def test_short_table_says_a_graph_wide_note_once_and_no_stall_when_nothing_is_planned():
     import fxoffload
-    from fxoffload.models import example
+    from fxoffload.testing.models import example
 
     model, args = example("mlp")
     (report,) = fxoffload.explain(model, *args, inner="aot_eager")  # CPU tensors, offload_cpu=False

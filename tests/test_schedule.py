@@ -2,8 +2,8 @@
 
 import random
 
-from fxoffload.cost import DeviceRates
-from fxoffload.schedule import HiddenSetChecker, schedule_transfers
+from fxoffload.analysis.cost import DeviceRates
+from fxoffload.planning.schedule import HiddenSetChecker, schedule_transfers
 
 from .test_plan import saved
 
@@ -67,7 +67,7 @@ def test_schedule_is_deterministic():
 
 def test_min_tree_matches_a_list():
     """The segment tree behind the budget fit: built in O(n), range add, range min, argmin."""
-    from fxoffload.schedule import _MinTree
+    from fxoffload.planning.trees import MinTree as _MinTree
 
     rng = random.Random(0)
     for n in (1, 2, 7, 64, 100):
@@ -113,7 +113,7 @@ def test_cpu_prices_float32_matmuls_at_what_two_cores_reach():
     import torch
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    from fxoffload.cost import CPU_RATES, node_time
+    from fxoffload.analysis.cost import CPU_RATES, node_time
 
     gm = make_fx(torch.mm, tracing_mode="fake")(torch.randn(512, 64), torch.randn(64, 256))
     (mm,) = [n for n in gm.graph.nodes if n.op == "call_function"]

@@ -8,7 +8,7 @@ import resource
 import torch
 
 import fxoffload
-from fxoffload.models import MLP
+from fxoffload.testing.models import MLP
 
 from .conftest import cpu_backend
 

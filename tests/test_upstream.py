@@ -6,9 +6,9 @@ import torch
 import torch.nn as nn
 
 import fxoffload
-from fxoffload.plan import fmt_bytes
-from fxoffload.report import OffloadReport
-from fxoffload.upstream import graph_device, upstream_memory
+from fxoffload.sizes import fmt_bytes
+from fxoffload.reporting.report import OffloadReport
+from fxoffload.analysis.outside import graph_device, read_outside_memory as upstream_memory
 
 from .conftest import requires_saved_tensor_reads
 
@@ -143,19 +143,19 @@ def test_an_eager_block_before_the_graph_is_predicted_with_it(options):
     # Linear x + shift (64 x 64). The graph's input is the eager block's output. (Had the block saved
     # the batch x itself, x would count too, though live before the step: a saved tensor does not say
     # whether the step made it.)
-    assert report.upstream.saved_bytes == 2 * 64 * 256 * 4 + 64 * 64 * 4
-    assert report.upstream.made_inputs_bytes == 64 * 64 * 4
+    assert report.outside.saved_bytes == 2 * 64 * 256 * 4 + 64 * 64 * 4
+    assert report.outside.made_inputs_bytes == 64 * 64 * 4
     # Its parameters (shift, two weights, two biases: no gradients yet, the step zeroes them to None),
     # live before the step: in "outside" and in the start.
     eager_params = sum(p.nbytes for p in (model.shift, *model.eager.parameters()))
-    assert report.upstream.params_bytes == eager_params == (64 + 2 * 64 * 256 + 256 + 64) * 4
+    assert report.outside.params_bytes == eager_params == (64 + 2 * 64 * 256 + 256 + 64) * 4
     timeline = report.memory_after or report.memory_before
-    assert {p.live["outside"] for p in timeline.points} == {report.upstream.held_bytes}
+    assert {p.live["outside"] for p in timeline.points} == {report.outside.held_bytes}
     predicted = timeline.peak_bytes - report.start_bytes
     assert abs(predicted / measured - 1) < 0.01, (predicted, measured, report.summary())
     assert "saved by code before this graph" in report.summary()
-    assert OffloadReport.from_json(report.to_json()).upstream == report.upstream
-    assert not backend.upstream_seen  # every call holds what the compile saw: nothing said
+    assert OffloadReport.from_json(report.to_json()).outside == report.outside
+    assert not backend.outside_seen  # every call holds what the compile saw: nothing said
     if report.memory_budget is not None:
         assert report.offloaded or report.recomputed  # 0.95 of the peak, the eager block in it
         assert not [w for w in caught if "memory_budget" in str(w.message)]  # the plan says it fits
@@ -185,13 +185,13 @@ def test_a_graph_after_a_graph_break_holds_what_the_first_kept_on_the_device(pol
     backend = fxoffload.backend(offload_cpu=True, inner="aot_eager", min_bytes=0, policy=policy)
     torch.compile(model, backend=backend)(x).backward()
     first, second = backend.reports
-    assert first.upstream.saved_bytes == 0
+    assert first.outside.saved_bytes == 0
     # The first graph's saved activations still on the device, and its input x (the batch: it counts
     # though live before the step, a saved tensor does not say); its parameters do not.
     activations = sum(r.nbytes for r in first.saved if r.producer != "placeholder" and r.decision != "offload")
     assert activations == (2 * 64 * 256 * 4 if policy == "none" else 0)
-    assert second.upstream.saved_bytes == activations + 64 * 64 * 4
-    assert second.upstream.made_inputs_bytes == 64 * 64 * 4  # h
+    assert second.outside.saved_bytes == activations + 64 * 64 * 4
+    assert second.outside.made_inputs_bytes == 64 * 64 * 4  # h
 
 
 class _Block(nn.Module):
@@ -217,12 +217,12 @@ def test_a_block_compiled_once_and_run_per_layer_is_said_to_hold_more(caplog):
     for i in range(2):
         blocks[i] = torch.compile(blocks[i], backend=backend)
     x = torch.randn(64, 64, requires_grad=True)
-    with caplog.at_level(logging.WARNING, logger="fxoffload.backend"), warnings.catch_warnings(record=True) as caught:
+    with caplog.at_level(logging.WARNING, logger="fxoffload.compiler"), warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for _ in range(3):
             blocks(x).sum().backward()
     (report,) = backend.reports  # one graph for both blocks
-    assert report.upstream.saved_bytes == 0  # x is a leaf: the first block's call holds nothing before it
+    assert report.outside.saved_bytes == 0  # x is a leaf: the first block's call holds nothing before it
     # The second call holds what the first block saved: GELU's input, the second Linear's input (GELU's
     # output), 64 x 256 float32 each.
     first_saved = sum(r.nbytes for r in report.saved if r.producer != "placeholder")
@@ -232,7 +232,7 @@ def test_a_block_compiled_once_and_run_per_layer_is_said_to_hold_more(caplog):
     # (accumulated from the first step on: nothing zeroes them here).
     leaves = sum(t.nbytes for t in (*blocks[0].parameters(), x))
     held = first_saved + 2 * leaves
-    assert backend.upstream_seen == {report.graph_id: held}
+    assert backend.outside_seen == {report.graph_id: held}
     said = [r.getMessage() for r in caplog.records if "held by code before it" in r.getMessage()]
     assert len(said) == 1, said  # once, though the second block ran three times
     assert f"ran with {fmt_bytes(first_saved + leaves)} held by code before it" in said[0]  # at step 1
@@ -286,7 +286,7 @@ def test_a_block_run_per_layer_is_planned_for_all_its_calls_and_meets_the_budget
         offload_cpu=True, inner=inner, min_bytes=0, policy="auto", memory_budget=budget, verify_peak=False
     )
     model, eager = _per_block(backend), _per_block(None)
-    logs = caplog.at_level(logging.INFO, logger="fxoffload.backend")
+    logs = caplog.at_level(logging.INFO, logger="fxoffload.compiler")
     with logs, warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for _ in range(3):
@@ -295,7 +295,7 @@ def test_a_block_run_per_layer_is_planned_for_all_its_calls_and_meets_the_budget
     (report,) = backend.reports  # the graph of the four blocks
     (why,) = [r for r in report.replans if r.startswith("at run time")]
     assert "planned for the first and the last call of 4 at once" in why, why
-    first, last = report.upstream.calls
+    first, last = report.outside.calls
     block = sum(p.nbytes for p in model.blocks[0].parameters())
     assert (first.repeats, last.repeats) == (0, 3)
     assert first.backward == 3 * block and last.backward == 0  # the later blocks' gradients
@@ -366,7 +366,7 @@ def test_a_graph_run_once_per_step_is_not_taken_for_calls_in_a_row(caplog):
     backend = fxoffload.backend(offload_cpu=True, inner="aot_eager", min_bytes=0, policy="none")
     model.graph = torch.compile(model.graph._orig_mod, backend=backend)
     x = torch.randn(64, 64)
-    with caplog.at_level(logging.WARNING, logger="fxoffload.backend"):
+    with caplog.at_level(logging.WARNING, logger="fxoffload.compiler"):
         for _ in range(4):
             model(x).backward()
     (report,) = backend.reports
@@ -396,22 +396,21 @@ def test_a_block_with_dynamic_shapes_is_not_planned_again_and_says_why():
 
 
 def test_a_failed_plan_again_keeps_the_plan_and_the_step(monkeypatch, caplog):
-    import importlib
     import logging
     import warnings
 
-    backend_module = importlib.import_module("fxoffload.backend")  # the attribute is the function
+    from fxoffload.compiler import watch
 
     def fail(*args, **kwargs):
         raise RuntimeError("no compiler today")
 
-    monkeypatch.setattr(backend_module, "_compile_outside_dynamo", fail)
+    monkeypatch.setattr(watch, "_compile_outside_dynamo", fail)
     backend = fxoffload.backend(
         offload_cpu=True, inner="aot_eager", min_bytes=0, policy="auto", memory_budget="3MiB"
     )
     model, eager = _per_block(backend), _per_block(None)
     x = torch.randn(256, 128)
-    with caplog.at_level(logging.WARNING, logger="fxoffload.backend"), warnings.catch_warnings(record=True):
+    with caplog.at_level(logging.WARNING, logger="fxoffload.compiler.watch"), warnings.catch_warnings(record=True):
         warnings.simplefilter("always")
         for _ in range(3):
             model.zero_grad(set_to_none=True)
@@ -425,23 +424,20 @@ def test_a_failed_plan_again_keeps_the_plan_and_the_step(monkeypatch, caplog):
         torch.testing.assert_close(a.grad, b.grad)
 
 
-def test_reading_stops_at_max_nodes_and_says_so(monkeypatch):
-    import fxoffload.upstream as upstream_module
-
+def test_reading_stops_at_max_nodes_and_says_so():
     x = torch.randn(4, 16, requires_grad=True)
     h = x
     for _ in range(5):
         h = h.sigmoid()  # five nodes, each saving its 256-byte result
     assert upstream_memory([h], CPU).complete and upstream_memory([h], CPU).nodes == 6
-    monkeypatch.setattr(upstream_module, "MAX_NODES", 3)
-    partial = upstream_memory([h], CPU)
+    partial = upstream_memory([h], CPU, max_nodes=3)
     assert not partial.complete and partial.nodes == 3
     assert partial.saved_bytes == 256 * 2  # 3 nodes: the first saves h itself (the graph's), two others
     assert "reading stopped after 3 nodes, more may be held" in partial.summary()
 
 
 def test_the_watch_stops_reading_after_its_time(monkeypatch):
-    from fxoffload.backend import _UpstreamWatch
+    from fxoffload.compiler.watch import OutsideWatch as _UpstreamWatch
 
     monkeypatch.setattr(_UpstreamWatch, "SECONDS", 0.0)
     torch._dynamo.reset()

@@ -1,0 +1,154 @@
+"""Cost model: how long each node computes and how long each copy takes. Pure, reads graphs.
+
+Compute time of a node is the larger of its FLOPs at the device's rate (torch's own FLOP formulas,
+``torch.utils.flop_counter``, called on the fake values' shapes, so nothing runs) and the bytes it
+reads and writes at the device's memory bandwidth, plus a launch overhead. Views, getitems and the
+transfer ops themselves cost nothing. Fusion is not modelled: a chain of pointwise ops that Inductor
+fuses into one kernel is charged for every intermediate, so a window of memory-bound code is
+over-estimated, which is the unsafe direction (a copy predicted hidden behind it may not be).
+
+On a CPU (``offload_cpu=True``) the figures are fixed and at the fast end on purpose (``CPU_RATES``):
+predicted windows come out short rather than long, so what policy="auto" calls hidden is. A
+measured probe was tried and dropped: with two OpenMP threads on two shared cores, an add that takes
+0.06 ms alone took 16 ms whenever another process held a core (docs/results.md, "Overlap"), and a
+plan priced from that hides nothing.
+
+Host link bandwidth is per direction: the ``bandwidth`` option, else a measurement (a small pinned
+copy each way on the graph's own device, once per device and process, only when a plan needs it), else
+a conservative default.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from .._compat import size_hint
+from ..sizes import tensor_bytes
+from .graph import is_compute
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceRates:
+    """Throughputs of one device, in units per second."""
+
+    name: str
+    flops: float  # achieved dense half-precision FLOP/s (fp32 matmuls run at a fraction of it)
+    memory_bandwidth: float  # device memory bytes/s
+    d2h: float  # host link, device to host, bytes/s
+    h2d: float  # host link, host to device, bytes/s
+    launch: float = 5e-6  # seconds per kernel launch
+    # Slack a copy must leave to be called hidden: it must fit its window at (1 + copy_margin) times
+    # its predicted time, and its wait goes where that longer copy would be done. For the noise the
+    # model does not see: on a CPU, other processes, OpenMP threads and the copy threads share cores.
+    copy_margin: float = 0.0
+
+    def __post_init__(self) -> None:
+        for field in ("flops", "memory_bandwidth", "d2h", "h2d"):
+            value = getattr(self, field)
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"fxoffload: device rate {field} must be a positive number, got {value!r}")
+        margin = self.copy_margin
+        if not isinstance(margin, (int, float)) or isinstance(margin, bool) or not 0 <= margin < float("inf"):
+            raise ValueError(f"fxoffload: device rate copy_margin must be a number >= 0, got {margin!r}")
+
+
+# Achieved (not datasheet) rates; the host link figures are placeholders replaced by a measurement.
+_KNOWN_GPUS = {
+    "H200": (650e12, 4.0e12),
+    "H100": (600e12, 2.8e12),
+    "A100": (250e12, 1.6e12),
+    "L40S": (250e12, 0.7e12),
+    "A10": (100e12, 0.5e12),
+}
+_DEFAULT_GPU = (100e12, 0.8e12)
+_DEFAULT_LINK = 20e9  # PCIe Gen4-class, per direction, when nothing was measured
+# A CPU. ``flops`` is the half-precision figure like a GPU's, so float32 runs at 1e11 FLOP/s (what
+# two x86 cores reach; with flops=1e11 float32 matmuls were priced at 1e10, 4-5x slower than measured).
+# Kernel overheads (Inductor's wrapper, OpenMP fork and join) are left out: compute is under-estimated.
+CPU_RATES = DeviceRates("cpu", flops=1e12, memory_bandwidth=2e10, d2h=1e10, h2d=1e10, launch=2e-6)
+
+# float32 matmuls without TF32 run on the CUDA cores: a fraction of the half-precision rate.
+_DTYPE_FACTOR = {torch.float32: 0.1, torch.float64: 0.02}
+
+
+def device_rates(
+    device: torch.device, overrides: Mapping[str, Any] | None = None, link: tuple[float, float] | None = None
+) -> DeviceRates:
+    """The rates for ``device``: known figures for the GPU model, the measured ``link`` (d2h, h2d
+    bytes/s; None: the default figure), then ``overrides``."""
+    overrides = dict(overrides or {})
+    if device.type == "cpu":
+        base = CPU_RATES
+    else:
+        cuda = device.type == "cuda" and torch.cuda.is_available()
+        if cuda and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        name = torch.cuda.get_device_name(device) if cuda else device.type
+        flops, membw = next((v for k, v in _KNOWN_GPUS.items() if k in name), _DEFAULT_GPU)
+        d2h, h2d = link or (_DEFAULT_LINK, _DEFAULT_LINK)
+        base = DeviceRates(name, flops, membw, d2h, h2d)
+    return dataclasses.replace(base, **overrides)
+
+
+def _flops(node: fx.Node) -> int | None:
+    from torch.utils.flop_counter import flop_registry
+
+    target = node.target
+    packet = getattr(target, "_overloadpacket", None)
+    formula = flop_registry.get(packet)
+    if formula is None:
+        return None
+    args = tuple(a.meta.get("val") if isinstance(a, fx.Node) else a for a in node.args)
+    kwargs = {k: (v.meta.get("val") if isinstance(v, fx.Node) else v) for k, v in node.kwargs.items()}
+    try:
+        return size_hint(formula(*args, out_val=node.meta.get("val"), **kwargs))
+    except Exception:  # a formula that does not accept these arguments: fall back to bytes
+        log.debug("fxoffload: no FLOP count for %s", node.format_node())
+        return None
+
+
+def _io_bytes(node: fx.Node) -> int:
+    total = 0
+    for n in (*node.all_input_nodes, node):
+        val = n.meta.get("val")
+        if isinstance(val, torch.Tensor):
+            total += tensor_bytes(val)
+        elif isinstance(val, (tuple, list)):
+            total += sum(tensor_bytes(v) for v in val if isinstance(v, torch.Tensor))
+    return total
+
+
+def node_time(node: fx.Node, rates: DeviceRates) -> float:
+    """Predicted seconds of compute for one node (0 for placeholders, views and our transfers)."""
+    if not is_compute(node):
+        return 0.0
+    memory = _io_bytes(node) / rates.memory_bandwidth
+    flops = _flops(node)
+    if flops:
+        val = node.meta.get("val")
+        dtype = val.dtype if isinstance(val, torch.Tensor) else torch.bfloat16
+        memory = max(memory, flops / (rates.flops * _DTYPE_FACTOR.get(dtype, 1.0)))
+    return memory + rates.launch
+
+
+def node_start_times(
+    gm: fx.GraphModule, rates: DeviceRates, measured: Mapping[fx.Node, float] | None = None
+) -> list[float]:
+    """starts[i] = predicted time at which node i starts; starts[-1] = the end of the graph.
+
+    ``measured`` (from ``calibrate``) replaces the model's time of the nodes it has.
+    """
+    measured = measured or {}
+    starts = [0.0]
+    for node in gm.graph.nodes:
+        t = measured.get(node)
+        starts.append(starts[-1] + (node_time(node, rates) if t is None else t))
+    return starts

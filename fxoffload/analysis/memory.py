@@ -1,0 +1,328 @@
+"""Memory model: live device bytes after every node of a forward/backward pair. Pure, reads graphs.
+
+Rules (sizes from fake values, symbolic sizes at their hints):
+
+- A node's output storage is allocated when the node runs and freed after the last node that reads
+  it through any alias; views and getitems of aliasing ops allocate nothing.
+- Forward placeholders are "parameters" when static (parameters, buffers) and "inputs" otherwise;
+  both live through the whole step.
+- Forward outputs saved for the backward are "saved" from their producer until their last backward
+  use; user outputs live until the end of the forward; everything else is "transient".
+- Backward outputs are "gradients" and live until the end of the backward; tangents are "transient".
+- "outside": what code before the pair saved for its own backward and its parameters
+  (``outside.py``), given as ``outside``; held at every point, since autograd runs that backward
+  after this pair's; ``outside_backward`` more during the backward (later code's gradients). A pair
+  run several times in a step (a block run per layer) is planned for its calls at once
+  (``CallOutside``): each point holds the most any of them holds there, and the earlier calls hold
+  what the plan keeps.
+- Host tensors (the outputs of ``fxoffload.offload`` and the backward placeholders holding them) are
+  not device memory. A ``fxoffload.reload`` allocates its device destination when it is issued.
+
+A plan is data to this model: ``with_plan(baseline, off)`` is the timeline of the pair once the
+plan's tensors are off the device over the points ``off`` gives (``planning.off_device``). The planner's
+budget fit compares plans with it, without rewriting graphs; ``simulate`` on the rewritten pair gives
+the same figure at every node the pair had (``tests/test_memory.py`` holds the two together).
+
+The model predicts allocated bytes (what ``torch.cuda.max_memory_allocated`` measures), not reserved
+bytes: the caching allocator's rounding and fragmentation come on top.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import operator
+from collections.abc import Iterable, Mapping, Sequence
+
+import torch
+import torch.fx as fx
+
+from ..ir import OFFLOAD, RELOAD, WAIT, is_transfer
+from ..sizes import tensor_bytes
+from .graph import static_inputs, storage_root
+
+CATEGORIES = ("parameters", "inputs", "saved", "transient", "gradients", "outside")
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryPoint:
+    phase: str  # "forward" or "backward"
+    node: str
+    live: dict[str, int]  # bytes per category after the node ran
+
+    @property
+    def total(self) -> int:
+        return sum(self.live.values())
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryTimeline:
+    points: tuple[MemoryPoint, ...]
+
+    @property
+    def peak(self) -> MemoryPoint:
+        return max(self.points, key=lambda p: p.total)
+
+    @property
+    def peak_bytes(self) -> int:
+        return self.peak.total if self.points else 0
+
+
+def _is_host(node: fx.Node) -> bool:
+    """A host tensor: an offload's result (through its wait), or a backward placeholder a reload reads."""
+    if is_transfer(node, OFFLOAD):
+        return True
+    if is_transfer(node, WAIT):
+        return _is_host(node.args[0])
+    if node.op == "placeholder":
+        return any(is_transfer(u, RELOAD) and u.args[0] is node for u in node.users)
+    return False
+
+
+def _bytes(node: fx.Node) -> int:
+    val = node.meta.get("val")
+    if not isinstance(val, torch.Tensor) or _is_host(node) or val.device.type == "meta":
+        return 0
+    return tensor_bytes(val)
+
+
+def _owners(nodes: Sequence[fx.Node]) -> dict[fx.Node, fx.Node]:
+    """Storage owner of every tensor node (itself unless it is a view)."""
+    return {n: storage_root(n) for n in nodes if isinstance(n.meta.get("val"), torch.Tensor)}
+
+
+def _last_uses(nodes: Sequence[fx.Node], owners: dict[fx.Node, fx.Node]) -> dict[fx.Node, int]:
+    """Index of the last node reading each storage owner (the output node counts)."""
+    index = {n: i for i, n in enumerate(nodes)}
+    last: dict[fx.Node, int] = {}
+    for n in nodes:
+        for inp in n.all_input_nodes:
+            owner = owners.get(inp)
+            if owner is not None:
+                last[owner] = max(last.get(owner, -1), index[n])
+    return last
+
+
+def _born(nodes: Sequence[fx.Node]) -> dict[int, list[fx.Node]]:
+    """The nodes whose storage is allocated at each position: a node's own, except the outputs of an
+    op returning several tensors (its ``getitem`` nodes), which that op allocates while it runs."""
+    index = {n: i for i, n in enumerate(nodes)}
+    out: dict[int, list[fx.Node]] = {}
+    for i, n in enumerate(nodes):
+        parent = n.args[0] if n.op == "call_function" and n.target is operator.getitem else None
+        at = index[parent] if isinstance(parent, fx.Node) and parent.op == "call_function" else i
+        out.setdefault(at, []).append(n)
+    return out
+
+
+def _running(live: dict[str, int], node: fx.Node, scratch: Mapping[fx.Node, int], phase: str) -> MemoryPoint:
+    point = dict(live)
+    point["transient"] += scratch.get(node, 0)
+    return MemoryPoint(phase, node.name, point)
+
+
+def simulate(
+    fw: fx.GraphModule,
+    bw: fx.GraphModule,
+    num_fwd_outputs: int,
+    static_input_indices: Sequence[int] = (),
+    temporaries: Mapping[fx.Node, int] | None = None,
+    outside: int = 0,
+    outside_backward: int = 0,
+) -> MemoryTimeline:
+    """The device-memory timeline of one training step through ``fw`` then ``bw``.
+
+    ``temporaries``: scratch bytes a node allocates and frees inside its own call (measured, see
+    ``measure.standalone.op_temporaries``), counted at that node's point as "transient". ``outside``: bytes
+    code before the pair holds through it (``outside.OutsideMemory.outside``); ``outside_backward``:
+    bytes more there during the backward, which later code made after this pair's forward (the
+    gradients of later calls of the same pair: ``OutsideMemory.outside_backward``)."""
+    scratch = temporaries or {}
+    live = dict.fromkeys(CATEGORIES, 0)
+    live["outside"] = outside
+    points: list[MemoryPoint] = []
+    saved = _forward(fw, num_fwd_outputs, static_input_indices, scratch, live, points)
+    live["outside"] += outside_backward
+    _backward(bw, saved, scratch, live, points)
+    return MemoryTimeline(tuple(points))
+
+
+def _forward(
+    fw: fx.GraphModule,
+    num_fwd_outputs: int,
+    static_input_indices: Sequence[int],
+    scratch: Mapping[fx.Node, int],
+    live: dict[str, int],
+    points: list[MemoryPoint],
+) -> tuple[dict[str, fx.Node], set[str]]:
+    """Walk the forward, appending its points; returns the storage owner of each saved output that
+    the forward made (by name), and the names of the saved outputs that outlive the step anyway."""
+    nodes = list(fw.graph.nodes)
+    owners = _owners(nodes)
+    last = _last_uses(nodes, owners)
+    static = static_inputs(fw, static_input_indices)
+    outputs = list(fw.graph.output_node().args[0])
+    saved_owners = {owners[o] for o in outputs[num_fwd_outputs:] if o in owners}
+    user_owners = {owners[o] for o in outputs[:num_fwd_outputs] if o in owners}
+    category: dict[fx.Node, str] = {}
+    frees: dict[int, list[fx.Node]] = {}
+    born = _born(nodes)
+    for i, n in enumerate(nodes):
+        if n.op == "output":
+            break
+        for m in born.get(i, ()):
+            if owners.get(m) is not m or not _bytes(m):
+                continue
+            if m.op == "placeholder":
+                category[m] = "parameters" if m in static else "inputs"
+            else:
+                category[m] = "saved" if m in saved_owners else "transient"
+                if m not in saved_owners and m not in user_owners:
+                    frees.setdefault(last.get(m, i), []).append(m)
+            live[category[m]] += _bytes(m)
+        points.append(_running(live, n, scratch, "forward"))  # while n runs: inputs, output, scratch
+        for dead in frees.pop(i, ()):
+            live[category[dead]] -= _bytes(dead)
+    # User outputs (the loss, typically) are consumed by autograd at the end of the forward.
+    for owner in user_owners - saved_owners:
+        if owner in category and category[owner] == "transient":
+            live["transient"] -= _bytes(owner)
+    saved_owner_of = {
+        o.name: owners[o] for o in outputs[num_fwd_outputs:] if o in owners and category.get(owners[o]) == "saved"
+    }
+    persistent = {o.name for o in outputs[num_fwd_outputs:] if isinstance(o, fx.Node)} - set(saved_owner_of)
+    return saved_owner_of, persistent
+
+
+def _backward(
+    bw: fx.GraphModule,
+    saved: tuple[dict[str, fx.Node], set[str]],
+    scratch: Mapping[fx.Node, int],
+    live: dict[str, int],
+    points: list[MemoryPoint],
+) -> None:
+    """Walk the backward, appending its points: saved tensors enter as placeholders named like the
+    forward outputs (``saved``, from ``_forward``) and are freed after their last reader."""
+    saved_owner_of, persistent = saved
+    nodes = list(bw.graph.nodes)
+    bw_owners = _owners(nodes)
+    last = _last_uses(nodes, bw_owners)
+    grads = {bw_owners[o] for o in bw.graph.output_node().args[0] if isinstance(o, fx.Node) and o in bw_owners}
+    # A forward storage saved through several placeholders is freed after the last of them.
+    saved_last: dict[fx.Node, int] = {}
+    for i, n in enumerate(nodes):
+        if n.op == "placeholder" and n.name in saved_owner_of:
+            owner = saved_owner_of[n.name]
+            saved_last[owner] = max(saved_last.get(owner, i), last.get(n, i))
+    frees_saved: dict[int, list[fx.Node]] = {}
+    for owner, i in saved_last.items():
+        frees_saved.setdefault(i, []).append(owner)
+    category: dict[fx.Node, str] = {}
+    frees: dict[int, list[fx.Node]] = {}
+    born = _born(nodes)
+    for i, n in enumerate(nodes):
+        if n.op == "output":
+            break
+        for m in born.get(i, ()):
+            if bw_owners.get(m) is not m or m.name in saved_owner_of or m.name in persistent or not _bytes(m):
+                continue
+            if m.op == "placeholder":
+                category[m] = "transient"  # tangents
+            else:
+                category[m] = "gradients" if m in grads else "transient"
+            live[category[m]] += _bytes(m)
+            if category[m] == "transient":
+                frees.setdefault(last.get(m, i), []).append(m)
+        points.append(_running(live, n, scratch, "backward"))  # while n runs
+        for dead in frees.pop(i, ()):
+            live[category[dead]] -= _bytes(dead)
+        for owner in frees_saved.pop(i, ()):
+            live["saved"] -= _bytes(owner)
+
+
+@dataclasses.dataclass(frozen=True)
+class CallOutside:
+    """What code around one call of a pair holds at the pair's points (``OutsideMemory.calls``):
+    ``fixed`` bytes at every point, ``backward`` more at the backward's, and ``repeats`` earlier
+    calls of the same pair, each keeping what the pair keeps for its backward
+    (``kept_saved_bytes``), which changes with the plan."""
+
+    fixed: int
+    repeats: int = 0
+    backward: int = 0
+
+    def at(self, phase: str, kept: int) -> int:
+        return max(0, self.fixed + self.repeats * kept) + (self.backward if phase == "backward" else 0)
+
+
+def outside_at(calls: Sequence[CallOutside], phase: str, kept: int) -> int:
+    """"outside" at a point of ``phase`` for a pair keeping ``kept`` bytes per call: the most any of
+    its ``calls`` holds there."""
+    return max(c.at(phase, kept) for c in calls)
+
+
+@dataclasses.dataclass(frozen=True)
+class OffDevice:
+    """``nbytes`` of saved tensor ``name`` off the device from point ``first`` to point ``last`` of a
+    timeline (inclusive; forward points, then backward points: one per node before the output)."""
+
+    name: str
+    nbytes: int
+    first: int
+    last: int
+
+
+def with_plan(
+    baseline: MemoryTimeline, off: Iterable[OffDevice], calls: Sequence[CallOutside] = (), kept: int = 0
+) -> MemoryTimeline:
+    """The timeline ``baseline`` (the pair before any change) with the tensors of ``off`` off the
+    device over their points, taken from its "saved" bytes. ``calls``: the calls of the pair it is
+    planned for, where earlier calls of the same pair hold what it keeps (``CallOutside``);
+    ``kept``: what the baseline pair keeps per call. Each tensor of ``off`` is off the device in
+    those earlier calls too (between their forward and their backward at every point): "outside"
+    is then that of a pair keeping ``kept`` less all of ``off``. Pure; linear in points + intervals."""
+    points = baseline.points
+    delta = [0] * (len(points) + 1)
+    off_bytes = 0
+    for o in off:
+        lo, hi = max(o.first, 0), min(o.last, len(points) - 1)
+        if lo <= hi:
+            delta[lo] -= o.nbytes
+            delta[hi + 1] += o.nbytes
+        off_bytes += o.nbytes
+    repeated = any(c.repeats for c in calls) and off_bytes
+    outside = {}
+    if repeated:
+        outside = {phase: outside_at(calls, phase, kept - off_bytes) for phase in ("forward", "backward")}
+    out, running = [], 0
+    for p, d in zip(points, delta):
+        running += d
+        if running or repeated:
+            live = dict(p.live)
+            live["saved"] += running
+            if repeated:
+                live["outside"] = outside[p.phase]
+            p = MemoryPoint(p.phase, p.node, live)
+        out.append(p)
+    return MemoryTimeline(tuple(out))
+
+
+def param_grad_bytes(fw: fx.GraphModule, bw: fx.GraphModule, static_input_indices: Sequence[int]) -> int:
+    """Device bytes of the gradients the backward returns for the pair's parameters (its static
+    inputs): what ``AccumulateGrad`` holds after one call's backward. The backward returns one
+    gradient (or None) per forward input, in their order."""
+    static = static_inputs(fw, static_input_indices)
+    placeholders = [n for n in fw.graph.nodes if n.op == "placeholder"]
+    grads = list(bw.graph.output_node().args[0])
+    return sum(_bytes(g) for p, g in zip(placeholders, grads) if p in static and isinstance(g, fx.Node))
+
+
+def kept_saved_bytes(
+    fw: fx.GraphModule, num_fwd_outputs: int, static_input_indices: Sequence[int] = ()
+) -> int:
+    """Device bytes one call of the pair keeps for its backward: the distinct storages of what the
+    forward saves, less parameters (static inputs) and host copies. What ``read_outside_memory`` reads of
+    an earlier call of the same graph."""
+    static = static_inputs(fw, static_input_indices)
+    outputs = list(fw.graph.output_node().args[0])[num_fwd_outputs:]
+    roots = {storage_root(o) for o in outputs if isinstance(o, fx.Node)}
+    return sum(_bytes(r) for r in roots if r not in static)

@@ -1,0 +1,326 @@
+"""The one reader of the Python wrapper code Inductor generates: what runs, as text in and data out.
+
+The FX graph fxoffload hands to Inductor is not what runs: Inductor fuses, reorders
+(``reorder_for_peak_memory``), pads buffers on CUDA and may copy an argument to give an op the
+strides it asks for. This module reads the wrapper (kept on ``OffloadReport.output_code``): its
+``call`` body as statements, argument lists, the layouts of ``get_args`` and ``assert_size_stride``,
+what it returns, which lines launch kernels, and, for every copy, what the checks of the schedule
+need (``transfers``)::
+
+    buf3 = torch.ops.fxoffload.offload.default(buf1, [buf2], 0.0)    # copy: reads buf1
+    buf4 = buf3; del buf3                                            # alias of the host copy
+    extern_kernels.addmm(buf6, buf7, ..., out=buf8)                  # kernels between copy and wait
+    buf11 = torch.ops.fxoffload.wait.default(buf4, buf1, [buf8])     # wait: keeps buf1 alive
+
+``code_memory`` replays the statements for memory. Nothing here imports Inductor.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import re
+from collections.abc import Mapping, Sequence
+from typing import NamedTuple
+
+import torch
+
+from ..sizes import span_bytes
+
+__all__ = [
+    "Statement", "Transfer", "arg_names", "asserted_layouts", "base_name", "call_body", "eval_ints", "is_kernel",
+    "is_materialised_call", "module_args", "parse_dtype", "returned_names", "split_args", "statements", "transfers",
+]  # fmt: skip
+
+_KERNEL = re.compile(
+    r"^\s*(?:\w+ = )?(?:extern_kernels\.\w+|cpp_fused_\w+|triton_\w+\.run|\w+_kernel\w*\.run|torch\.ops\.aten\.\w+\.\w+"
+    r"|aten\.\w+\.\w+)\("
+)
+_COPY = re.compile(r"^\s*(\w+) = torch\.ops\.fxoffload\.(offload|reload)\.default\((.*)\)\s*$")
+_WAIT = re.compile(r"^\s*(\w+) = torch\.ops\.fxoffload\.wait\.default\((.*)\)\s*$")
+_ORDER = re.compile(r"^\s*(\w+) = torch\.ops\.fxoffload\.order\.default\((.*)\)\s*$")
+# FX code (``report.fw_code``): calls to ops every compiler keeps as one kernel each
+_FX_MATERIALISED = re.compile(
+    r"= torch\.ops\.aten\.(mm|addmm|bmm|baddbmm|_addmm_activation|convolution|convolution_backward"
+    r"|_scaled_dot_product_\w+|_flash_attention_\w+|_efficient_attention_\w+)\.default\("
+)
+_ALIAS = re.compile(r"^\s*(\w+) = (\w+)(?:;\s*del \w+)?\s*(#.*)?$")
+_DEL = re.compile(r"\bdel (\w+)")
+_REUSE = re.compile(r"^\s*(\w+) = (\w+); del \2\s*# reuse")
+
+
+_ASSIGN = re.compile(r"^(\w+) = (.+)$")
+_NAME = re.compile(r"^\w+$")
+_UNPACK_ARGS = re.compile(r"^([\w\s,]+?),? = args$")
+_ASSERT = re.compile(r"^assert_size_stride\((\w+),\s*(.*)\)$")
+_RETURN = re.compile(r"^return\s*\(?(.*?)\)?\s*$")
+_SOURCE = re.compile(r"#\s*Topologically Sorted Source Nodes: \[([^\]]*)\]")
+_RAND = re.compile(r"^\s*(\w+) = rand_strided\((.*)\)\s*$")
+
+
+class Statement(NamedTuple):
+    """One statement of ``call``: its line in the body, its text, and the FX nodes of the kernel it
+    launches (Inductor's "Topologically Sorted Source Nodes" comment above it), comma-separated."""
+
+    line: int
+    text: str
+    source: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Transfer:
+    """One copy and its wait, as the generated code runs them (line numbers in ``call``)."""
+
+    kind: str  # "offload" or "reload"
+    copy_line: int
+    wait_line: int  # -1: no wait found for this copy
+    source: str  # buffer the copy reads
+    keepalive: str  # buffer its wait keeps alive
+    kernels_between: int  # kernels launched between the copy and its wait
+    kernels_before_use: int  # reload: kernels between the copy and the first kernel reading its result
+    source_released_early: bool  # the source was deleted or handed to another buffer before the wait
+    issued_before_kernel: bool  # an ``fxoffload.order`` edge makes a kernel wait for this copy to be issued
+    returned_at: int  # forward: position of the waited host copy among the graph's outputs; -1: not returned
+
+    @property
+    def key(self) -> str:
+        """What names this transfer in both the FX code and the generated code of the same graph:
+        the output position of an offload, the host placeholder of a reload."""
+        return f"output {self.returned_at}" if self.kind == "offload" else self.source
+
+    @property
+    def same_buffer(self) -> bool:
+        """The wait keeps alive the very buffer the copy reads (no copy of it was made for either)."""
+        return self.source == self.keepalive
+
+
+def call_body(code: str) -> list[str]:
+    """The lines of the wrapper's ``call`` function (the code that runs each step)."""
+    lines = code.splitlines()
+    try:
+        start = next(i for i, line in enumerate(lines) if re.match(r"\s*def call\(", line))
+    except StopIteration:
+        return []
+    indent = len(lines[start]) - len(lines[start].lstrip())
+    body = []
+    for line in lines[start + 1 :]:
+        if line.strip() and len(line) - len(line.lstrip()) <= indent:
+            break
+        body.append(line)
+    return body
+
+
+def is_kernel(line: str) -> bool:
+    """A line of Inductor wrapper code that launches a kernel (extern, generated or fallback)."""
+    return bool(_KERNEL.match(line)) and "fxoffload" not in line
+
+
+def is_materialised_call(line: str) -> bool:
+    """A line of FX code that calls an op every compiler runs as a kernel of its own (a matmul, ...)."""
+    return bool(_FX_MATERIALISED.search(line))
+
+
+def base_name(expr: str) -> str:
+    """The buffer an argument expression reads: ``buf1``, ``reinterpret_tensor(buf1, ...)`` -> buf1."""
+    expr = expr.strip()
+    m = re.match(r"reinterpret_tensor\((\w+)", expr)
+    return m.group(1) if m else re.match(r"\w+", expr).group(0) if re.match(r"\w+", expr) else expr
+
+
+def split_args(args: str) -> list[str]:
+    out, depth, cur = [], 0, ""
+    for ch in args:
+        if ch in "([{":
+            depth += 1
+        elif ch in ")]}":
+            depth -= 1
+        if ch == "," and depth == 0:
+            out.append(cur)
+            cur = ""
+        else:
+            cur += ch
+    out.append(cur)
+    return [a.strip() for a in out]
+
+
+def statements(code: str) -> list[Statement]:
+    """The statements of ``call`` (of ``forward`` for FX code), comments dropped, with their lines
+    and the source nodes of the kernels they launch."""
+    out, source = [], ""
+    for i, line in enumerate(call_body(code) or _fx_body(code)):
+        text = line.strip()
+        if text.startswith("#"):
+            if m := _SOURCE.match(text):
+                source = m.group(1)
+            continue
+        code_part = re.sub(r"\s+#[^'\"]*$", "", text)  # a trailing comment (no quote: not inside a string)
+        for stmt in (s.strip() for s in code_part.split(";")):
+            if stmt:
+                out.append(Statement(i, stmt, source))
+                if is_kernel(stmt):
+                    source = ""  # the comment names the nodes of this kernel only
+    return out
+
+
+def returned_names(stmts: Sequence[Statement]) -> list[str | None]:
+    """Base names of the last ``return``, one per value (None for a constant or ``None``)."""
+    for _, stmt, _ in reversed(stmts):
+        if stmt.startswith("return"):
+            m = _RETURN.match(stmt)
+            values = [a for a in split_args(m.group(1)) if a] if m else []
+            return [None if a == "None" or not re.match(r"[A-Za-z_]", a) else base_name(a) for a in values]
+    return []
+
+
+def arg_names(stmts: Sequence[Statement]) -> list[str]:
+    for _, stmt, _ in stmts:
+        if m := _UNPACK_ARGS.match(stmt):
+            return [a.strip() for a in m.group(1).split(",") if a.strip()]
+    return []
+
+
+def module_args(code: str, symbols: Mapping[str, int]) -> dict[str, tuple[int, torch.dtype]]:
+    """Bytes and dtype of every argument in the module's ``get_args`` (``rand_strided`` lines)."""
+    out = {}
+    for line in code.splitlines():
+        if m := _RAND.match(line):
+            args = split_args(m.group(2))
+            where = f"get_args: {m.group(1)}"
+            dtype = next((parse_dtype(a, where) for a in args if a.startswith("dtype=")), torch.float32)
+            size, stride = eval_ints(args[0], symbols, where), eval_ints(args[1], symbols, where)
+            out[m.group(1)] = (span_bytes(size, stride, dtype), dtype)
+    return out
+
+
+def asserted_layouts(stmts: Sequence[Statement], symbols: Mapping[str, int]) -> dict[str, tuple]:
+    """Size and stride asserted for each name, and for a name whose only assert is on a plain alias of it
+    (``buf1 = buf0`` then ``assert_size_stride(buf1, ...)``, how Inductor checks a custom op's result)."""
+    out: dict[str, tuple] = {}
+    alias_of: dict[str, str] = {}
+    for _, stmt, _ in stmts:
+        if (m := _ASSERT.match(stmt)) and m.group(1) not in out:
+            args = split_args(m.group(2))
+            out[m.group(1)] = (eval_ints(args[0], symbols, stmt), eval_ints(args[1], symbols, stmt))
+        elif (m := _ASSIGN.match(stmt)) and _NAME.match(m.group(2)):
+            alias_of[m.group(1)] = m.group(2)
+    for name, base in alias_of.items():
+        if name in out:
+            while base not in out and base in alias_of:
+                out[base] = out[name]
+                base = alias_of[base]
+            out.setdefault(base, out[name])
+    return out
+
+
+def eval_ints(expr: str, symbols: Mapping[str, int], where: str) -> tuple[int, ...]:
+    """A tuple of integer expressions (``(s0, 64)``, ``(64*s0, 1)``) evaluated with ``symbols``."""
+    try:
+        tree = ast.parse(expr.strip(), mode="eval").body
+    except SyntaxError as e:
+        raise ValueError(f"{where}: cannot read {expr!r} as a size or stride tuple ({e.msg})") from None
+    elts = tree.elts if isinstance(tree, (ast.Tuple, ast.List)) else [tree]
+    return tuple(_eval_int(e, symbols, where) for e in elts)
+
+
+_OPS = {ast.Add: int.__add__, ast.Sub: int.__sub__, ast.Mult: int.__mul__, ast.FloorDiv: int.__floordiv__}
+
+
+def _eval_int(node: ast.expr, symbols: Mapping[str, int], where: str) -> int:
+    if isinstance(node, ast.Constant) and isinstance(node.value, int):
+        return node.value
+    if isinstance(node, ast.Name):
+        if node.id not in symbols:
+            raise ValueError(
+                f"{where}: the size {node.id!r} is symbolic; pass its value in symbols= "
+                f"(known: {sorted(symbols) or 'none'})"
+            )
+        return int(symbols[node.id])
+    if isinstance(node, ast.BinOp) and type(node.op) in _OPS:
+        return _OPS[type(node.op)](_eval_int(node.left, symbols, where), _eval_int(node.right, symbols, where))
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
+        return -_eval_int(node.operand, symbols, where)
+    raise ValueError(f"{where}: cannot evaluate {ast.unparse(node)!r} in a size or stride")
+
+
+def parse_dtype(text: str, where: str) -> torch.dtype:
+    name = text.strip().removeprefix("dtype=").strip().removeprefix("torch.")
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"{where}: {text.strip()!r} is not a torch dtype")
+    return dtype
+
+
+def transfers(code: str, kernel=is_kernel) -> list[Transfer]:
+    """Every offload and reload in ``code`` with its wait, in the order they are issued.
+
+    ``code`` is Inductor's wrapper code, or FX code with ``kernel=is_materialised_call`` (then the
+    counts are the kernels the plan put there that no compiler can fuse away).
+    """
+    body = [line.split(";")[0] for line in (call_body(code) or _fx_body(code))]
+    aliases: dict[str, str] = {}  # name -> the copy's result it aliases
+
+    def root(name: str) -> str:
+        while name in aliases:
+            name = aliases[name]
+        return name
+
+    copies: dict[str, tuple[str, int, str]] = {}  # result -> (kind, line, source)
+    waits: dict[str, tuple[int, str, str]] = {}  # copy result -> (line, keepalive, wait result)
+    ordered: set[str] = set()  # copy results some ``order`` edge waits for
+    for i, line in enumerate(body):
+        if m := _ORDER.match(line):
+            after = split_args(m.group(2))[1].strip("[] ")
+            ordered.update(root(base_name(a)) for a in split_args(after) if a)
+            continue
+        if m := _COPY.match(line):
+            copies[m.group(1)] = (m.group(2), i, base_name(split_args(m.group(3))[0]))
+        elif m := _WAIT.match(line):
+            args = split_args(m.group(2))
+            waits[root(base_name(args[0]))] = (i, base_name(args[1]), m.group(1))
+        elif (m := _ALIAS.match(line)) and not _REUSE.match(line):
+            aliases[m.group(1)] = m.group(2)
+    result = []
+    returned = [n or "" for n in returned_names(statements(code))]
+    n_kernels = [0]
+    for line in body:
+        n_kernels.append(n_kernels[-1] + kernel(line))
+
+    def kernels(lo: int, hi: int) -> int:  # kernels on lines lo .. hi - 1
+        return n_kernels[max(hi, lo)] - n_kernels[lo]
+
+    for name, (kind, line, source) in copies.items():
+        wait_line, keepalive, done = waits.get(name, (-1, "", ""))
+        end = wait_line if wait_line >= 0 else len(body)
+        between = body[line + 1 : end]
+        released = any(
+            (m := _REUSE.match(b)) and m.group(2) == source or source in _DEL.findall(b) for b in between
+        )  # fmt: skip
+        before_use = -1
+        if kind == "reload" and done:
+            names = {done} | {a for a in aliases if root(a) == done}
+            pattern = re.compile(r"\b(" + "|".join(map(re.escape, names)) + r")\b")
+            later = body[end + 1 :]
+            use = next((j for j, b in enumerate(later) if _reads(b, pattern)), None)
+            if use is not None:
+                before_use = kernels(line + 1, end + 1 + use)
+        result_name = done or name  # the waited result, or the copy's own when it has no wait
+        names = {result_name} | {a for a in aliases if root(a) == result_name}
+        at = next((i for i, r in enumerate(returned) if r in names), -1)
+        result.append(
+            Transfer(kind, line, wait_line, source, keepalive, kernels(line + 1, end), before_use, released,
+                     name in ordered, at)
+        )  # fmt: skip
+    return sorted(result, key=lambda t: t.copy_line)
+
+
+def _reads(line: str, names: re.Pattern[str]) -> bool:
+    """A compute line (not one of our ops) that names one of ``names`` among its arguments."""
+    if "fxoffload" in line or "(" not in line:
+        return False
+    return bool(names.search(line[line.index("(") :]))
+
+
+def _fx_body(code: str) -> list[str]:
+    lines = code.splitlines()
+    start = next((i for i, line in enumerate(lines) if re.match(r"\s*def forward\(", line)), -1)
+    return lines[start + 1 :]

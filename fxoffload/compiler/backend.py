@@ -1,0 +1,115 @@
+"""The ``fxoffload`` torch.compile backend: capture -> lifetimes -> plan -> rewrite -> inner compiler."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from ..options import OffloadOptions
+from ..reporting.report import OffloadReport
+from .compile import GraphCompiler, copy_graph_module
+from .pair import PairRegister
+from .watch import OutsideWatch
+
+log = logging.getLogger(__name__)
+
+__all__ = ["OffloadBackend", "backend", "fxoffload_backend", "reports"]
+
+
+class OffloadBackend:
+    """A torch.compile backend object; ``.reports`` holds one ``OffloadReport`` per compiled graph pair.
+
+    >>> backend = fxoffload.backend(policy="all")
+    >>> compiled = torch.compile(model, backend=backend)
+    """
+
+    def __init__(self, options: OffloadOptions | None = None) -> None:
+        self.options = options or OffloadOptions()
+        self._register = PairRegister()
+        self._compiler = GraphCompiler(self._register)
+        # By graph id: the most bytes code before the graph was seen holding at one of its calls, where
+        # that is more than it was planned with (``watch.OutsideWatch``).
+        self.outside_seen: dict[int, int] = {}
+        self.__name__ = "fxoffload"  # torch.compile names a backend by it
+
+    def __repr__(self) -> str:
+        return f"fxoffload.backend({self.options})"
+
+    @property
+    def reports(self) -> list[OffloadReport]:
+        """The report of the plan that runs for each graph this backend compiled, oldest first."""
+        return self._register.reports()
+
+    @property
+    def host_bytes_planned(self) -> int:
+        """Host bytes the offloads of every graph this backend runs take (``host_budget`` counts these)."""
+        return self._register.host_bytes_planned()
+
+    def __call__(
+        self,
+        gm: fx.GraphModule,
+        example_inputs: list[Any],
+        mode: str | None = None,
+        options: Mapping[str, Any] | None = None,
+    ) -> Callable[..., Any]:
+        opts = self.options
+        if mode is not None or options:
+            opts = opts.replace(**(options or {}), **({"mode": mode} if mode else {}))
+        # Kept to plan again at run time for what code before the graph holds there (``OutsideWatch``).
+        pristine = None
+        if opts.memory_budget is not None and _static_shapes(gm):
+            try:
+                pristine = copy_graph_module(gm)
+            except Exception as e:  # then it is said, not planned again
+                log.debug("fxoffload: cannot keep a copy of the graph to plan it again (%s)", e)
+        compiled, pair = self._compiler.compile(gm, example_inputs, opts, pristine=pristine)
+        if pair is None or pair.outside is None:
+            return compiled
+        return OutsideWatch(self._compiler, pair, opts, pristine, self.outside_seen).wrap(compiled)
+
+
+def _static_shapes(gm: fx.GraphModule) -> bool:
+    """Every input of Dynamo's graph a tensor of fixed sizes: it can be compiled again from its
+    arguments at any call without fixing a size Dynamo left dynamic."""
+    try:
+        for node in gm.graph.find_nodes(op="placeholder"):
+            val = node.meta.get("example_value", node.meta.get("val"))
+            if not isinstance(val, torch.Tensor):
+                return False
+            if not all(isinstance(n, int) for n in (*val.shape, *val.stride(), val.storage_offset())):
+                return False
+    except Exception:  # a layout without strides (sparse, nested): not compiled again
+        return False
+    return True
+
+
+def backend(**options: Any) -> OffloadBackend:
+    """A backend object for ``torch.compile(model, backend=...)``; see ``OffloadOptions`` for the knobs."""
+    return OffloadBackend(OffloadOptions.from_dict(options))
+
+
+# The backend behind the name "fxoffload": one object per distinct options, so reports accumulate.
+_named_backends: dict[OffloadOptions, OffloadBackend] = {}
+
+
+def fxoffload_backend(
+    gm: fx.GraphModule,
+    example_inputs: list[Any],
+    mode: str | None = None,
+    options: Mapping[str, Any] | None = None,
+) -> Callable[..., Any]:
+    """Entry point of ``torch.compile(model, backend="fxoffload", options={...})``."""
+    opts = OffloadOptions.from_dict(options or {}, **({"mode": mode} if mode else {}))
+    obj = _named_backends.get(opts)
+    if obj is None:
+        obj = _named_backends[opts] = OffloadBackend(opts)
+    return obj(gm, example_inputs)
+
+
+def reports() -> list[OffloadReport]:
+    """Reports of every graph compiled through ``backend="fxoffload"`` (the string), oldest first."""
+    return sorted((r for b in _named_backends.values() for r in b.reports), key=lambda r: r.graph_id)

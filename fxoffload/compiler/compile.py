@@ -1,0 +1,299 @@
+"""Compiling one Dynamo graph with the pass: the inner compiler, the budget held by the code that
+runs, and ``verify_peak``."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import logging
+import time
+import warnings
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from .. import _compat
+from ..analysis.lifetimes import returns_only_scalars
+from ..analysis.memory import MemoryTimeline
+from ..analysis.outside import OutsideMemory
+from ..options import OffloadOptions
+from ..planning.budget import BUDGET_TOLERANCE
+from ..reasons import Reason, ReasonCode
+from ..sizes import fmt_bytes
+from .costs import read_outside
+from .pair import PairRegister, PlannedPair
+from .partitioner import OffloadPartitioner
+from .refine import Trial, attempt_quietly, lowest, refine, say
+from .verify import autos_own_picks, plan_kept, unchanged_floor, with_peak_not_lowered
+
+log = logging.getLogger(__name__)
+
+__all__ = ["GraphCompiler", "budget_verdict", "check_budget", "copy_graph_module"]
+
+Compiled = Callable[..., Any]
+
+
+class GraphCompiler:
+    """Compiles Dynamo graphs with the fxoffload pass and keeps the pair that runs for each in
+    ``register``."""
+
+    def __init__(self, register: PairRegister) -> None:
+        self.register = register
+        self._compiles: list[float] = []  # seconds of each inner compile of the graph being compiled
+
+    def _inductor(
+        self, graph: fx.GraphModule, example_inputs: list[Any], partitioner: OffloadPartitioner, patches: dict[str, Any]
+    ) -> Compiled:
+        start = time.perf_counter()
+        try:
+            return _compat.compile_with_inductor(graph, example_inputs, partitioner, patches, partitioner.record_output_code)
+        finally:
+            self._compiles.append(time.perf_counter() - start)
+
+    def compile(
+        self,
+        gm: fx.GraphModule,
+        example_inputs: list[Any],
+        opts: OffloadOptions,
+        outside: OutsideMemory | None = None,
+        graph_id: int | None = None,
+        pristine: fx.GraphModule | None = None,
+    ) -> tuple[Compiled, PlannedPair | None]:
+        """``gm`` compiled, and its pair (None: no backward, or not lowered yet). ``outside``: what
+        code before it holds, where not read from ``example_inputs``; ``graph_id``: the id of a
+        graph compiled again; ``pristine``: an unchanged copy of ``gm`` made already."""
+        self._compiles = []
+        outside = outside if outside is not None else read_outside(example_inputs)
+        partitioner = self._partitioner(opts, outside, graph_id)
+        if opts.inner == "aot_eager":
+            start = time.perf_counter()
+            compiled = _compat.compile_with_aot_eager(gm, example_inputs, partitioner)
+            self._compiles.append(time.perf_counter() - start)
+            return compiled, self._keep(partitioner.pair)
+        patches = _compat.inductor_mode_options(opts.mode)
+        if _compat.cudagraphs_enabled(patches):
+            partitioner.disabled_reason = Reason(
+                ReasonCode.CUDA_GRAPHS,
+                f"CUDA graphs are on (mode={opts.mode!r}): a capture cannot hold the transfer "
+                "events and host buffers, so offloading is off for this graph",
+            )
+        plain = partitioner.disabled_reason or opts.policy == "none"
+        checked = opts.verify_peak and may_return_only_scalars(gm)  # what verify_peak judges
+        if plain or (opts.memory_budget is None and not checked):
+            compiled = self._inductor(gm, example_inputs, partitioner, patches)
+            return compiled, self._keep(partitioner.pair)
+        pristine = pristine if pristine is not None else copy_graph_module(gm)  # compile_fx may change gm
+        best = self._to_budget(gm, pristine, example_inputs, opts, patches, partitioner)
+        compiled, pair = best.value
+        if pair is not None and checked:
+            compiled, pair = self._no_higher_than_unchanged(pristine, example_inputs, opts, patches, compiled, pair)
+        say(best, drop=lambda w: "cannot be reached" in str(w.message) and opts.memory_budget is not None)
+        pair = self._keep(pair)
+        if pair is not None:
+            check_budget(pair, strict=opts.strict)
+        return compiled, pair
+
+    def _partitioner(
+        self, opts: OffloadOptions, outside: OutsideMemory | None, graph_id: int | None, target: int | None = None,
+        judged_here: bool = False,
+    ) -> OffloadPartitioner:
+        # A backward lowered lazily (at its first call) is judged against the budget when its code comes.
+        late = None if judged_here or opts.memory_budget is None else (lambda pair: check_budget(pair, opts.strict))
+        return OffloadPartitioner(self.register, opts, outside, graph_id, target, on_backward_code=late)
+
+    def _keep(self, pair: PlannedPair | None) -> PlannedPair | None:
+        """Record ``pair`` as the one that runs, its report saying what compiling it took."""
+        if pair is not None:
+            timings = pair.report.timings
+            if timings is not None:
+                spent = dataclasses.replace(timings, compiles=len(self._compiles), compile_s=sum(self._compiles))
+                pair = pair.with_report(timings=spent)
+            self.register.record(pair)
+        return pair
+
+    def _to_budget(
+        self,
+        gm: fx.GraphModule,
+        pristine: fx.GraphModule,
+        example_inputs: list[Any],
+        opts: OffloadOptions,
+        patches: dict[str, Any],
+        first: OffloadPartitioner,
+    ) -> Trial[tuple[Compiled, PlannedPair | None]]:
+        """The pair compiled with both graphs lowered now, its code replayed and, with a
+        ``memory_budget``, planned and compiled again for a target lowered by the miss where that
+        code peaks over it (``refine``), the lowest peak kept. The FX fit is no verdict under
+        Inductor (it is 9-38% high where Inductor fuses): with ``strict``, the code is judged, by
+        the caller (``check_budget``), not the fit."""
+        plan_opts = opts.replace(strict=False) if opts.strict and _compat.can_lower_backward_at_compile() else opts
+        first.options = plan_opts
+        replans: list[str] = []
+
+        tried: list[int | None] = []
+
+        def attempt(target: int | None) -> Trial | None:
+            partitioner = first if not tried else self._partitioner(
+                plan_opts, first.outside, first.graph_id, target, judged_here=True
+            )
+            tried.append(target)
+            graph = gm if partitioner is first else copy_graph_module(pristine)
+            try:
+                (compiled, lowered), said = attempt_quietly(lambda: self._lowered(graph, example_inputs, partitioner, patches))
+            except Exception as e:
+                if partitioner is first or "strict=True" not in str(e):
+                    raise
+                return None  # strict=True and a lower target out of the FX model's reach: keep what was tried
+            pair = partitioner.pair
+            timeline = pair.code_memory() if pair is not None and lowered else None
+            if pair is None or timeline is None or not timeline.points or pair.memory_budget is None:
+                return Trial((compiled, pair if lowered else None), None, target, said=said)
+            # The plan is the fit's smallest peak already when it predicts more than the target.
+            after = pair.memory_after.peak_bytes if pair.memory_after is not None else 0
+            lowest_reachable = after > (target if target is not None else pair.memory_budget)
+            return Trial((compiled, pair), timeline.peak_bytes, target, lowest_reachable, said, pair.memory_budget)
+
+        def on_replan(trial: Trial, target: int) -> None:
+            _, pair = trial.value
+            replans.append(
+                f"Inductor's code of plan {len(replans) + 1} peaked at {fmt_bytes(trial.peak)}, over memory_budget "
+                f"{fmt_bytes(pair.memory_budget)}; planned again for {fmt_bytes(target)} on the FX model"
+            )
+            log.info("fxoffload: graph %d: %s", pair.graph_id, replans[-1])
+
+        # The budget in bytes is the first plan's (a fraction needs its baseline): read from its trial.
+        best, _ = refine(None, attempt, opts.max_replans, on_replan)
+        assert best is not None
+        compiled, pair = best.value
+        if pair is not None and replans:
+            pair = pair.with_report(replans=tuple(replans))
+            best = Trial((compiled, pair), best.peak, best.target, said=best.said)
+        return best
+
+    def _lowered(
+        self, graph: fx.GraphModule, example_inputs: list[Any], partitioner: OffloadPartitioner, patches: dict[str, Any]
+    ) -> tuple[Compiled, bool]:
+        """``graph`` compiled by Inductor with both graphs lowered now where this torch can."""
+        with _compat.backward_lowered_at_compile() as lowered:
+            compiled = self._inductor(graph, example_inputs, partitioner, patches)
+        return compiled, lowered
+
+    def _no_higher_than_unchanged(
+        self,
+        pristine: fx.GraphModule,
+        example_inputs: list[Any],
+        opts: OffloadOptions,
+        patches: dict[str, Any],
+        compiled: Compiled,
+        pair: PlannedPair,
+    ) -> tuple[Compiled, PlannedPair]:
+        """``verify_peak`` (see ``verify``): the compiled pair, or the same pair compiled without
+        offloading where the code Inductor generated for the plan peaks higher."""
+        timeline = pair.code_memory()
+        if (
+            not pair.plan.changes_graphs or timeline is None or not timeline.points
+            or not returns_only_scalars(pair.fw, pair.num_fwd_outputs)
+        ):  # fmt: skip
+            return compiled, pair
+        mine = autos_own_picks(pair.plan, opts.offload_modules)
+        saved = [(d.saved.producer, d.saved.nbytes) for d in pair.plan.decisions]
+        floor = unchanged_floor(pair.memory_before, saved, timeline)
+        if floor is not None and plan_kept(timeline.peak_bytes, floor, mine):
+            log.debug(
+                "fxoffload: graph %d: Inductor's code peaks at %s, below the %s the unchanged code holds",
+                pair.graph_id, fmt_bytes(timeline.peak_bytes), fmt_bytes(floor),
+            )  # fmt: skip
+            return compiled, pair
+        plain = opts.replace(policy="none", memory_budget=None, offload_modules=())
+        unchanged = self._partitioner(plain, pair.outside, pair.graph_id, judged_here=True)
+        try:
+            (other, _), _ = attempt_quietly(
+                lambda: self._lowered(copy_graph_module(pristine), example_inputs, unchanged, patches)
+            )
+        except Exception as e:  # never fail a compile over a check: keep the plan, unchecked
+            log.warning(
+                "fxoffload: graph %d: compiling it unchanged for verify_peak failed (%s); keeping the plan "
+                "unchecked", pair.graph_id, e,
+            )  # fmt: skip
+            return compiled, pair
+        base = unchanged.pair.code_memory() if unchanged.pair is not None else None
+        if base is None or not base.points:
+            return compiled, pair
+        kept = lowest(
+            [Trial((compiled, pair), timeline.peak_bytes), Trial((other, unchanged.pair), base.peak_bytes)],
+            keep_first_on_tie=not mine,
+        )
+        if kept.value[1] is pair:
+            log.info(
+                "fxoffload: graph %d: Inductor's code peaks at %s with the plan, %s without it",
+                pair.graph_id, fmt_bytes(timeline.peak_bytes), fmt_bytes(base.peak_bytes),
+            )  # fmt: skip
+            return compiled, pair
+        swapped = with_peak_not_lowered(unchanged.pair, pair, timeline, base.peak_bytes)
+        log.info("fxoffload: graph %d: %s", pair.graph_id, swapped.plan.note)
+        return other, swapped
+
+
+def check_budget(pair: PlannedPair, strict: bool = False) -> None:
+    """The verdict on ``memory_budget`` by the code that will run (``budget_verdict``)."""
+    predicted = pair.memory_after.peak_bytes if pair.memory_after is not None else 0
+    budget_verdict(pair.graph_id, pair.memory_budget, pair.code_memory(), predicted, pair.report.replans, strict)
+
+
+def budget_verdict(
+    graph_id: int,
+    budget: int | None,
+    compiled: MemoryTimeline | None,
+    predicted: int,
+    replans: Sequence[str] = (),
+    strict: bool = False,
+) -> None:
+    """Once both graphs are compiled, the peak of Inductor's code replayed (``compiled``) against
+    ``budget``: past it (``BUDGET_TOLERANCE``), say so with the figures, beside the FX model's
+    ``predicted`` peak (a RuntimeWarning, or a ValueError with ``strict=True``)."""
+    if budget is None or compiled is None or not compiled.points:
+        return
+    peak = compiled.peak
+    if peak.total <= budget * (1 + BUDGET_TOLERANCE):
+        log.info(
+            "fxoffload: graph %d: Inductor's code peaks at %s, memory_budget %s met (%.0f%% tolerance)",
+            graph_id, fmt_bytes(peak.total), fmt_bytes(budget), BUDGET_TOLERANCE * 100,
+        )  # fmt: skip
+        return
+    message = (
+        f"fxoffload: graph {graph_id}: memory_budget {fmt_bytes(budget)} is not met by the code "
+        f"Inductor generated: it peaks at {fmt_bytes(peak.total)} ({peak.node}), where the plan predicted "
+        f"{fmt_bytes(predicted)} on the FX graph (Inductor fuses, reuses and frees buffers its own way)"
+        + (f"; planned {len(replans)} more times for lower targets, this is the lowest peak reached" if replans else "")
+        + ". Expect the step to peak about there."
+    )
+    if strict:
+        raise ValueError(message.replace(". Expect the step to peak about there.", " (strict=True)."))
+    warnings.warn(message, RuntimeWarning, stacklevel=2)
+
+
+def may_return_only_scalars(gm: fx.GraphModule) -> bool:
+    """False when Dynamo's graph returns something other than 0-dim tensors (Dynamo's example values):
+    then no pair of it returns a loss alone, and verify_peak need not lower its backward at compile
+    time. True where it cannot tell."""
+    outputs = gm.graph.output_node().args[0]
+    for o in outputs if isinstance(outputs, (tuple, list)) else (outputs,):
+        val = o.meta.get("example_value", o.meta.get("val")) if isinstance(o, fx.Node) else o
+        if isinstance(val, torch.Tensor) and val.dim() != 0:
+            return False
+    return True
+
+
+def copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
+    """A copy of ``gm`` whose graph can be changed without changing ``gm``'s; its tensors (parameters,
+    buffers, constants: on a GPU, possibly gigabytes) are shared, not copied."""
+    memo: dict[int, Any] = {}
+    for module in gm.modules():
+        for value in vars(module).values():
+            for t in value.values() if isinstance(value, dict) else (value,):
+                if isinstance(t, torch.Tensor):
+                    memo[id(t)] = t
+    out = copy.deepcopy(gm, memo)
+    _compat.copy_dynamo_metadata(gm, out)  # its parameters stay static inputs
+    return out

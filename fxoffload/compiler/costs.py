@@ -1,0 +1,104 @@
+"""What the planner is told about a pair: device rates, compute times, scratch memory, what code
+before it holds, and the memory model before any change. Measurements and models meet here."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from .. import _compat
+from ..analysis.cost import device_rates, node_start_times
+from ..analysis.lifetimes import GraphLifetimes
+from ..analysis.memory import kept_saved_bytes, simulate
+from ..analysis.outside import OutsideMemory, graph_device, read_outside_memory
+from ..measure.link import measure_link
+from ..measure.standalone import calibrate, op_temporaries
+from ..options import OffloadOptions
+from ..planning.decisions import PlanCosts
+from ..runtime.host_pool import host_buffer_ranges
+
+log = logging.getLogger(__name__)
+
+__all__ = ["cost_device", "plan_costs", "read_outside"]
+
+
+def plan_costs(
+    fw: fx.GraphModule,
+    bw: fx.GraphModule,
+    lifetimes: GraphLifetimes,
+    options: OffloadOptions,
+    num_fwd_outputs: int,
+    static: Sequence[int] = (),
+    outside: OutsideMemory | None = None,
+    probe: Callable[[torch.device], tuple[float, float] | None] = measure_link,
+) -> PlanCosts:
+    """The cost model's view of a graph pair: device rates (the host link measured once per device
+    where a plan needs it), predicted node start times (ops timed on the device with ``calibrate``),
+    the ops' measured temporaries and the predicted memory before any change (``baseline``), with
+    what code before the pair holds (``outside``, for what this pair keeps) included. ``probe``
+    measures a device's host link (None where it cannot: the model's default figure then)."""
+    device = cost_device(lifetimes)
+    link_option = options.bandwidth or (options.cpu_link_bandwidth if device.type == "cpu" else None)
+    overrides = dict(link_option or ()) | dict(options.compute_rates or ())
+    wants_measure = options.policy != "none" and bool(lifetimes.saved)
+    link = None
+    if wants_measure and device.type != "cpu" and not {"d2h", "h2d"} <= overrides.keys():
+        link = probe(device)
+    rates = device_rates(device, overrides, link)
+    fw_times = bw_times = None
+    if options.calibrate and wants_measure and (device.type != "cpu" or options.offload_cpu):
+        fw_times, bw_times = calibrate(fw, device), calibrate(bw, device)
+    # Scratch memory of the ops: on a CPU, cheap and harmless to measure; on a device it resets the
+    # allocator's peak statistics, so only where calibrate runs ops there anyway.
+    temporaries = {}
+    if lifetimes.saved and (options.offload_cpu if device.type == "cpu" else options.calibrate and wants_measure):
+        temporaries = op_temporaries((fw, bw), device)
+    kept = kept_saved_bytes(fw, num_fwd_outputs, static)
+    held, later = (outside.outside(kept), outside.outside_backward(kept)) if outside is not None else (0, 0)
+    baseline = simulate(fw, bw, num_fwd_outputs, static, temporaries, held, later)
+    return PlanCosts(
+        rates,
+        tuple(node_start_times(fw, rates, fw_times)),
+        tuple(node_start_times(bw, rates, bw_times)),
+        baseline,
+        calibrated=len(fw_times or ()) + len(bw_times or ()),
+        temporaries=temporaries,
+        outside=held,
+        calls=outside.calls if outside is not None else (),
+        kept=kept,
+    )
+
+
+def cost_device(lifetimes: GraphLifetimes) -> torch.device:
+    """The device whose rates price this graph: that of its saved accelerator tensors, with its index
+    (a bare ``cuda`` would be whatever device is current when the graph compiles), else the first
+    accelerator type among its tensors, else the CPU."""
+    for t in lifetimes.saved:
+        if t.device.type not in ("cpu", "meta"):
+            return t.device
+    accelerators = [d for d in lifetimes.devices if d not in ("cpu", "meta")]
+    return torch.device(accelerators[0]) if accelerators else torch.device("cpu")
+
+
+def read_outside(example_inputs: Sequence[Any], mark: object | None = None) -> OutsideMemory | None:
+    """``read_outside_memory`` of a graph's real example inputs (fxoffload's own host buffers left
+    out); None where it cannot be read (a tensor subclass without storage, fake inputs, a torch that
+    cannot read saved tensors): then nothing outside the graph is counted."""
+    if not _compat.can_read_saved_tensors():
+        log.info("fxoffload: this torch cannot read saved tensors without unpacking them; what code before "
+                 "a graph holds is not counted")  # fmt: skip
+        return None
+    try:
+        outside = read_outside_memory(example_inputs, graph_device(example_inputs), host_buffer_ranges(), mark=mark)
+    except Exception as e:  # an estimate never fails a compile
+        log.info("fxoffload: cannot read what code before this graph holds (%s); counting none", e)
+        return None
+    if not outside.complete:
+        log.warning("fxoffload: %s", outside.summary())
+    elif outside.held_bytes:
+        log.info("fxoffload: %s", outside.summary())
+    return outside

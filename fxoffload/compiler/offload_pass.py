@@ -1,0 +1,186 @@
+"""The fxoffload pass on a partitioned pair: lifetimes, costs, plan, rewrite; torch's partitioner
+again where the plan recomputes something."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch.fx as fx
+
+from ..analysis.lifetimes import GraphLifetimes, analyze_saved_tensors
+from ..analysis.outside import OutsideMemory
+from ..analysis.recompute import RecomputeOption, recompute_options, recompute_sources
+from ..options import OffloadOptions
+from ..planning.budget import planned_memory, unreachable_budget
+from ..planning.decisions import OffloadPlan
+from ..planning.plan import plan_offloads, replan_after_recompute
+from ..reasons import Reason
+from ..rewrite.transfers import apply_plan, hoist_saved_views
+from ..sizes import fmt_bytes
+from .costs import plan_costs
+from .refine import Trial, attempt_quietly, refine, say
+
+log = logging.getLogger(__name__)
+
+__all__ = ["offload_pass"]
+
+Pair = tuple[fx.GraphModule, fx.GraphModule]
+
+
+def offload_pass(
+    fw: fx.GraphModule,
+    bw: fx.GraphModule,
+    num_fwd_outputs: int,
+    static_input_indices: Any,
+    options: OffloadOptions,
+    *,
+    host_bytes_available: int | None = None,
+    disabled_reason: Reason | str = "",
+    repartition: Callable[[frozenset[str]], Pair] | None = None,
+    outside: OutsideMemory | None = None,
+    budget_target: int | None = None,
+) -> tuple[fx.GraphModule, fx.GraphModule, OffloadPlan]:
+    """The fxoffload pass on a partitioned pair: analyse, plan, rewrite. Returns the rewritten pair
+    and the plan.
+
+    ``repartition(names)`` runs torch's partitioner again with the forward nodes ``names`` tagged
+    for recomputation; without it (a pair with no joint graph behind it) nothing is recomputed.
+    ``outside``: what code before the pair holds through it, "outside" in every timeline and so in
+    the budget. ``budget_target``: the peak the budget fit aims at, below ``memory_budget`` when the
+    compiler plans again after a miss.
+    The pair is rewritten in place unless the plan recomputes something: then the returned pair is
+    the new partition. The predicted memory before any change is ``(plan.partition_costs or
+    plan.costs).baseline``; ``plan.costs.baseline`` is that of the pair the plan was made for.
+    """
+    # 1. Lifetimes of the saved tensors (saved views first moved next to their bases, which changes
+    #    no memory without offloading, so the baseline is taken after it).
+    static = tuple(static_input_indices)
+    lifetimes = _lifetimes(fw, bw, num_fwd_outputs, static)
+    # 2. Costs: compute time of every node and the host link, on the graph's device; what could be
+    #    recomputed instead, and for how much (for a memory_budget, or when a policy function may
+    #    ask for it: then at any size, the planner applies min_bytes to its own choices only).
+    costs = plan_costs(fw, bw, lifetimes, options, num_fwd_outputs, static, outside)
+    recompute: dict[str, RecomputeOption] = {}
+    refused: dict[str, Reason] = {}
+    wanted = options.memory_budget is not None or callable(options.policy)
+    if repartition is not None and wanted and options.partitioner == "min_cut":
+        min_bytes = 0 if callable(options.policy) else options.min_bytes
+        recompute, refused = recompute_options(fw, lifetimes, static, costs.rates, min_bytes)
+        for name, reason in refused.items():
+            log.debug("fxoffload: cannot recompute %s: %s", name, reason)
+
+    # 3. The plan: one decision and reason per saved tensor.
+    def plan_for(target: int | None, with_recompute: bool = True) -> OffloadPlan:
+        return plan_offloads(
+            lifetimes, options, host_bytes_available=host_bytes_available, disabled_reason=disabled_reason,
+            costs=costs, recompute=recompute if with_recompute else None,
+            recompute_refused=refused if with_recompute else None, budget_target=target,
+        )  # fmt: skip
+
+    first, said = attempt_quietly(lambda: plan_for(budget_target))
+    if not first.recomputed:
+        say(Trial(first, None, said=said))
+        _rewrite(fw, bw, first, options)  # 5. the rewrite
+        return fw, bw, first
+    # 4. Recomputation is torch's partitioner's job: tag, partition again, plan the new pair.
+    assert repartition is not None
+    context = _Context(options, num_fwd_outputs, static, outside, host_bytes_available)
+    best = _recompute_or_offload(first, said, plan_for, repartition, (fw, bw), context)
+    new_fw, new_bw, plan = best.value
+    _rewrite(new_fw, new_bw, plan, options)
+    return new_fw, new_bw, plan
+
+
+@dataclasses.dataclass(frozen=True)
+class _Context:
+    """What every plan of one pair is made with."""
+
+    options: OffloadOptions
+    num_fwd_outputs: int
+    static: tuple[int, ...]
+    outside: OutsideMemory | None
+    host_bytes_available: int | None
+
+
+def _recompute_or_offload(
+    first: OffloadPlan,
+    said: tuple,
+    plan_for: Callable[..., OffloadPlan],
+    repartition: Callable[[frozenset[str]], Pair],
+    pair: Pair,
+    context: _Context,
+) -> Trial[tuple[fx.GraphModule, fx.GraphModule, OffloadPlan]]:
+    """The plan with recomputation, judged on the memory model of the partition torch makes of it
+    (the fit estimated it from the first pair): where it misses the budget, planned again for a
+    target lowered by the miss (``refine``). An offload-only plan of the first pair may still do
+    better: the lowest peak wins."""
+    budget, options = first.memory_budget, context.options
+    tried = [0]
+
+    def attempt(target: int | None) -> Trial | None:
+        try:
+            plan, held = (first, said) if not tried[0] else attempt_quietly(lambda: plan_for(target))
+        except ValueError:  # strict=True and the lower target unreachable: judged on the budget below
+            return None
+        tried[0] += 1
+        if not plan.recomputed:
+            return None
+        names = frozenset(d.saved.name for d in plan.recomputed)
+        try:
+            new_fw, new_bw = repartition(names)
+        except Exception as e:  # never fail a compile over an optimisation: plan without it
+            log.warning("fxoffload: partitioning again to recompute %s failed (%s); offloading only", sorted(names), e)
+            return None
+        second, more = attempt_quietly(lambda: _second_plan(plan, new_fw, new_bw, names, context))
+        return Trial((new_fw, new_bw, second), planned_memory(second).peak_bytes, target, said=held + more)
+
+    best, trials = refine(budget, attempt, options.max_replans, start=first.budget_target)
+    if best is None or (budget is not None and best.peak is not None and best.peak > budget):
+        try:
+            alone, held = attempt_quietly(lambda: plan_for(first.budget_target, with_recompute=False))
+            candidate = Trial((*pair, alone), planned_memory(alone).peak_bytes, said=held)
+            trials.append(candidate)
+            best = candidate if best is None or candidate.peak < best.peak else best
+        except ValueError:  # strict=True and unreachable without recomputation
+            if best is None:
+                raise
+    if budget is not None and best.peak > budget:
+        unreachable_budget(budget, best.peak, planned_memory(best.value[2]).peak, options.strict)
+    elif len(trials) > 1:
+        log.info("fxoffload: of %d plans tried for memory_budget %s, the chosen one peaks at %s",
+                 len(trials), fmt_bytes(budget or 0), fmt_bytes(best.peak or 0))  # fmt: skip
+    # The fit's own warnings are about the attempts' targets; the verdict above replaces them.
+    say(best, drop=lambda w: "cannot be reached" in str(w.message))
+    return best
+
+
+def _second_plan(
+    plan: OffloadPlan, fw: fx.GraphModule, bw: fx.GraphModule, names: frozenset[str], context: _Context
+) -> OffloadPlan:
+    """The plan of the pair torch made with ``names`` tagged for recomputation."""
+    lifetimes = _lifetimes(fw, bw, context.num_fwd_outputs, context.static)
+    costs = plan_costs(fw, bw, lifetimes, context.options, context.num_fwd_outputs, context.static, context.outside)
+    sources = recompute_sources(bw, names, frozenset(t.name for t in lifetimes.saved))
+    return replan_after_recompute(
+        plan, lifetimes, costs, context.options, sources, host_bytes_available=context.host_bytes_available
+    )
+
+
+def _rewrite(fw: fx.GraphModule, bw: fx.GraphModule, plan: OffloadPlan, options: OffloadOptions) -> None:
+    for d in plan.decisions:
+        log.debug("fxoffload: %s %s (%s): %s", d.decision, d.saved.name, fmt_bytes(d.saved.nbytes), d.reason)
+    if plan.note:
+        log.info("fxoffload: %s", plan.note)
+    apply_plan(fw, bw, plan, options.prefetch, options.cpu_link(), options.broken_rule)
+    log.info(
+        "fxoffload: offloading %d of %d saved tensors (%s), recomputing %d",
+        len(plan.offloaded), len(plan.decisions), fmt_bytes(plan.offloaded_bytes), len(plan.recomputed),
+    )  # fmt: skip
+
+
+def _lifetimes(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs: int, static: Sequence[int]) -> GraphLifetimes:
+    hoist_saved_views(fw, num_fwd_outputs)
+    return analyze_saved_tensors(fw, bw, num_fwd_outputs, static)

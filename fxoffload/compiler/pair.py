@@ -1,0 +1,119 @@
+"""One forward/backward pair as the pass left it, and the backend's register of the pairs that run.
+
+A ``PlannedPair`` is what the compiler's decisions read (the plan, the rewritten graphs, the memory
+model's timelines, the code Inductor generated); its ``report`` is a snapshot written for people
+when the pair is made, and never read back to decide.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import threading
+
+import torch.fx as fx
+
+from ..analysis.code_memory import replay_pair
+from ..analysis.memory import MemoryTimeline
+from ..analysis.outside import OutsideMemory
+from ..planning.decisions import OffloadPlan
+from ..reporting.report import OffloadReport
+
+__all__ = ["PairRegister", "PlannedPair", "new_graph_id"]
+
+_graph_ids = itertools.count()
+_graph_ids_lock = threading.Lock()
+
+
+def new_graph_id() -> int:
+    """A graph id unique in the process (reports of every backend object share the sequence)."""
+    with _graph_ids_lock:
+        return next(_graph_ids)
+
+
+@dataclasses.dataclass(eq=False)
+class PlannedPair:
+    """A partitioned pair after the pass: its plan, its rewritten graphs and what the models predict."""
+
+    graph_id: int
+    plan: OffloadPlan
+    fw: fx.GraphModule
+    bw: fx.GraphModule
+    num_fwd_outputs: int
+    static: tuple[int, ...]  # the forward's static inputs (parameters, buffers), by position
+    memory_before: MemoryTimeline | None  # the FX memory model before any change
+    memory_after: MemoryTimeline | None  # the same on the rewritten pair
+    outside: OutsideMemory | None  # what code before the pair holds through it
+    kept_bytes: int  # device bytes one call keeps for its backward (``memory.kept_saved_bytes``)
+    param_grad_bytes: int  # device bytes of its parameters' gradients (``memory.param_grad_bytes``)
+    report: OffloadReport
+    # Inductor's wrapper code by graph ("forward", "backward"), filled in as each graph is compiled
+    # (the backward may come at the first backward call); the report shares this dict.
+    output_code: dict[str, str] = dataclasses.field(default_factory=dict)
+
+    @property
+    def memory_budget(self) -> int | None:
+        """The user's memory_budget in bytes, when one was asked for."""
+        return self.plan.memory_budget
+
+    @property
+    def outside_bytes(self) -> int:
+        """"outside" in the pair's timelines with its plan (``OutsideMemory.outside``)."""
+        return self.outside.outside(self.kept_bytes) if self.outside is not None else 0
+
+    @property
+    def outside_backward(self) -> int:
+        return self.outside.outside_backward(self.kept_bytes) if self.outside is not None else 0
+
+    def code_memory(self) -> MemoryTimeline | None:
+        """The replay of the code Inductor generated for the pair (None until both graphs are
+        compiled, and with ``inner="aot_eager"``)."""
+        return replay_pair(self.output_code, self.num_fwd_outputs, self.outside_bytes, self.outside_backward)
+
+    def expected_memory(self) -> MemoryTimeline | None:
+        """The prediction the code that runs is held to: Inductor's code replayed where there is
+        one, else the FX model of the rewritten pair."""
+        code = self.code_memory()
+        return code if code is not None and code.points else self.memory_after
+
+    def phase_peaks(self) -> tuple[int, int]:
+        """The expected peak in the forward and in the backward."""
+        timeline = self.expected_memory()
+        points = timeline.points if timeline is not None else ()
+        fw = max((p.total for p in points if p.phase == "forward"), default=0)
+        return fw, max((p.total for p in points if p.phase == "backward"), default=fw)
+
+    def parameter_bytes(self) -> int:
+        """The pair's parameters (static inputs) on the device, as its timelines count them."""
+        timeline = self.memory_before or self.memory_after
+        points = timeline.points if timeline is not None else ()
+        return max((p.live.get("parameters", 0) for p in points), default=0)
+
+    def with_report(self, **changes: object) -> PlannedPair:
+        """The same pair, its report changed (``replans``, ``note``, ...)."""
+        return dataclasses.replace(self, report=dataclasses.replace(self.report, **changes))
+
+
+class PairRegister:
+    """The pairs one backend object runs, by graph id, in the order they were compiled."""
+
+    def __init__(self) -> None:
+        self._pairs: dict[int, PlannedPair] = {}
+
+    def record(self, pair: PlannedPair) -> None:
+        """``pair`` runs for its graph id from now on (replacing a pair planned before for it)."""
+        self._pairs[pair.graph_id] = pair
+
+    def get(self, graph_id: int) -> PlannedPair | None:
+        return self._pairs.get(graph_id)
+
+    def host_bytes_planned(self, except_graph: int | None = None) -> int:
+        """Host bytes the offloads of the registered pairs take (``host_budget`` counts these), but
+        those of ``except_graph`` (the graph being planned again)."""
+        return sum(p.plan.host_bytes for gid, p in self._pairs.items() if gid != except_graph)
+
+    def pairs(self) -> list[PlannedPair]:
+        return list(self._pairs.values())
+
+    def reports(self) -> list[OffloadReport]:
+        return [p.report for p in self._pairs.values()]

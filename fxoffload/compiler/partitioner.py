@@ -1,0 +1,132 @@
+"""The partition function AOTAutograd calls: torch's own partitioner, then the fxoffload pass."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch.fx as fx
+
+from .. import _compat
+from ..analysis.memory import kept_saved_bytes, param_grad_bytes, simulate
+from ..analysis.outside import OutsideMemory
+from ..options import OffloadOptions
+from ..reasons import Reason
+from ..reporting.report import OffloadReport, PassTimings
+from ..rewrite.mutated_reads import protect_mutated_reads
+from .offload_pass import offload_pass
+from .pair import PairRegister, PlannedPair, new_graph_id
+
+log = logging.getLogger(__name__)
+
+__all__ = ["OffloadPartitioner"]
+
+
+class OffloadPartitioner(_compat.CustomPartitionerFn):
+    """torch's own partitioner followed by the fxoffload pass; ``pair`` is what it made.
+
+    ``register``: the backend's pairs (read for the host bytes planned by the other graphs);
+    ``outside``: what code before this graph holds on its device, "outside" in every timeline and
+    in the budget; ``graph_id``: the id of a graph planned again (None: a new one);
+    ``budget_target``: a peak below ``memory_budget`` to fit (a plan made again after a miss).
+    ``on_backward_code(pair)`` runs when Inductor's backward code arrives.
+    """
+
+    def __init__(
+        self,
+        register: PairRegister,
+        options: OffloadOptions,
+        outside: OutsideMemory | None = None,
+        graph_id: int | None = None,
+        budget_target: int | None = None,
+        on_backward_code: Callable[[PlannedPair], None] | None = None,
+    ) -> None:
+        self.register = register
+        self.options = options
+        self.outside = outside
+        self.graph_id = graph_id
+        self.budget_target = budget_target
+        self.on_backward_code = on_backward_code
+        self.disabled_reason: Reason | str = ""
+        self.pair: PlannedPair | None = None
+
+    def record_output_code(self, kind: str, code: str) -> None:
+        """Inductor's wrapper code for the graphs of this pair (``PlannedPair.output_code``)."""
+        if self.pair is not None:
+            self.pair.output_code[kind] = code
+            if kind == "backward" and self.on_backward_code is not None:
+                self.on_backward_code(self.pair)
+
+    # Inductor copies and pickles its config, this object included, for its FX graph cache key:
+    # ``uuid`` stands for it there (the pair it holds has fake tensors in node metadata, and a
+    # callback; the rewritten graphs are in the key anyway).
+    def __deepcopy__(self, memo: dict[int, Any]) -> OffloadPartitioner:
+        return self
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (str, (repr(self.uuid()),))
+
+    def uuid(self) -> Any:
+        # Cache key part for Inductor; AOTAutograd's cache is off while we compile (see _compat).
+        return ("fxoffload", repr(self.options), self.budget_target, self.disabled_reason)
+
+    def __call__(self, joint: fx.GraphModule, joint_inputs: Any, **kwargs: Any) -> tuple[fx.GraphModule, fx.GraphModule]:
+        # 1. torch's min-cut partitioner may recompute, in the backward, a value that reads an input
+        #    the forward mutates afterwards (wrong gradients): keep those values saved.
+        protect_mutated_reads(joint, kwargs.get("num_fwd_outputs"))
+        # 2. torch's partitioner, and again for what the plan recomputes (timed apart from the pass).
+        repartition_s = [0.0]
+
+        def partition(recompute: frozenset[str] = frozenset()) -> tuple[fx.GraphModule, fx.GraphModule]:
+            if recompute:
+                _compat.tag_must_recompute(joint, recompute)
+            start = time.perf_counter()
+            try:
+                return _compat.call_partitioner(self.options.partitioner, joint, joint_inputs, **kwargs)
+            finally:
+                if recompute:
+                    repartition_s[0] += time.perf_counter() - start
+
+        fw, bw = partition()
+        nodes_in = len(fw.graph.nodes), len(bw.graph.nodes)
+        num_fwd_outputs = kwargs["num_fwd_outputs"]
+        static = tuple(kwargs.get("static_lifetime_input_indices") or ())
+        graph_id = self.graph_id if self.graph_id is not None else new_graph_id()
+        host_before = self.register.host_bytes_planned(except_graph=graph_id)
+        host_left = None if self.options.host_budget is None else max(0, self.options.host_budget - host_before)
+        # 3. The pass: lifetimes, costs, plan, rewrite.
+        start = time.perf_counter()
+        fw, bw, plan = offload_pass(
+            fw, bw, num_fwd_outputs, static, self.options, host_bytes_available=host_left,
+            disabled_reason=self.disabled_reason, repartition=partition, outside=self.outside,
+            budget_target=self.budget_target,
+        )  # fmt: skip
+        pass_s = time.perf_counter() - start - repartition_s[0]
+        # 4. The memory model of the rewritten pair, and the pair with its report.
+        start = time.perf_counter()
+        kept = kept_saved_bytes(fw, num_fwd_outputs, static)
+        memory_before = (plan.partition_costs or plan.costs).baseline  # before any change
+        memory_after = memory_before
+        if plan.changes_graphs:
+            outside = self.outside
+            held, later = (outside.outside(kept), outside.outside_backward(kept)) if outside is not None else (0, 0)
+            temporaries = plan.costs.temporaries if plan.costs is not None else {}
+            memory_after = simulate(fw, bw, num_fwd_outputs, static, temporaries, held, later)
+        timings = PassTimings(pass_s, repartition_s[0], time.perf_counter() - start, *nodes_in)
+        output_code: dict[str, str] = {}
+        grads = param_grad_bytes(fw, bw, static)
+        report = OffloadReport.from_plan(
+            graph_id, plan, fw, bw, self.options.host_budget, host_before, memory_before, memory_after,
+            timings=timings, num_fwd_outputs=num_fwd_outputs, outside=self.outside, kept_bytes=kept,
+            param_grad_bytes=grads, output_code=output_code,
+        )  # fmt: skip
+        self.pair = PlannedPair(
+            graph_id, plan, fw, bw, num_fwd_outputs, static, memory_before, memory_after, self.outside, kept, grads,
+            report, output_code,
+        )  # fmt: skip
+        log.debug("fxoffload plan for graph %d:\n%s", graph_id, report.table())
+        _compat.trace_artifact("fxoffload_plan", report.to_json, encoding="json")
+        _compat.trace_artifact("fxoffload_graphs", report.graph_code)
+        return fw, bw

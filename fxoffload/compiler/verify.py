@@ -1,0 +1,94 @@
+"""``verify_peak``: offloading never raises the peak of the code that runs.
+
+The FX model is what the plan is made on, and Inductor then fuses, reorders and reuses buffers its
+own way: the copies' order edges can keep a buffer alive that the unchanged code frees (the built-in
+MLP's backward, +8 KiB). So the code Inductor generated for the plan is replayed against a lower
+bound of the unchanged code's peak (``unchanged_floor``, no second compile), and where that does not
+settle it, against the code of the pair compiled without offloading (``lowest`` of the two).
+Judged for a pair returning a loss only: one returning activations may be one block of a longer
+step, whose peak its saved tensors make, and no pair's own peak says that.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable
+
+from ..analysis.memory import MemoryTimeline
+from ..planning.decisions import OffloadPlan
+from ..reasons import Action, Reason, ReasonCode
+from ..reporting.report import saved_rows
+from ..sizes import fmt_bytes
+from .pair import PlannedPair
+
+__all__ = ["autos_own_picks", "unchanged_floor", "with_peak_not_lowered"]
+
+# Ops whose output Inductor's no-op removal may turn into an alias of their input (a saved tensor it
+# then holds no buffer for): left out of ``unchanged_floor``.
+_MAY_BECOME_ALIASES = frozenset({
+    "lift_fresh_copy", "clone", "alias", "_to_copy", "convert_element_type", "expand", "view", "reshape",
+    "slice", "slice_scatter", "repeat", "constant_pad_nd", "cat",
+})  # fmt: skip
+
+
+def autos_own_picks(plan: OffloadPlan, offload_modules: tuple[str, ...]) -> bool:
+    """Whether the plan's offloads are "auto"'s own (not asked for by the user): on a tie with the
+    unchanged code its copies buy nothing, and the unchanged code is kept."""
+    return plan.policy == "auto" and not offload_modules
+
+
+def unchanged_floor(
+    memory_before: MemoryTimeline | None, saved: Iterable[tuple[str, int]], code: MemoryTimeline
+) -> int | None:
+    """A lower bound of the peak of the pair's code without offloading, whatever the compiler fuses:
+    at the end of its forward it holds its arguments and every saved tensor, which that forward
+    returns. The arguments as the plan's code (``code``) holds them (both take the same ones, sized
+    by their storage, an expanded input by what it really spans); the saved tensors from the FX
+    model (``memory_before``), less every one an op produced that Inductor may remove as a no-op (it
+    then returns an alias, no buffer; ``saved``: each saved tensor's producing op and bytes); what
+    code before the pair holds through it, too. None without a prediction."""
+    before = memory_before
+    ends = [p for p in before.points if p.phase == "forward"] if before is not None else []
+    if not ends or not code.points:
+        return None
+    start = code.points[0].live
+    maybe_alias = sum(nbytes for producer, nbytes in saved if producer in _MAY_BECOME_ALIASES)
+    held = start["parameters"] + start["inputs"] + start.get("outside", 0)
+    return held + max(0, ends[-1].live["saved"] - maybe_alias)
+
+
+def plan_kept(plan_peak: int, unchanged_peak: int, autos_own: bool) -> bool:
+    """The plan's code stays if it peaks lower than the unchanged code (or no higher, unless its
+    picks are "auto"'s own: copies that buy nothing are not kept)."""
+    return plan_peak < unchanged_peak or (plan_peak == unchanged_peak and not autos_own)
+
+
+def with_peak_not_lowered(unchanged: PlannedPair, planned: PlannedPair, peak: MemoryTimeline, base_peak: int) -> PlannedPair:
+    """The unchanged pair standing in for ``planned``: its graph id, policy and budget, each
+    decision the plan changed saying why it was not carried out (``peak_not_lowered``)."""
+    point = peak.peak
+    above = point.total - base_peak
+    why = (
+        f"Inductor's code with the plan peaks at {fmt_bytes(point.total)} ({point.phase}, {point.node}), "
+        + (f"{fmt_bytes(above)} above" if above else "as high as")
+        + f" its code without offloading ({fmt_bytes(base_peak)}): compiled without offloading (verify_peak)"
+    )
+    by_name = {d.saved.name: d for d in planned.plan.decisions}
+
+    def decided(d):
+        p = by_name.get(d.saved.name)
+        if p is None:
+            return d
+        if p.decision == Action.KEEP and p.reason.code != ReasonCode.RECOMPUTE_SOURCE:
+            return dataclasses.replace(d, reason=p.reason)
+        return dataclasses.replace(d, reason=Reason(ReasonCode.PEAK_NOT_LOWERED, f"{why}; {p.reason.text}"))
+
+    plan = dataclasses.replace(
+        unchanged.plan, decisions=tuple(map(decided, unchanged.plan.decisions)), policy=planned.plan.policy,
+        note=why, memory_budget=planned.plan.memory_budget,
+    )  # fmt: skip
+    report = dataclasses.replace(
+        unchanged.report, graph_id=planned.graph_id, policy=plan.policy, note=why, saved=saved_rows(plan),
+        memory_budget=plan.memory_budget, replans=planned.report.replans,
+    )  # fmt: skip
+    return dataclasses.replace(unchanged, graph_id=planned.graph_id, plan=plan, report=report)

@@ -1,0 +1,93 @@
+"""The IR of a transfer: four custom ops, their schemas and fake functions. The contract between the
+pass (which inserts them) and the runtime (which implements them, ``fxoffload.runtime``).
+
+Every transfer is two nodes in the graph, found by ``node.target``, never by name or position::
+
+    forward, one offloaded tensor ``x`` whose last forward readers are ``u1 .. uk``:
+        x_host = fxoffload.offload(x, [u1, .., uk])  # D2H copy on the transfer stream into a host buffer
+        x_host = fxoffload.wait(x_host, x, [b])     # compute stream waits on the copy; x dies after this
+        return (..., x_host)                        # the host copy is saved for backward, x is not
+
+    backward, ``a`` being the node the plan issues the reload after:
+        x_dev = fxoffload.reload(x_host, device, [a]) # H2D copy into a buffer allocated on the compute stream
+        x_dev = fxoffload.wait(x_dev, x_host, [])   # compute stream waits on the copy
+        first_use(x_dev)
+
+    c = fxoffload.order(input_of_c, [copy])          # makes kernel ``c`` come after ``copy`` is issued
+
+The one hard rule: a storage that a transfer reads or writes stays alive through a graph edge to the
+transfer's ``wait`` (its ``keepalive`` argument), and ``wait`` makes the compute stream wait on the
+transfer before that edge ends. The ``after`` lists are data edges that pin a copy behind the nodes
+it must follow, so schedulers that reorder (Inductor's ``reorder_for_peak_memory``) cannot break it.
+
+This module defines the ops and what they look like to a tracer (their fake functions); it runs
+nothing. ``fxoffload.runtime.transfers`` registers what they do on real tensors.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.fx as fx
+
+__all__ = ["LIBRARY", "OFFLOAD", "ORDER", "RELOAD", "TRANSFER_OPS", "WAIT", "fake_impl", "is_transfer"]
+
+LIBRARY = "fxoffload"
+
+_lib = torch.library.Library(LIBRARY, "DEF")
+# flexible_layout: Inductor passes the buffers as they are. The default for custom ops
+# (needs_exact_strides) made it copy a padded CUDA buffer into a fresh one for each op, so the copy
+# and its wait saw different buffers and the one being copied was freed before the wait.
+_TAGS = (torch.Tag.flexible_layout,)
+_lib.define("offload(Tensor src, Tensor[] after, float bandwidth=0.) -> Tensor", tags=_TAGS)
+_lib.define("reload(Tensor host, Device device, Tensor[] after, float bandwidth=0.) -> Tensor", tags=_TAGS)
+_lib.define("wait(Tensor(a) dest, Tensor keepalive, Tensor[] after) -> Tensor(a)", tags=_TAGS)
+_lib.define("order(Tensor(a) x, Tensor[] after) -> Tensor(a)", tags=_TAGS)
+
+
+def _offload_fake(src: torch.Tensor, after: Sequence[torch.Tensor], bandwidth: float = 0.0) -> torch.Tensor:
+    return torch.empty_strided(src.size(), src.stride(), dtype=src.dtype, device="cpu")
+
+
+def _reload_fake(
+    host: torch.Tensor, device: torch.device, after: Sequence[torch.Tensor], bandwidth: float = 0.0
+) -> torch.Tensor:
+    return torch.empty_strided(host.size(), host.stride(), dtype=host.dtype, device=device)
+
+
+def _wait_fake(dest: torch.Tensor, keepalive: torch.Tensor, after: Sequence[torch.Tensor]) -> torch.Tensor:
+    return dest
+
+
+def _order_fake(x: torch.Tensor, after: Sequence[torch.Tensor]) -> torch.Tensor:
+    return x
+
+
+_FAKES: dict[str, Callable[..., torch.Tensor]] = {
+    "offload": _offload_fake, "reload": _reload_fake, "wait": _wait_fake, "order": _order_fake,
+}  # fmt: skip
+for _name, _fake in _FAKES.items():
+    torch.library.register_fake(f"{LIBRARY}::{_name}", lib=_lib)(_fake)
+
+OFFLOAD = torch.ops.fxoffload.offload.default
+RELOAD = torch.ops.fxoffload.reload.default
+WAIT = torch.ops.fxoffload.wait.default
+ORDER = torch.ops.fxoffload.order.default
+TRANSFER_OPS = frozenset({OFFLOAD, RELOAD, WAIT, ORDER})
+
+# The copies have effects the graph does not see (a registered event); never dead-code eliminate them.
+for _op in TRANSFER_OPS:
+    torch.fx.node.has_side_effect(_op)
+
+
+def fake_impl(op: torch._ops.OpOverload) -> Callable[..., torch.Tensor]:
+    """The fake function of one of the ops, to build ``meta["val"]`` without dispatching."""
+    return _FAKES[op._opname]
+
+
+def is_transfer(node: fx.Node, op: torch._ops.OpOverload | None = None) -> bool:
+    """Whether ``node`` calls one of the transfer ops (``op``: that one)."""
+    if node.op != "call_function":
+        return False
+    return node.target is op if op is not None else node.target in TRANSFER_OPS

@@ -1,0 +1,287 @@
+"""Fitting a plan to ``memory_budget``, and a plan as data for the memory model. Pure.
+
+``off_device(plan)`` says where each offloaded or recomputed tensor is off the device, as the rewrite
+will place its copies: ``analysis.memory.with_plan(baseline, off_device(plan))`` is then the pair's
+predicted timeline without rewriting anything. ``fit_budget`` adds un-hidden offloads and
+recomputations, least predicted time per byte first, until that timeline's peak fits.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from collections.abc import Mapping, Sequence
+
+from ..analysis.lifetimes import SavedTensor
+from ..analysis.memory import MemoryPoint, MemoryTimeline, OffDevice, outside_at, with_plan
+from ..analysis.recompute import RecomputeOption
+from ..options import OffloadOptions
+from ..sizes import fmt_bytes
+from .decisions import OffloadPlan, PlanCosts, planned_host_bytes
+from .schedule import TransferTiming, copy_seconds, schedule_transfers, windows
+from .trees import MinTree
+
+__all__ = ["BUDGET_TOLERANCE", "BudgetFit", "budget_bytes", "fit_budget", "off_device", "planned_memory", "unreachable_budget"]
+
+# A memory_budget is met when the peak is at most this much above it: the tolerance of a
+# measurement and of a replay that does not see an op's scratch.
+BUDGET_TOLERANCE = 0.03
+
+
+def budget_bytes(budget: int | float, baseline: MemoryTimeline) -> int:
+    """``memory_budget`` in bytes: an int as it is, a float as a fraction of ``baseline``'s peak."""
+    return int(budget * baseline.peak_bytes) if isinstance(budget, float) else int(budget)
+
+
+def estimated_interval(t: SavedTensor, fw_points: int) -> tuple[int, int]:
+    """Baseline points freed by offloading ``t`` for the budget: after its last use, until the
+    reload issued just before its first use."""
+    return t.fw_last_use + 1, fw_points + max(t.bw_first_use, 0) - 1
+
+
+def recompute_ends(
+    recomputes: Mapping[str, RecomputeOption], saved: Mapping[str, SavedTensor], fw_points: int
+) -> dict[str, int]:
+    """The last point each recomputed tensor is off the device: just before its first backward
+    use, or before a tensor recomputed from it is rebuilt, whichever comes first."""
+    ends = {name: estimated_interval(saved[name], fw_points)[1] for name in recomputes}
+    for _ in range(len(recomputes)):  # chains are short; stop as soon as nothing moves
+        changed = False
+        for name, option in recomputes.items():
+            for source in option.sources:
+                if source in ends and ends[name] - 1 < ends[source]:
+                    ends[source] = ends[name] - 1
+                    changed = True
+        if not changed:
+            break
+    return ends
+
+
+def offload_interval(t: SavedTensor, timing: TransferTiming | None, fw_points: int) -> OffDevice:
+    """Where offloading ``t`` takes it off the device: from the point after its forward wait (the
+    source is released there) to the node its reload is issued after; without a schedule, the
+    estimate of ``estimated_interval``."""
+    if timing is None:
+        lo, hi = estimated_interval(t, fw_points)
+    else:
+        # The wait comes after the node the copy is issued after at the earliest (the rewrite).
+        lo, hi = max(timing.fw_wait_after, t.fw_last_use + 1) + 1, fw_points + timing.bw_issue_after
+    return OffDevice(t.name, t.nbytes, lo, hi)
+
+
+def _recompute_interval(t: SavedTensor, end: int, fw_points: int) -> OffDevice:
+    return OffDevice(t.name, t.nbytes, estimated_interval(t, fw_points)[0], end)
+
+
+def off_device(plan: OffloadPlan) -> tuple[OffDevice, ...]:
+    """The plan as data for the memory model (``with_plan(plan.costs.baseline, ...)``): where each
+    offloaded or recomputed tensor is off the device. A plan made for a second partition
+    (``partition_costs`` set) has its recomputations in its baseline already."""
+    if plan.costs is None or plan.costs.baseline is None:
+        return ()
+    fw_points = sum(p.phase == "forward" for p in plan.costs.baseline.points)
+    off = [offload_interval(d.saved, d.timing, fw_points) for d in plan.offloaded]
+    recomputes = {d.saved.name: d.recompute for d in plan.recomputed if d.recompute is not None}
+    if recomputes and plan.partition_costs is None:
+        saved = {d.saved.name: d.saved for d in plan.decisions}
+        ends = recompute_ends(recomputes, saved, fw_points)
+        off += [_recompute_interval(saved[name], end, fw_points) for name, end in ends.items()]
+    return tuple(off)
+
+
+def planned_memory(plan: OffloadPlan) -> MemoryTimeline | None:
+    """The predicted timeline of the pair with ``plan`` (``with_plan`` of its baseline)."""
+    costs = plan.costs
+    if costs is None or costs.baseline is None:
+        return None
+    return with_plan(costs.baseline, off_device(plan), costs.calls, costs.kept)
+
+
+@dataclasses.dataclass
+class BudgetFit:
+    offloads: list[SavedTensor]
+    recomputes: dict[str, RecomputeOption]
+    stall_estimate: dict[str, float]  # predicted stall of an un-hidden offload, per candidate
+    peak: int  # the fit's estimate of the peak with its choices
+
+
+# A candidate of the fit: (cost per byte, output index, 0 offload / 1 recompute, tensor, option).
+_Candidate = tuple[float, int, int, SavedTensor, "RecomputeOption | None"]
+
+
+class _Fit:
+    """The state of ``fit_budget``: what is chosen so far and the candidates left."""
+
+    def __init__(
+        self,
+        saved: Sequence[SavedTensor],
+        chosen: Sequence[SavedTensor],
+        left: Sequence[SavedTensor],
+        recompute: Mapping[str, RecomputeOption],
+        costs: PlanCosts,
+        host_left: int | None,
+        recomputed: Mapping[str, RecomputeOption],
+    ) -> None:
+        self.costs, self.host_left = costs, host_left
+        self.points = costs.baseline.points
+        self.fw_points = sum(p.phase == "forward" for p in self.points)
+        self.stall_estimate = {t.name: self._standalone_stall(t) for t in left}
+        self.recomputes: dict[str, RecomputeOption] = dict(recomputed)
+        self.chosen = list(chosen)
+        self.taken = {t.name for t in chosen} | set(self.recomputes)  # offloaded or recomputed
+        self.saved = {t.name: t for t in saved}
+        pool: list[_Candidate] = [
+            (self.stall_estimate[t.name] / max(t.nbytes, 1), t.output_index, 0, t, None) for t in left
+        ]
+        for name, option in recompute.items():
+            t = self.saved.get(name)
+            if t is not None and name not in self.taken:
+                pool.append((option.seconds / max(t.nbytes, 1), t.output_index, 1, t, option))
+        self.pool = sorted(pool, key=lambda e: e[:3])
+        self.pinned = {s for option in self.recomputes.values() for s in option.sources}  # recomputed from
+        self.extra: list[SavedTensor] = []
+        # A pair planned for several of its calls (``costs.calls``): a tensor off the device is off in
+        # the earlier calls too, which lowers "outside" in a phase where the call holding the most
+        # there has earlier calls. Tracked per phase by the bytes off the device per call.
+        self.repeated = any(c.repeats for c in costs.calls)
+
+    def _standalone_stall(self, t: SavedTensor) -> float:
+        d2h, h2d = copy_seconds(t, self.costs.rates)
+        fw_window, bw_window = windows(t, self.costs.fw_starts, self.costs.bw_starts)
+        return max(0.0, d2h - fw_window) + max(0.0, h2d - bw_window)
+
+    def outside(self, phase: str, off_bytes: int) -> int:
+        return outside_at(self.costs.calls, phase, self.costs.kept - off_bytes) if self.repeated else 0
+
+    def usable(self, entry: _Candidate) -> bool:
+        t, option = entry[3], entry[4]
+        if t.name in self.taken:
+            return False
+        if option is None:
+            return t.name not in self.pinned and (
+                self.host_left is None or planned_host_bytes(t) <= self.host_left
+            )
+        # A source may be recomputed too (a chain, in either order of picking), never offloaded.
+        return not any(s in self.taken and s not in self.recomputes for s in option.sources)
+
+    def checked(self, max_inflight: int) -> tuple[MinTree, dict[str, int], int]:
+        """The memory model with everything chosen so far off the device where the real schedule puts
+        it (``with_plan``, the model the rewritten graph is held to), as a tree of -live bytes (its
+        min is minus the peak); the recomputations' ends; the bytes off the device."""
+        tensors = [*self.chosen, *self.extra]
+        schedule = schedule_transfers(
+            tensors, self.costs.fw_starts, self.costs.bw_starts, self.costs.rates, max_inflight,
+            wait_at_once=frozenset(t.name for t in self.extra),
+        )  # fmt: skip
+        applied = recompute_ends(self.recomputes, self.saved, self.fw_points)
+        off = [offload_interval(t, timing, self.fw_points) for timing, t in zip(schedule.timings, tensors)]
+        off += [_recompute_interval(self.saved[n], hi, self.fw_points) for n, hi in applied.items()]
+        timeline = with_plan(self.costs.baseline, off, self.costs.calls, self.costs.kept)
+        tree = MinTree.of([-float(p.total) for p in timeline.points])
+        return tree, applied, sum(o.nbytes for o in off)
+
+    def pick(self, tree: MinTree, off_bytes: int) -> _Candidate | None:
+        """The cheapest usable candidate that frees the peak's point (or lowers "outside" there)."""
+        at = tree.argmin()
+        pick = next(
+            (e for e in self.pool if _covers(estimated_interval(e[3], self.fw_points), at) and self.usable(e)), None
+        )
+        if pick is None and self.repeated:  # one that lowers "outside" there, by the earlier calls
+            phase = self.points[at].phase
+            now = self.outside(phase, off_bytes)
+            pick = next(
+                (e for e in self.pool if self.usable(e) and self.outside(phase, off_bytes + e[3].nbytes) < now),
+                None,
+            )
+        return pick
+
+    def take(self, entry: _Candidate, tree: MinTree, applied: dict[str, int], off_bytes: int) -> dict[str, int]:
+        """Choose ``entry``, and update ``tree`` as the estimate of its effect; returns the
+        recomputations' ends after it."""
+        self.pool.remove(entry)
+        t, option = entry[3], entry[4]
+        self.taken.add(t.name)
+        if self.repeated:
+            n = len(self.points)
+            for lo, hi, phase in ((0, self.fw_points - 1, "forward"), (self.fw_points, n - 1, "backward")):
+                lower = self.outside(phase, off_bytes) - self.outside(phase, off_bytes + t.nbytes)
+                if lo <= hi and lower:
+                    tree.add(lo, hi, float(lower))
+        if option is None:
+            self.extra.append(t)
+            if self.host_left is not None:
+                self.host_left -= planned_host_bytes(t)
+            lo, hi = estimated_interval(t, self.fw_points)
+            tree.add(lo, hi, float(t.nbytes))
+            return applied
+        self.recomputes[t.name] = option
+        self.pinned.update(option.sources)
+        # A chain holds its links at once: a recomputed source is live again from the moment a
+        # tensor recomputed from it is rebuilt.
+        ends = recompute_ends(self.recomputes, self.saved, self.fw_points)
+        tree.add(estimated_interval(t, self.fw_points)[0], ends[t.name], float(t.nbytes))
+        for name, end in ends.items():
+            if name != t.name and end < applied[name]:
+                tree.add(end + 1, applied[name], -float(self.saved[name].nbytes))
+        return ends
+
+
+def fit_budget(
+    budget: int,
+    saved: Sequence[SavedTensor],
+    chosen: Sequence[SavedTensor],
+    left: Sequence[SavedTensor],
+    recompute: Mapping[str, RecomputeOption],
+    costs: PlanCosts,
+    options: OffloadOptions,
+    host_left: int | None,
+    recomputed: Mapping[str, RecomputeOption] | None = None,
+) -> BudgetFit:
+    """Un-hidden offloads and recomputations, least predicted time per byte first, until the
+    predicted peak fits ``budget``.
+
+    Each candidate tensor may be offloaded (cost: its predicted stall, on its own) or recomputed
+    (cost: the op's compute time); both free the same interval, from its last forward use to just
+    before its first backward use. Nothing is recomputed from an offloaded tensor, and nothing
+    recomputed from is offloaded afterwards; a source may be recomputed too (a chain). Rounds: a
+    greedy pass on estimated intervals, then a check with the intervals the transfer schedule really
+    gives (copies queue on the link, waits and reloads move); repeat until the check passes or no
+    candidate is left. ``recomputed``: recomputations decided already (by the user), fixed.
+    ``host_left``: host bytes ``host_budget`` leaves for these offloads (None: unbounded).
+    """
+    fit = _Fit(saved, chosen, left, recompute, costs, host_left, recomputed or {})
+    last = len(fit.points) - 1
+    while True:
+        tree, applied, off_bytes = fit.checked(options.max_inflight_reloads)
+        if -tree.min(0, last) <= budget:
+            break
+        added = False
+        while -tree.min(0, last) > budget:  # a greedy round on estimated intervals
+            entry = fit.pick(tree, off_bytes)
+            if entry is None:
+                break
+            applied = fit.take(entry, tree, applied, off_bytes)
+            off_bytes += entry[3].nbytes if fit.repeated else 0
+            added = True
+        if not added:
+            break
+    reachable = int(-tree.min(0, last))
+    if reachable > budget:
+        unreachable_budget(budget, reachable, fit.points[tree.argmin()], options.strict)
+    return BudgetFit(fit.extra, fit.recomputes, fit.stall_estimate, reachable)
+
+
+def _covers(interval: tuple[int, int], point: int) -> bool:
+    return interval[0] <= point <= interval[1]
+
+
+def unreachable_budget(budget: int, peak: int, at: MemoryPoint, strict: bool) -> None:
+    """Say that ``budget`` cannot be reached, with the smallest predicted ``peak`` (at point ``at``):
+    a RuntimeWarning, or a ValueError with ``strict=True``."""
+    message = (
+        f"fxoffload: memory_budget {fmt_bytes(budget)} cannot be reached: the smallest predicted peak "
+        f"is {fmt_bytes(peak)} (at {at.phase} node {at.node}); applying that plan"
+    )
+    if strict:
+        raise ValueError(message.replace("; applying that plan", " (strict=True)"))
+    warnings.warn(message, RuntimeWarning, stacklevel=3)

@@ -1,0 +1,475 @@
+"""What fxoffload did to one compiled forward/backward pair, as data for people and for tools.
+
+``OffloadReport`` is an output: the compiler builds one per pair from the plan it applied and never
+reads one back to decide. Its text (``table``, ``summary``) is written by ``render``, its picture
+(``plot``) by ``plot``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+from typing import Any
+
+import torch.fx as fx
+
+from ..analysis.code_memory import host_in_flight as code_host_in_flight
+from ..analysis.code_memory import replay_pair
+from ..analysis.graph import storage_users
+from ..analysis.memory import CATEGORIES, CallOutside, MemoryPoint, MemoryTimeline
+from ..analysis.outside import OutsideMemory
+from ..ir import OFFLOAD, RELOAD, WAIT, is_transfer
+from ..planning.decisions import OffloadPlan, PlanCosts
+from ..planning.schedule import copy_seconds, windows
+from ..reasons import Action
+from ..rewrite.transfers import host_placeholder_name
+from ..sizes import tensor_bytes
+from . import plot as plotting
+from . import render
+
+log = logging.getLogger(__name__)
+
+__all__ = [
+    "HostCopy", "OffloadReport", "PassTimings", "PeakBreakdown", "SavedRow", "load_reports", "save_reports", "saved_rows",
+]  # fmt: skip
+
+
+@dataclasses.dataclass(frozen=True)
+class SavedRow:
+    """One saved tensor and what was decided for it."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    nbytes: int
+    decision: Action  # "offload", "keep" or "recompute" (an Action, equal to those strings)
+    reason: str  # the sentence; reason_code is its stable code
+    producer: str
+    device: str
+    fw_last_use: str  # forward node after which it is not needed on the device
+    bw_first_use: str  # backward node that needs it again
+    idle_compute_nodes: int
+    d2h_ms: float = 0.0  # predicted device-to-host copy time (cost model)
+    h2d_ms: float = 0.0  # predicted host-to-device copy time
+    fw_window_ms: float = 0.0  # predicted forward compute after its last use
+    bw_window_ms: float = 0.0  # predicted backward compute before its first use
+    recompute_ms: float = 0.0  # predicted compute time of recomputing it in the backward
+    recomputed_from: str = ""  # the saved tensors it is recomputed from, comma-separated
+    reason_code: str = ""  # a ReasonCode value ("min_bytes", "hidden", ...; docs/user-guide.md)
+    module_path: str = ""  # the module that produced it ("layers.0.mlp.fc1"), "" if none
+    recompute_refused: str = ""  # why it cannot be recomputed, when that was considered
+    recompute_refused_code: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class HostCopy:
+    """The host copy of one offloaded tensor, over the points of ``OffloadReport.memory_after``.
+
+    Host memory, not device memory: the memory model leaves it out of every device figure."""
+
+    name: str  # the saved tensor it copies (forward node)
+    host_name: str  # the backward placeholder that holds it
+    nbytes: int  # bytes of the host copy (the tensor's bytes, as ``host_bytes_total`` counts them)
+    first: int  # point of ``memory_after`` where ``fxoffload.offload`` takes it (forward)
+    last: int  # point after which it is released: its placeholder's last backward reader
+    # Points over which its reload's device destination is live (-1: no reload). The memory model counts
+    # that destination as "transient"; breakdowns and the plot count it with the saved activations.
+    reload_first: int = -1
+    reload_last: int = -1
+
+
+# The kinds a breakdown shows, in this order; "host" is host memory and not part of the device total.
+KINDS = ("parameters", "inputs", "gradients", "saved", "transient", "outside", "host")
+TIMELINES = ("before", "after", "compiled")
+
+
+@dataclasses.dataclass(frozen=True)
+class PeakBreakdown:
+    """What is live at the peak of one timeline of a report, by kind (``OffloadReport.peak_breakdown``)."""
+
+    timeline: str  # "before", "after" (the FX memory model) or "compiled" (replay of Inductor's code)
+    phase: str  # "forward" or "backward"
+    node: str  # the FX node running at the peak, or the line of Inductor's code
+    index: int  # the peak's point in that timeline
+    device: dict[str, int]  # device bytes per kind (``memory.CATEGORIES``); they sum to ``total``
+    # Bytes of offloaded tensors held on the host at that point (host memory, not in ``total``);
+    # None where it cannot be told (the compiled code's offloads do not match the plan's).
+    host_bytes: int | None
+
+    @property
+    def total(self) -> int:
+        return sum(self.device.values())
+
+    def kinds(self) -> str:
+        """``parameters 6.3 KiB, ..., transients 16.0 KiB; host copies in flight 8.0 KiB (host memory)``."""
+        return render.kinds_text(self.device, self.host_bytes)
+
+
+@dataclasses.dataclass(frozen=True)
+class PassTimings:
+    """Wall-clock seconds the backend spent on one graph pair (CPU work on every machine)."""
+
+    pass_s: float  # the fxoffload pass (analyse, plan, rewrite), without torch's second partition
+    repartition_s: float  # torch's partitioner run again for the recomputation the plan asked for
+    simulate_s: float  # the memory model run on the rewritten pair (``memory_after``); 0 if unchanged
+    fw_nodes: int  # nodes of the partitioned forward the pass was given (before the rewrite)
+    bw_nodes: int  # the same for the backward
+    # The whole compile of the graph: how many times the inner compiler ran for it (a plan made again
+    # for a missed budget, verify_peak's unchanged pair), and the seconds they took, pass included.
+    compiles: int = 0
+    compile_s: float = 0.0
+
+
+@dataclasses.dataclass(frozen=True)
+class OffloadReport:
+    """One per compiled forward/backward pair (``backend.reports``). Field names are stable."""
+
+    graph_id: int
+    policy: str
+    saved: tuple[SavedRow, ...]
+    note: str  # why the graph was left unchanged, when it was
+    fw_code: str
+    bw_code: str
+    fw_nodes: int
+    bw_nodes: int
+    host_budget: int | None  # the backend's bound on host bytes; None: unbounded
+    host_bytes_total: int  # host bytes planned by this and the earlier graphs of the same backend
+    memory_before: MemoryTimeline | None = None  # predicted device memory per node, without fxoffload
+    memory_after: MemoryTimeline | None = None  # the same for the rewritten graphs
+    predicted_stall_ms: float = 0.0  # compute-stream time predicted lost to waiting for copies
+    memory_budget: int | None = None  # the memory_budget in bytes, when one was asked for
+    device: str = ""  # the device the cost model priced, with its host link
+    predicted_recompute_ms: float = 0.0  # compute added to the backward by recomputation
+    # The code the inner compiler really runs, by graph ("forward", "backward"): Inductor's wrapper
+    # code, filled in as Inductor compiles each graph (the backward may come at the first backward
+    # call). Empty with inner="aot_eager", which runs ``fw_code``/``bw_code`` as they are.
+    output_code: dict[str, str] = dataclasses.field(default_factory=dict)
+    timings: PassTimings | None = None  # where the backend's time on this pair went
+    num_fwd_outputs: int | None = None  # the forward's user outputs, before its saved tensors
+    # The rewritten forward and backward GraphModules the partitioner returned: the forward object is
+    # what the inner compiler compiles, the backward is compiled from a deep copy AOTAutograd makes
+    # of it. Not in JSON, ``==`` or repr.
+    graphs: tuple[fx.GraphModule, fx.GraphModule] | None = dataclasses.field(
+        default=None, compare=False, repr=False
+    )
+    # The host copy of every offloaded tensor and when it is held, over ``memory_after``'s points.
+    host_copies: tuple[HostCopy, ...] = ()
+    # With memory_budget and Inductor: each earlier plan whose generated code missed the budget, and
+    # the target it was planned again for (oldest first); empty when the first plan's code met it.
+    replans: tuple[str, ...] = ()
+    # What code before this graph (eager code, other graphs) saved and holds on its device while it
+    # runs, read from the autograd graph behind its inputs when it compiled: "outside" in every
+    # timeline. None where it could not be read.
+    outside: OutsideMemory | None = None
+    # Device bytes one call keeps for its backward with this plan (``memory.kept_saved_bytes``).
+    kept_bytes: int = 0
+    # Device bytes of its parameters' gradients, held after its backward (``memory.param_grad_bytes``).
+    param_grad_bytes: int = 0
+
+    @property
+    def outside_bytes(self) -> int:
+        """"outside" in this pair's timelines with its plan: what code before it holds at the call
+        planned for, earlier calls of the same graph keeping ``kept_bytes`` each (``outside``)."""
+        return self.outside.outside(self.kept_bytes) if self.outside is not None else 0
+
+    @classmethod
+    def from_plan(
+        cls,
+        graph_id: int,
+        plan: OffloadPlan,
+        fw: fx.GraphModule,
+        bw: fx.GraphModule,
+        host_budget: int | None,
+        host_bytes_before: int,
+        memory_before: MemoryTimeline | None = None,
+        memory_after: MemoryTimeline | None = None,
+        **fields: Any,
+    ) -> OffloadReport:
+        """The report of ``plan`` applied to the rewritten pair ``fw``, ``bw``; ``fields``: the
+        report's other fields (``timings``, ``outside``, ``output_code``, ...)."""
+        costs = plan.costs
+        rows = saved_rows(plan)
+        return cls(
+            graph_id, plan.policy, rows, plan.note, fw.code, bw.code,
+            len(fw.graph.nodes), len(bw.graph.nodes),
+            host_budget, host_bytes_before + plan.host_bytes, memory_before, memory_after,
+            plan.stall * 1e3, plan.memory_budget, _device_line(costs), plan.recompute_seconds * 1e3,
+            host_copies=_host_copies(fw, bw, memory_after), graphs=(fw, bw), **fields,
+        )  # fmt: skip
+
+    @property
+    def offloaded(self) -> tuple[SavedRow, ...]:
+        return tuple(r for r in self.saved if r.decision == Action.OFFLOAD)
+
+    @property
+    def offloaded_bytes(self) -> int:
+        return sum(r.nbytes for r in self.offloaded)
+
+    @property
+    def recomputed(self) -> tuple[SavedRow, ...]:
+        return tuple(r for r in self.saved if r.decision == Action.RECOMPUTE)
+
+    @property
+    def saved_bytes(self) -> int:
+        return sum(r.nbytes for r in self.saved)
+
+    def table(self, rows: str = "all", width: int | None = None, kept: int = 5) -> str:
+        """The saved tensors, their decisions and the reasons, as a text table (``render.table``)."""
+        return render.table(self, rows, width, kept)
+
+    def summary(self) -> str:
+        """Predicted peak before and after, where it is and what is live there by kind, the peak of
+        Inductor's code when replayed, bytes offloaded and host memory (``render.summary``)."""
+        return render.summary(self)
+
+    def plot(self, path: str, measured: Any = None) -> str:
+        """Draw device memory over the step to a PNG or SVG (``plot.plot``); returns ``path``."""
+        return plotting.plot(self, path, measured)
+
+    @property
+    def predicted_peak_before(self) -> int:
+        return self.memory_before.peak_bytes if self.memory_before else 0
+
+    @property
+    def predicted_peak_after(self) -> int:
+        return self.memory_after.peak_bytes if self.memory_after else 0
+
+    @property
+    def start_bytes(self) -> int:
+        """Bytes of every timeline live before the step starts: the parameters and the inputs, less the
+        inputs that code before this graph made in the step, and that code's parameters
+        (``outside``). A measured peak above the step's start (``fxoffload.measure_memory``) plus
+        these compares with a point's total."""
+        timeline = self.memory_after or self.memory_before
+        points = timeline.points if timeline is not None else ()
+        held = max((p.live["parameters"] + p.live["inputs"] for p in points), default=0)
+        up = self.outside
+        return max(0, held - (up.made_inputs_bytes if up is not None else 0)) + (up.params_bytes if up else 0)
+
+    def expected_memory(self) -> MemoryTimeline | None:
+        """The prediction the code that runs is held to: the replay of Inductor's code where there is
+        one (``compiled_memory``), else the FX model's ``memory_after``."""
+        compiled = self.compiled_memory()
+        return compiled if compiled is not None and compiled.points else self.memory_after
+
+    def compiled_memory(self) -> MemoryTimeline | None:
+        """Device memory of one step replayed from the code Inductor generated for this pair
+        (``analysis.code_memory``): the buffers it really allocates after fusion and reuse, freed where it frees
+        them. None until both graphs are compiled, and with ``inner="aot_eager"``, which runs the FX
+        graphs themselves (``memory_after`` is the prediction then)."""
+        later = self.outside.outside_backward(self.kept_bytes) if self.outside is not None else 0
+        return replay_pair(self.output_code, self.num_fwd_outputs, self.outside_bytes, later)
+
+    def timeline(self) -> list[dict[str, object]]:
+        """Predicted live device bytes after every node, without and with fxoffload, as data; "host" is
+        the bytes of offloaded tensors held on the host at that node (not in "total")."""
+        out: list[dict[str, object]] = []
+        for which, timeline in (("before", self.memory_before), ("after", self.memory_after)):
+            host = self.host_in_flight(which) or []
+            for i, p in enumerate(timeline.points if timeline else ()):
+                out.append({"graph": which, "step": i, "phase": p.phase, "node": p.node, "total": p.total, **p.live,
+                            "host": host[i] if i < len(host) else 0})  # fmt: skip
+        return out
+
+    def _timeline(self, which: str) -> MemoryTimeline | None:
+        if which not in TIMELINES:
+            raise ValueError(
+                f"fxoffload: timeline {which!r}: choose 'before' (predicted without fxoffload), 'after' "
+                f"(predicted with it) or 'compiled' (replay of Inductor's generated code)"
+            )
+        if which == "compiled":
+            return self.compiled_memory()
+        return self.memory_before if which == "before" else self.memory_after
+
+    def host_in_flight(self, which: str = "after") -> list[int] | None:
+        """Bytes of offloaded tensors held on the host at every point of a timeline ("before", "after" or
+        "compiled"): from where each ``fxoffload.offload`` runs in the forward to the last backward
+        reader of its host copy. Host memory, never in the device figures. None when the timeline is
+        missing, or when the replayed code's offloads do not match the plan's (see ``analysis.code_memory.host_in_flight``)."""
+        timeline = self._timeline(which)
+        if timeline is None:
+            return None
+        n = len(timeline.points)
+        if which == "before" or not self.host_copies:
+            return [0] * n
+        if which == "compiled":
+            return code_host_in_flight(timeline, [(c.host_name, c.first, c.nbytes) for c in self.host_copies])
+        delta = [0] * (n + 1)
+        for c in self.host_copies:
+            delta[max(0, c.first)] += c.nbytes
+            delta[min(n, c.last + 1)] -= c.nbytes
+        out, running = [], 0
+        for d in delta[:n]:
+            running += d
+            out.append(running)
+        return out
+
+    def device_kinds(self, which: str = "after") -> list[dict[str, int]] | None:
+        """Device bytes per kind at every point of a timeline: the memory model's categories, except
+        that a reloaded tensor's device copy (which the model counts as "transient") is counted with the
+        saved activations, from its reload to its last reader. The replay of Inductor's code
+        ("compiled") keeps its own categories (reloads there are transients)."""
+        timeline = self._timeline(which)
+        if timeline is None:
+            return None
+        kinds = [{k: p.live.get(k, 0) for k in CATEGORIES} for p in timeline.points]
+        if which == "after":
+            for c in self.host_copies:
+                points = range(c.reload_first, min(len(kinds), c.reload_last + 1)) if c.reload_first >= 0 else ()
+                for i in points:
+                    moved = min(c.nbytes, kinds[i]["transient"])
+                    kinds[i]["transient"] -= moved
+                    kinds[i]["saved"] += moved
+        return kinds
+
+    def peak_breakdown(self, which: str = "after") -> PeakBreakdown | None:
+        """What is live at the peak of a timeline, by kind: parameters, inputs, gradients, saved
+        activations and transients on the device (they sum to the peak), and the host copies in flight
+        there (host memory, apart); reloaded tensors count as saved activations (``device_kinds``).
+        ``which``: "after" (the memory model on the rewritten graphs, what runs), "before" (without
+        fxoffload) or "compiled" (the replay of Inductor's generated code; None until both graphs are
+        compiled, and with ``inner="aot_eager"``)."""
+        timeline = self._timeline(which)
+        if timeline is None or not timeline.points:
+            return None
+        index = max(range(len(timeline.points)), key=lambda i: timeline.points[i].total)
+        peak = timeline.points[index]
+        host = self.host_in_flight(which)
+        return PeakBreakdown(
+            which, peak.phase, peak.node, index, self.device_kinds(which)[index], None if host is None else host[index]
+        )
+
+    def to_json(self) -> str:
+        """The whole report as JSON; ``OffloadReport.from_json`` reads it back."""
+        data = dataclasses.asdict(dataclasses.replace(self, graphs=None))  # asdict would deep-copy them
+        del data["graphs"]
+        return json.dumps(data, indent=1)
+
+    @classmethod
+    def from_json(cls, text: str) -> OffloadReport:
+        data = json.loads(text)
+        data["saved"] = tuple(
+            SavedRow(**{**r, "shape": tuple(r["shape"]), "decision": Action(r["decision"])})
+            for r in data["saved"]
+        )
+        for key in ("memory_before", "memory_after"):
+            if data[key] is not None:
+                data[key] = MemoryTimeline(tuple(MemoryPoint(**p) for p in data[key]["points"]))
+        if data.get("timings") is not None:
+            data["timings"] = PassTimings(**data["timings"])
+        data["host_copies"] = tuple(HostCopy(**c) for c in data.get("host_copies", ()))
+        data["replans"] = tuple(data.get("replans", ()))
+        if "upstream" in data:  # written before the field was renamed
+            data["outside"] = data.pop("upstream")
+        if data.get("outside") is not None:
+            up = data["outside"]
+            data["outside"] = OutsideMemory(**{
+                **up, "largest": tuple(tuple(x) for x in up["largest"]),
+                "calls": tuple(CallOutside(**c) for c in up.get("calls", ())),
+            })  # fmt: skip
+        return cls(**data)
+
+    def graph_code(self) -> str:
+        """The rewritten forward and backward graphs as Python code (before the inner compiler)."""
+        return f"# forward, graph {self.graph_id}\n{self.fw_code}\n# backward, graph {self.graph_id}\n{self.bw_code}"
+
+    def __str__(self) -> str:
+        return render.table(self)
+
+
+def saved_rows(plan: OffloadPlan) -> tuple[SavedRow, ...]:
+    """One row per decision of ``plan``, with the predicted copy times and compute windows."""
+    return tuple(
+        SavedRow(
+            name=d.saved.name,
+            shape=d.saved.shape,
+            dtype=str(d.saved.dtype).replace("torch.", ""),
+            nbytes=d.saved.nbytes,
+            decision=d.decision,
+            reason=d.reason.text,
+            producer=d.saved.producer,
+            device=str(d.saved.device),
+            fw_last_use=d.saved.fw_last_user,
+            bw_first_use=d.saved.bw_first_user,
+            idle_compute_nodes=d.saved.idle_compute_nodes,
+            **_timing_fields(d, plan.partition_costs if d.decision == Action.RECOMPUTE else plan.costs),
+            recomputed_from=", ".join(d.recompute.sources) if d.recompute is not None else "",
+            reason_code=d.reason.code.value,
+            module_path=d.saved.module_path,
+            recompute_refused=d.recompute_refused.text if d.recompute_refused else "",
+            recompute_refused_code=d.recompute_refused.code.value if d.recompute_refused else "",
+        )
+        for d in plan.decisions
+    )
+
+
+def _timing_fields(d: Any, costs: PlanCosts | None) -> dict[str, float]:
+    """Predicted copy times and compute windows of a saved tensor (every row, offloaded or not)."""
+    if costs is None:
+        return {}
+    d2h, h2d = copy_seconds(d.saved, costs.rates)
+    fw_window, bw_window = windows(d.saved, costs.fw_starts, costs.bw_starts)
+    recompute = d.recompute.seconds if d.recompute is not None else 0.0
+    return {
+        "d2h_ms": d2h * 1e3, "h2d_ms": h2d * 1e3, "fw_window_ms": fw_window * 1e3, "bw_window_ms": bw_window * 1e3,
+        "recompute_ms": recompute * 1e3,
+    }  # fmt: skip
+
+
+def _device_line(costs: PlanCosts | None) -> str:
+    if costs is None:
+        return ""
+    r = costs.rates
+    line = f"{r.name}: link {r.d2h / 1e9:.1f} GB/s out, {r.h2d / 1e9:.1f} GB/s in"
+    if costs.calibrated:
+        line += f"; {costs.calibrated} compute nodes timed (calibrate=True)"
+    return line
+
+
+def _host_copies(fw: fx.GraphModule, bw: fx.GraphModule, after: MemoryTimeline | None) -> tuple[HostCopy, ...]:
+    """Every offloaded tensor's host copy over the points of ``after`` (the memory model on the rewritten
+    ``fw``, ``bw``: one point per node but the outputs). The forward returns the host copy (an
+    ``offload``, through its ``wait``) among its saved values; the backward receives it in the
+    placeholder the rewrite named after the saved tensor (``rewrite.host_placeholder_name``, as
+    ``apply_plan`` finds the saved tensor's placeholder by its forward name)."""
+    fw_nodes = [n for n in fw.graph.nodes if n.op != "output"]
+    bw_nodes = [n for n in bw.graph.nodes if n.op != "output"]
+    names = [(p.phase, p.node) for p in after.points] if after is not None else []
+    if names != [("forward", n.name) for n in fw_nodes] + [("backward", n.name) for n in bw_nodes]:
+        return ()  # not the timeline of these graphs (the graphs were left unchanged)
+    placeholders = {n.name: n for n in bw_nodes if n.op == "placeholder"}
+    fw_index = {n: i for i, n in enumerate(fw_nodes)}
+    bw_index = {n: len(fw_nodes) + i for i, n in enumerate(bw_nodes)}
+    copies = []
+    for out in fw.graph.output_node().args[0]:
+        copy = out
+        while isinstance(copy, fx.Node) and is_transfer(copy, WAIT):
+            copy = copy.args[0]
+        if not (isinstance(copy, fx.Node) and is_transfer(copy, OFFLOAD)):
+            continue
+        source = copy.args[0]
+        held = placeholders.get(host_placeholder_name(source.name)) if isinstance(source, fx.Node) else None
+        if held is None:
+            continue
+        last = max((bw_index[u] for u in held.users if u in bw_index), default=len(fw_nodes))
+        reloads = [u for u in held.users if is_transfer(u, RELOAD)]
+        # The reload's destination lives from the reload to its last reader through any alias (its wait).
+        reload_first = bw_index[reloads[0]] if reloads else -1
+        reload_users = storage_users(reloads[0]) if reloads else []
+        reload_last = max((bw_index[u] for u in reload_users if u in bw_index), default=reload_first)
+        copies.append(HostCopy(source.name, held.name,
+                               tensor_bytes(copy.meta["val"]), fw_index[copy], last,
+                               reload_first, reload_last if reloads else -1))  # fmt: skip
+    return tuple(copies)
+
+
+def save_reports(reports: list[OffloadReport], path: str) -> None:
+    """Write several reports to one JSON file (a list); ``load_reports`` reads it back."""
+    with open(path, "w") as f:
+        f.write("[\n" + ",\n".join(r.to_json() for r in reports) + "\n]\n")
+
+
+def load_reports(path: str) -> list[OffloadReport]:
+    with open(path) as f:
+        return [OffloadReport.from_json(json.dumps(item)) for item in json.load(f)]

@@ -1,0 +1,221 @@
+"""The CPU copy engine: what a GPU's copy engines do, on two threads, with races made visible.
+
+On a machine without an accelerator (``offload_cpu=True``) the transfer ops copy CPU tensors into
+separate host buffers on these threads, concurrently with compute, and release the source storage
+exactly as on a GPU. A destination holds poison until its wait, so a read the graph did not order
+after the wait sees NaN every time, not only when a thread happens to be slow.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import queue
+import threading
+import time
+
+import torch
+
+from .._compat import free_storage_weak_ref, storage_expired, storage_weak_ref
+from ..sizes import span_bytes, span_elements
+from .host_pool import STAGING_POOL
+
+__all__ = ["COPY_ENGINE", "CopyEngine", "CopyEngineStats", "copy_stats", "reset_copy_stats"]
+
+D2H, H2D = "d2h", "h2d"
+
+
+def span(t: torch.Tensor) -> torch.Tensor:
+    """A 1-D view of the storage bytes ``t`` addresses (one contiguous run: a plain memcpy). A
+    transfer copies the whole strided span of its tensor: Inductor may hand the ops a padded buffer,
+    and copying the span keeps the very buffer the graph computed, with its layout."""
+    return t.as_strided((span_elements(t.shape, t.stride()),), (1,), t.storage_offset())
+
+
+def span_nbytes(t: torch.Tensor) -> int:
+    return span_bytes(t.shape, t.stride(), t.dtype)
+
+
+def layout_like(storage: torch.UntypedStorage, like: torch.Tensor) -> torch.Tensor:
+    """A tensor of ``like``'s dtype, size and stride at the start of ``storage``."""
+    out = torch.empty(0, dtype=like.dtype, device=storage.device)
+    return out.set_(storage, 0, like.size(), like.stride())
+
+
+@dataclasses.dataclass
+class CopyEngineStats:
+    """What the CPU copy engine did since the last ``reset_copy_stats()`` (per direction)."""
+
+    copies: dict[str, int]
+    bytes: dict[str, int]
+    wait_seconds: dict[str, float]  # time the compute thread spent blocked in ``wait`` on a copy
+    copy_seconds: dict[str, float]  # link time of the copies waited on: from their start on the link to done
+
+
+class CopyJob:
+    """One copy on a copy thread: ``src`` into a private staging buffer, published into ``dest`` at
+    the wait.
+
+    ``dest`` holds a poison value (NaN, or the type's smallest value for integers) from issue until
+    the wait, on purpose: a read that is not ordered after the wait sees poison every time, not only
+    when a thread happens to be slow. The job holds the source only while it copies; the wait checks
+    that the graph kept it alive until then (a GPU would otherwise reuse its memory mid-copy).
+    """
+
+    __slots__ = ("direction", "src", "src_ptr", "src_ref", "staging", "nbytes", "bandwidth", "done", "error",
+                 "seconds", "claim", "start", "ready_at", "copied_at")  # fmt: skip
+
+    def __init__(self, direction: str, src: torch.Tensor, staging: torch.Tensor, bandwidth: float) -> None:
+        self.direction = direction
+        self.src: torch.Tensor | None = src
+        self.src_ptr = src.untyped_storage().data_ptr()
+        self.src_ref = storage_weak_ref(src.untyped_storage())
+        self.staging = staging
+        self.nbytes = span_nbytes(src)
+        self.bandwidth = bandwidth
+        self.done = threading.Event()
+        self.error: BaseException | None = None
+        self.seconds = 0.0
+        self.claim = threading.Lock()  # taken by whichever thread copies the bytes: the copy thread or the wait
+        # The link's clock (perf_counter seconds), set at submit: when the copy starts on the link and
+        # when the link is done with it; ``copied_at`` is when its bytes were really copied.
+        self.start = self.ready_at = self.copied_at = 0.0
+
+
+class CopyEngine:
+    """Two copy threads (device-to-host and host-to-device), each a FIFO link like a copy engine.
+
+    With ``bandwidth`` > 0 (bytes/s) a copy takes at least ``nbytes / bandwidth`` seconds from when
+    the link is free: the link's speed is chosen, so overlap is measured with a known link.
+
+    The link keeps its own clock, as a DMA engine would: a copy starts when it is issued or when the
+    copy before it ends, and is done ``nbytes / bandwidth`` later (or once its bytes are copied, if
+    that is later). The thread only copies the bytes, and a wait that finds them not yet taken copies
+    them itself; the wait then holds the compute thread until the link is done. Copy threads that
+    slept through the link time, and a wait that waited for a copy thread to be scheduled, put the
+    operating system's scheduling on the critical path: on two busy cores that was milliseconds a
+    copy, time the link model (and a GPU's copy engine) does not have (docs/results.md, "Overlap").
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._queues: dict[str, queue.SimpleQueue[CopyJob]] = {}
+        self._link_free = {D2H: 0.0, H2D: 0.0}  # when each direction's link finishes its queued copies
+        self._stats = self._zero()
+
+    @staticmethod
+    def _zero() -> CopyEngineStats:
+        return CopyEngineStats({D2H: 0, H2D: 0}, {D2H: 0, H2D: 0}, {D2H: 0.0, H2D: 0.0}, {D2H: 0.0, H2D: 0.0})
+
+    def submit(self, job: CopyJob) -> None:
+        with self._lock:
+            q = self._queues.get(job.direction)
+            if q is None:
+                q = self._queues[job.direction] = queue.SimpleQueue()
+                threading.Thread(target=self._run, args=(q,), name=f"fxoffload-{job.direction}", daemon=True).start()
+            self._stats.copies[job.direction] += 1
+            self._stats.bytes[job.direction] += job.nbytes
+            job.start = max(time.perf_counter(), self._link_free[job.direction])
+            job.ready_at = job.start + (job.nbytes / job.bandwidth if job.bandwidth > 0 else 0.0)
+            self._link_free[job.direction] = job.ready_at
+        q.put(job)
+
+    def _run(self, q: queue.SimpleQueue[CopyJob]) -> None:
+        while True:
+            job = q.get()
+            if job.claim.acquire(blocking=False):  # else its wait copied it already
+                self._copy(job)
+            del job  # the wait holds the job from here on; a finished one must not outlive it
+
+    @staticmethod
+    def _copy(job: CopyJob) -> None:
+        try:
+            with torch.no_grad():
+                span(job.staging).copy_(span(job.src))  # type: ignore[arg-type]
+        except BaseException as e:  # reported at the wait, on the compute thread
+            job.error = e
+        job.src = None  # from here on only the graph keeps the source alive
+        job.copied_at = time.perf_counter()
+        job.done.set()
+
+    def wait(self, job: CopyJob) -> None:
+        t0 = time.perf_counter()
+        if job.claim.acquire(blocking=False):  # its copy thread has not got to it yet
+            self._copy(job)
+        job.done.wait()
+        ready = max(job.ready_at, job.copied_at)
+        delay = ready - time.perf_counter()
+        if delay > 0:  # the link is still busy with it
+            time.sleep(delay)
+        # The link's time: a throttled copy whose bytes were copied late (no one waited) took no longer.
+        job.seconds = (job.ready_at if job.bandwidth > 0 else job.copied_at) - job.start
+        waited = time.perf_counter() - t0
+        with self._lock:
+            self._stats.wait_seconds[job.direction] += waited
+            self._stats.copy_seconds[job.direction] += job.seconds
+
+    def stats(self) -> CopyEngineStats:
+        with self._lock:
+            return copy.deepcopy(self._stats)
+
+    def reset(self) -> None:
+        with self._lock:
+            self._stats = self._zero()
+
+
+COPY_ENGINE = CopyEngine()
+
+
+def copy_stats() -> CopyEngineStats:
+    """Copies, bytes and blocked time of the CPU copy engine (``offload_cpu=True``) since the last reset."""
+    return COPY_ENGINE.stats()
+
+
+def reset_copy_stats() -> None:
+    COPY_ENGINE.reset()
+
+
+def _poison(t: torch.Tensor) -> None:
+    """Fill every byte ``t`` addresses with a value no correct computation would read back."""
+    if t.dtype.is_floating_point or t.dtype.is_complex:
+        value: float | int | bool = float("nan")
+    elif t.dtype is torch.bool:
+        value = True
+    else:
+        value = torch.iinfo(t.dtype).min
+    with torch.no_grad():
+        span(t).fill_(value)
+
+
+def start_cpu_copy(direction: str, src: torch.Tensor, dest: torch.Tensor, bandwidth: float) -> CopyJob:
+    """Poison ``dest`` and queue the copy of ``src``'s bytes on the ``direction`` thread; the
+    caller's wait publishes them (``finish_cpu_copy``)."""
+    staging = layout_like(STAGING_POOL.acquire(span_nbytes(src), pin=False).untyped_storage(), src)
+    _poison(dest)
+    job = CopyJob(direction, src, staging, bandwidth)
+    COPY_ENGINE.submit(job)
+    return job
+
+
+def finish_cpu_copy(job: CopyJob, dest: torch.Tensor, keepalive: torch.Tensor) -> None:
+    COPY_ENGINE.wait(job)
+    if job.error is not None:
+        raise RuntimeError(f"fxoffload: a {job.direction} copy failed: {job.error}") from job.error
+    if storage_expired(job.src_ref):
+        free_storage_weak_ref(job.src_ref)
+        raise RuntimeError(
+            f"fxoffload.wait: the source of a {job.direction} copy was released before the copy was waited on; "
+            "on a GPU its memory could be reused while the transfer still reads it (the wait must keep the "
+            "source alive)"
+        )
+    if keepalive.untyped_storage().data_ptr() != job.src_ptr:
+        raise RuntimeError(
+            f"fxoffload.wait: the buffer this wait keeps alive is not the one its {job.direction} copy reads "
+            "(a copy of it was passed to one of the two ops); the source can be freed mid-copy"
+        )
+    with torch.no_grad():
+        span(dest).copy_(span(job.staging))  # the real bytes appear when the copy is waited on
+    job.staging = None  # back to the staging pool
+    free_storage_weak_ref(job.src_ref)
+
+

@@ -1,0 +1,177 @@
+"""What the transfer ops do on real tensors: the only code that touches streams, events and host buffers.
+
+The ops and the pattern they form in a graph are defined in ``fxoffload.ir``; this module registers
+their implementations and imports nothing of the pass. ``record_stream`` is never used: a storage a
+transfer reads or writes is kept alive by the graph (the wait's ``keepalive`` argument) until the
+compute stream has waited on the transfer's event.
+
+Where a tensor really lives is read here, when the copy runs, never from the traced (fake) value:
+a few ops return tensors on another device than their fake function says (the philox seed and
+offset of ``_scaled_dot_product_efficient_attention`` are CPU scalars at run time and cuda under
+fake tensors, pytorch#121528). An offload remembers the device its source was on, and the reload
+of that host copy returns it there, whatever device the graph was traced with: a tensor that lives
+on the host at run time is never copied onto the accelerator for a kernel that reads it on the host.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Sequence
+
+import torch
+
+from .._compat import storage_expired, storage_weak_ref
+from ..ir import LIBRARY
+from .copy_engine import D2H, H2D, CopyJob, finish_cpu_copy, layout_like, span, span_nbytes, start_cpu_copy
+from .host_pool import HOST_POOL
+
+log = logging.getLogger(__name__)
+
+__all__ = ["track_releases"]
+
+_transfer_streams: dict[torch.device, torch.Stream] = {}
+
+
+def _transfer_stream(device: torch.device) -> torch.Stream:
+    stream = _transfer_streams.get(device)
+    if stream is None:
+        stream = _transfer_streams[device] = torch.Stream(device=device)
+    return stream
+
+
+@dataclasses.dataclass
+class _Pending:
+    event: torch.Event | None  # a device copy: the event recorded after it on the transfer stream
+    device: torch.device  # the device whose compute stream must wait
+    job: CopyJob | None = None  # a CPU copy: the copy engine's job
+
+
+# Keyed by the data pointer of a transfer's destination: unique while that destination is alive,
+# and the destination is alive until its ``wait`` because ``wait`` takes it as an argument.
+_pending: dict[int, _Pending] = {}
+
+# The device each host copy's source lived on at run time, by the host buffer's data pointer (set
+# by the offload, read by the reload). Bounded by the host pool: its buffers are reused every step.
+_origin: dict[int, torch.device] = {}
+
+# Opt-in record of released source storages, read by tests to prove the release really happened.
+_release_log: list[tuple[int, object]] | None = None
+
+
+class track_releases:
+    """Context manager recording a weak reference to every offloaded source storage.
+
+    ``.released()`` / ``.alive()`` tell how many of those storages were freed. Used by the tests to
+    prove that offloading really gives the memory back; weak references never keep a storage alive.
+    """
+
+    def __enter__(self) -> track_releases:
+        global _release_log
+        self._previous = _release_log
+        _release_log = []
+        self.log = _release_log
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        global _release_log
+        _release_log = self._previous
+
+    def count(self) -> int:
+        return len(self.log)
+
+    def alive(self) -> int:
+        return sum(not storage_expired(ref) for _, ref in self.log)
+
+    def released(self) -> int:
+        return self.count() - self.alive()
+
+
+def _register(dest: torch.Tensor, pending: _Pending) -> None:
+    key = dest.data_ptr()
+    if key in _pending:
+        log.debug("fxoffload: dropping a stale pending transfer at %#x", key)
+    _pending[key] = pending
+
+
+def _pop(dest: torch.Tensor) -> _Pending:
+    try:
+        return _pending.pop(dest.data_ptr())
+    except KeyError:
+        raise RuntimeError(
+            "fxoffload.wait: no transfer is pending for this tensor; every wait must follow the "
+            "offload or reload that produced its first argument"
+        ) from None
+
+
+def _device_copy(src: torch.Tensor, dest: torch.Tensor, device: torch.device) -> None:
+    """``dest <- src`` on ``device``'s transfer stream, after what the compute stream has issued."""
+    compute = torch.accelerator.current_stream(device)
+    transfer = _transfer_stream(device)
+    transfer.wait_stream(compute)  # the producer of src (or the allocation of dest) has been issued
+    event = torch.Event(device=device)
+    with transfer:  # restores the previous stream and current device on exit
+        span(dest).copy_(span(src), non_blocking=True)  # pinned pool buffer, or pageable: then it syncs
+        transfer.record_event(event)
+    _register(dest, _Pending(event, device))
+
+
+def _offload_impl(src: torch.Tensor, after: Sequence[torch.Tensor], bandwidth: float = 0.0) -> torch.Tensor:
+    # The host buffer gets the source's size and stride; the span between its first and last element
+    # is copied as one run of bytes, so reload restores the very layout, padding included.
+    claim = HOST_POOL.acquire(span_nbytes(src), pin=src.device.type != "cpu", device=src.device)
+    host = layout_like(claim.untyped_storage(), src)  # the first bytes of a buffer maybe larger
+    _origin[host.data_ptr()] = src.device
+    if _release_log is not None:
+        _release_log.append((id(src), storage_weak_ref(src.untyped_storage())))
+    if src.device.type == "cpu":
+        _register(host, _Pending(None, src.device, start_cpu_copy(D2H, src, host, bandwidth)))
+    else:
+        _device_copy(src, host, src.device)
+    return host
+
+
+def _reload_impl(
+    host: torch.Tensor, device: torch.device, after: Sequence[torch.Tensor], bandwidth: float = 0.0
+) -> torch.Tensor:
+    if host.data_ptr() in _pending:
+        raise RuntimeError(
+            "fxoffload.reload: the host buffer it reads is still being written by its offload (the offload "
+            "was not waited on); the reload would copy unwritten bytes"
+        )
+    # Back where the source lived when it was offloaded; ``device`` (the traced one) only for a host
+    # tensor this process did not offload.
+    origin = _origin.get(host.data_ptr(), device)
+    if origin != device:
+        log.debug("fxoffload: a tensor traced on %s lived on %s: reloaded there", device, origin)
+    # Allocated on the compute stream (the current one), so the caching allocator ties the block to
+    # the stream that uses it; the copy itself runs on the transfer stream.
+    dest = torch.empty_strided(host.size(), host.stride(), dtype=host.dtype, device=origin)
+    if origin.type == "cpu":
+        _register(dest, _Pending(None, origin, start_cpu_copy(H2D, host, dest, bandwidth)))
+    else:
+        _device_copy(host, dest, origin)
+    return dest
+
+
+def _wait_impl(dest: torch.Tensor, keepalive: torch.Tensor, after: Sequence[torch.Tensor]) -> torch.Tensor:
+    pending = _pop(dest)
+    if pending.job is not None:
+        finish_cpu_copy(pending.job, dest, keepalive)
+    elif pending.event is not None:
+        torch.accelerator.current_stream(pending.device).wait_event(pending.event)
+    # ``keepalive`` ends here: its storage may be freed and reused from now on, which is safe
+    # because every later kernel on the compute stream is ordered after the copy.
+    return dest
+
+
+def _order_impl(x: torch.Tensor, after: Sequence[torch.Tensor]) -> torch.Tensor:
+    return x  # its users now come after ``after``: the data edge is the whole point
+
+
+_lib = torch.library.Library(LIBRARY, "IMPL")
+for _name, _impl in (
+    ("offload", _offload_impl), ("reload", _reload_impl), ("wait", _wait_impl), ("order", _order_impl),
+):  # fmt: skip
+    # One implementation for every device: the arguments mix host and device tensors.
+    _lib.impl(_name, _impl, "CompositeExplicitAutograd")

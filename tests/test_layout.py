@@ -1,0 +1,79 @@
+"""The package's layout is a contract: layers that import downwards only, no import hidden in a
+function to dodge a cycle, and modules and functions a reader can hold in mind."""
+
+import ast
+import pathlib
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+PACKAGE = ROOT / "fxoffload"
+MAX_MODULE_LINES = 500
+MAX_FUNCTION_LINES = 80
+# A function longer than MAX_FUNCTION_LINES says why in a comment that starts with this.
+LONG_REASON = "# long:"
+
+
+def _modules():
+    return sorted(PACKAGE.rglob("*.py"))
+
+
+def test_the_layers_contract_holds():
+    """import-linter's contracts in pyproject.toml: tools > testing > compiler > reporting > rewrite >
+    planning | measure > analysis > runtime > the core modules; the pass never imports the runtime."""
+    importlinter = pytest.importorskip("importlinter.cli", reason="import-linter is a test dependency")
+    code = importlinter.lint_imports(config_filename=str(ROOT / "pyproject.toml"), no_cache=True)
+    assert code == 0, "an import crosses the layers: run `lint-imports` for the contract it breaks"
+
+
+def test_no_function_imports_a_module_of_the_package():
+    """Imports of fxoffload's own modules are at the top of a module: one inside a function is how a
+    cycle between layers is hidden."""
+    found = []
+    for path in _modules():
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            for inner in ast.walk(node):
+                if isinstance(inner, ast.ImportFrom) and (inner.level > 0 or (inner.module or "").startswith("fxoffload")):
+                    found.append(f"{path.relative_to(ROOT)}:{inner.lineno} in {node.name}")
+                elif isinstance(inner, ast.Import) and any(a.name.startswith("fxoffload") for a in inner.names):
+                    found.append(f"{path.relative_to(ROOT)}:{inner.lineno} in {node.name}")
+    assert not found, found
+
+
+def test_modules_and_functions_stay_small_or_say_why():
+    too_long = []
+    for path in _modules():
+        text = path.read_text()
+        lines = text.splitlines()
+        if len(lines) > MAX_MODULE_LINES:
+            too_long.append(f"{path.relative_to(ROOT)}: {len(lines)} lines")
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                length = node.end_lineno - node.lineno + 1
+                body = "\n".join(lines[node.lineno - 1 : node.end_lineno])
+                if length > MAX_FUNCTION_LINES and LONG_REASON not in body:
+                    too_long.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name}: {length} lines")
+    assert not too_long, too_long
+
+
+def test_the_layout_check_fails_on_an_import_that_goes_up(tmp_path):
+    """The contract is not a test that cannot fail: a planning module importing the compiler is refused."""
+    pytest.importorskip("importlinter.cli", reason="import-linter is a test dependency")
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    copy = tmp_path / "fxoffload"
+    shutil.copytree(PACKAGE, copy, ignore=shutil.ignore_patterns("__pycache__"))
+    plan = copy / "planning" / "plan.py"
+    plan.write_text(plan.read_text().replace("from ..options import", "from ..compiler import backend\nfrom ..options import", 1))
+    shutil.copy(ROOT / "pyproject.toml", tmp_path / "pyproject.toml")
+    run = subprocess.run(
+        [sys.executable, "-c", "import sys; from importlinter.cli import lint_imports; sys.exit(lint_imports(no_cache=True))"],
+        cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(tmp_path)}, capture_output=True, text=True,
+    )  # fmt: skip
+    assert run.returncode != 0 and "fxoffload.planning.plan -> fxoffload.compiler" in run.stdout, run.stdout[-2000:]
