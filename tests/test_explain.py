@@ -212,7 +212,7 @@ def test_logs_and_trace_artifacts(tmp_path):
         "import torch, fxoffload\n"
         "b = fxoffload.backend(inner='aot_eager', offload_cpu=True, min_bytes=0, policy='all', partitioner='default')\n"
         "f = torch.compile(lambda x: (x.sin() * x.cos()).sum(), backend=b)\n"
-        "f(torch.randn(8, requires_grad=True)).backward()\n"
+        "f(torch.randn(256, requires_grad=True)).backward()\n"
     )
     env = {**__import__("os").environ, "TORCH_LOGS": "+fxoffload", "TORCH_TRACE": str(tmp_path)}
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)

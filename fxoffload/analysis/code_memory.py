@@ -54,8 +54,8 @@ import torch
 from ..sizes import span_bytes
 from .memory import CATEGORIES, MemoryPoint, MemoryTimeline
 from .output_code import (
-    Statement, arg_names, asserted_layouts, base_name, eval_ints, module_args, parse_dtype, returned_names,
-    split_args, statements,
+    Statement, arg_names, asserted_layouts, base_name, call_body, eval_ints, module_args, parse_dtype,
+    returned_names, split_args, statements,
 )
 
 log = logging.getLogger(__name__)
@@ -246,7 +246,7 @@ def simulate_output_code(
     """
     symbols = dict(symbols or {})
     temporaries = dict(temporaries or {})
-    fw, bw = statements(fw_code), statements(bw_code)
+    fw, bw = (statements(code) if call_body(code) else [] for code in (fw_code, bw_code))
     if not fw or not bw:
         which = " and ".join(n for n, s in (("fw_code", fw), ("bw_code", bw)) if not s)
         raise ValueError(

@@ -127,8 +127,11 @@ class GraphCompiler:
         code peaks over it (``refine``), the lowest peak kept. The FX fit is no verdict under
         Inductor (it is 9-38% high where Inductor fuses): with ``strict``, the code is judged, by
         the caller (``check_budget``), not the fit."""
-        plan_opts = opts.replace(strict=False) if opts.strict and _compat.can_lower_backward_at_compile() else opts
+        early = _compat.can_lower_backward_at_compile()
+        plan_opts = opts.replace(strict=False) if opts.strict and early else opts
         first.options = plan_opts
+        if early:  # judged by ``compile`` once both graphs are lowered, not when the backward's code comes
+            first.on_backward_code = None
         replans: list[str] = []
 
         tried: list[int | None] = []

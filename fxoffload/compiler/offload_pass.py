@@ -117,7 +117,10 @@ def _recompute_or_offload(
     (the fit estimated it from the first pair): where it misses the budget, planned again for a
     target lowered by the miss (``refine``). An offload-only plan of the first pair may still do
     better: the lowest peak wins."""
-    budget, options = first.memory_budget, context.options
+    # Judged against the target the plan was made for: below the budget when the compiler plans
+    # again after a miss in the generated code.
+    budget = first.budget_target if first.budget_target is not None else first.memory_budget
+    options = context.options
     tried = [0]
 
     def attempt(target: int | None) -> Trial | None:
@@ -137,7 +140,7 @@ def _recompute_or_offload(
         second, more = attempt_quietly(lambda: _second_plan(plan, new_fw, new_bw, names, context))
         return Trial((new_fw, new_bw, second), planned_memory(second).peak_bytes, target, said=held + more)
 
-    best, trials = refine(budget, attempt, options.max_replans, start=first.budget_target)
+    best, trials = refine(budget, attempt, options.max_replans)
     if best is None or (budget is not None and best.peak is not None and best.peak > budget):
         try:
             alone, held = attempt_quietly(lambda: plan_for(first.budget_target, with_recompute=False))
