@@ -10,6 +10,7 @@ reports and the host budget all count the same way:
   of Inductor's code counts, and what a transfer copies (``span_elements``).
 - ``host_bytes(nbytes, pinned)``: the bytes a host buffer able to hold ``nbytes`` really takes.
 - ``distinct_storage_bytes(tensors)``: the bytes of the distinct storages of real tensors.
+- ``cuda_block_bytes(nbytes)``: what the CUDA caching allocator counts for a storage (its block).
 
 ``fmt_bytes`` writes a count for people.
 """
@@ -23,7 +24,13 @@ import torch
 
 from ._compat import size_hint
 
-__all__ = ["distinct_storage_bytes", "fmt_bytes", "host_bytes", "span_bytes", "span_elements", "tensor_bytes"]
+__all__ = [
+    "CUDA_BLOCK_BYTES", "cuda_block_bytes", "distinct_storage_bytes", "fmt_bytes", "host_bytes", "span_bytes",
+    "span_elements", "tensor_bytes",
+]  # fmt: skip
+
+# The CUDA caching allocator hands out blocks whose size is a multiple of this (c10's kMinBlockSize).
+CUDA_BLOCK_BYTES = 512
 
 
 def tensor_bytes(val: torch.Tensor) -> int:
@@ -68,6 +75,16 @@ def host_bytes(nbytes: int, pinned: bool = False) -> int:
         return 1 << (nbytes - 1).bit_length()
     step = 1 << max(0, (nbytes - 1).bit_length() - 3)
     return -(-nbytes // step) * step
+
+
+def cuda_block_bytes(nbytes: int) -> int:
+    """Bytes ``torch.cuda.memory_allocated`` counts for a storage of ``nbytes``: the block the caching
+    allocator hands out, ``nbytes`` rounded up to a multiple of ``CUDA_BLOCK_BYTES`` (c10's
+    ``round_size``); 0 stays 0 (no block). With ``PYTORCH_CUDA_ALLOC_CONF=roundup_power2_divisions``
+    large sizes round further; not modelled."""
+    if nbytes <= 0:
+        return 0
+    return -(-nbytes // CUDA_BLOCK_BYTES) * CUDA_BLOCK_BYTES
 
 
 def distinct_storage_bytes(tensors: Iterable[torch.Tensor]) -> int:

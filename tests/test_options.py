@@ -117,6 +117,9 @@ BAD_VALUES = [
     ({"offload_modules": (3,)}, r"offload_modules must be a tuple of non-empty module path patterns .* got \(3,\)"),
     ({"offload_modules": None}, r"offload_modules must be a tuple .* got None"),
     ({"offload_modules": ("*.mlp.*",), "policy": "none"}, r"offload_modules needs a policy that offloads; policy='none'"),
+    ({"max_replans": -1}, r"max_replans must be an int >= 0, got -1"),
+    ({"max_replans": 1.5}, r"max_replans must be an int >= 0, got 1.5"),
+    ({"broken_rule": "all_of_them"}, r"broken_rule='all_of_them' is not valid; choose one of: 'no_wait_before_use'"),
 ]
 
 
@@ -186,7 +189,7 @@ def test_string_backend_takes_options_and_reports():
         options={"offload_cpu": True, "min_bytes": 0, "policy": "all", "inner": "aot_eager",
                  "partitioner": "default"},  # saves sin and cos instead of recomputing them
     )
-    x = torch.randn(64, requires_grad=True)
+    x = torch.randn(256, requires_grad=True)  # 1 KiB saved tensors: a copy is worth it from 512 bytes
     f(x).backward()
     torch.testing.assert_close(x.grad, (x.cos() ** 2 - x.sin() ** 2))
     reports = fxoffload.reports()
@@ -197,7 +200,7 @@ def test_string_backend_takes_options_and_reports():
 def test_report_api():
     backend = fxoffload.backend(offload_cpu=True, min_bytes=0, policy="all", inner="aot_eager")
     f = torch.compile(lambda x: (x.exp() * x.tanh()).sum(), backend=backend)
-    f(torch.randn(32, requires_grad=True)).backward()
+    f(torch.randn(256, requires_grad=True)).backward()
     (report,) = backend.reports
     table = report.table()
     for row in report.saved:

@@ -28,14 +28,31 @@ Who holds what between and around the two functions:
 - tangents are allocated before the backward runs; what the backward returns is the gradients (live
   to the end of the step, ``AccumulateGrad`` keeps them).
 - ``torch.ops.fxoffload.offload`` returns a host buffer (no device bytes); ``reload`` allocates its
-  device destination; ``wait`` and ``order`` return their first argument.
+  device destination; ``wait`` and ``order`` return their first argument, and so does
+  ``copy_if_misaligned`` (torch 2.13, on inputs: it copies only data that is not 16-byte aligned).
 
 A point is recorded after every statement of ``call``, so a kernel's inputs and outputs are counted
 together (the frees come on later lines). A fallback op's result is allocated while its arguments
 are alive, plus its scratch (``temporaries``). Sizes are storage spans (``empty_strided`` size,
-stride, dtype). A fallback's dtype is not in the text: the dtype of its first tensor argument is
-taken. What the text cannot show: outputs of a multi-output fallback that no line reads (allocated
-and dropped by the op, never counted) and memory of generated kernels (none on CPU).
+stride, dtype). A fallback's dtype is not in the text, so it is taken, in this order, from the
+backward's ``get_args`` when the result is a saved tensor (``rand_strided(..., dtype=...)``), from
+``_OUTPUT_DTYPES`` for the few ops whose outputs differ in dtype from their inputs (the bool mask of
+``native_dropout``, the float32 logsumexp and int64 seeds of the attention kernels), else from its
+first tensor argument. What the text cannot show: outputs of a multi-output fallback that no line
+reads (allocated and dropped by the op, never counted) and memory of generated kernels (none on CPU).
+
+CUDA code (``empty_strided_cuda``, ``device='cuda...'``) is counted as the caching allocator counts it
+(``torch.cuda.memory_allocated``): every storage is a block rounded up to a multiple of 512 bytes
+(``sizes.cuda_block_bytes``), and the philox seed and offset of efficient and flash attention are
+host scalars at run time although the code's asserts say cuda (measured on an H100,
+``../shared/gpu/sdpa_seed_devices.txt``): no device bytes (``_HOST_OUTPUTS``). Left out, because they
+are not the step's own bytes or cannot be read from the code: the cuBLAS workspace
+(``CUBLAS_WORKSPACE_BYTES`` per handle and stream, allocated at the first matmul of a thread and kept:
+live before a steady step starts, one for the forward's thread and one for autograd's), cuDNN and
+cuBLASLt scratch inside a kernel, and a cached block handed out whole (a large block is split only
+when more than 1 MiB would be left; it depends on the allocator's history, not on this step's code).
+On an H100 this replay matched the GPT of ``tests/test_cuda.py`` to 512 bytes, and the 12-layer
+stack's absolute peaks within 0.5% with the 65 MiB of workspaces added (docs/results.md).
 
 Pure text in, a ``memory.MemoryTimeline`` out (``MemoryPoint.node`` names the line); nothing here
 imports Inductor.
@@ -51,7 +68,7 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from ..sizes import span_bytes
+from ..sizes import cuda_block_bytes, span_bytes
 from .memory import CATEGORIES, MemoryPoint, MemoryTimeline
 from .output_code import (
     Statement, arg_names, asserted_layouts, base_name, call_body, eval_ints, module_args, parse_dtype,
@@ -60,7 +77,26 @@ from .output_code import (
 
 log = logging.getLogger(__name__)
 
-__all__ = ["host_in_flight", "replay_pair", "simulate_output_code"]
+__all__ = ["CUBLAS_WORKSPACE_BYTES", "host_in_flight", "replay_pair", "simulate_output_code"]
+
+# cuBLAS's workspace on sm90 and later (CublasHandlePool.cpp: 4096 * 8 * 1024 when major >= 9), one
+# per (handle, stream): the calling thread and autograd's each have a handle. Live before a steady step
+# starts, so not in a replay; a peak compared with a device's capacity adds it.
+CUBLAS_WORKSPACE_BYTES = 32 * 2**20
+
+# Outputs (index -> dtype) of multi-output ops whose dtype is not their first tensor argument's.
+_OUTPUT_DTYPES: dict[str, dict[int, torch.dtype]] = {
+    "aten.native_dropout.default": {1: torch.bool},
+    "aten._scaled_dot_product_efficient_attention.default": {1: torch.float32, 2: torch.int64, 3: torch.int64},
+    "aten._scaled_dot_product_flash_attention.default": {1: torch.float32, 6: torch.int64, 7: torch.int64},
+    "aten._scaled_dot_product_cudnn_attention.default": {1: torch.float32, 6: torch.int64, 7: torch.int64},
+}
+# Outputs that live on the host at run time while the code's fake tensors say cuda (pytorch#121528):
+# the philox seed and offset, CPU scalars outside CUDA-graph capture. cuDNN's are on the device.
+_HOST_OUTPUTS: dict[str, frozenset[int]] = {
+    "aten._scaled_dot_product_efficient_attention.default": frozenset({2, 3}),
+    "aten._scaled_dot_product_flash_attention.default": frozenset({6, 7}),
+}
 
 _ASSIGN = re.compile(r"^(\w+) = (.+)$")
 _EMPTY = re.compile(r"^empty_strided(?:_\w+)?\((.*)\)$")
@@ -84,6 +120,9 @@ class _Storage:
 class _State:
     """The replay's bookkeeping: names of the running function and the storages they hold."""
 
+    cuda: bool = False  # CUDA code: storages counted as the caching allocator's blocks
+    # Dtypes of fallback results read elsewhere in the code (the backward's get_args for saved tensors).
+    known_dtypes: dict[str, torch.dtype] = dataclasses.field(default_factory=dict)
     storages: list[_Storage] = dataclasses.field(default_factory=list)
     # name -> the storages it holds (several for the tuple a multi-output op returns)
     names: dict[str, list[int]] = dataclasses.field(default_factory=dict)
@@ -92,7 +131,7 @@ class _State:
     events: list[tuple[str, str, frozenset[int], int]] = dataclasses.field(default_factory=list)
 
     def new(self, nbytes: int, phase: str) -> int:
-        self.storages.append(_Storage(nbytes, phase))
+        self.storages.append(_Storage(cuda_block_bytes(nbytes) if self.cuda else nbytes, phase))
         self.live.add(len(self.storages) - 1)
         return len(self.storages) - 1
 
@@ -168,14 +207,16 @@ def _run(
                 tensors = [base_name(a) for a in positional if base_name(a) in state.names]
                 dtype = next((state.dtypes[t] for t in tensors if t in state.dtypes), torch.float32)
                 kind = _FXOFFLOAD.match(op)
-                if kind and kind.group(1) in ("wait", "order"):
+                # copy_if_misaligned (torch 2.13, on an input): a copy only of data that is not 16-byte
+                # aligned, never the case for an allocator block; the input itself otherwise.
+                if op == "copy_if_misaligned" or (kind and kind.group(1) in ("wait", "order")):
                     state.dtypes[target] = dtype
                     state.bind(target, state.names.get(tensors[0], []) if tensors else [])
                 elif kind and kind.group(1) == "offload":
                     state.dtypes[target] = dtype
                     state.bind(target, [])  # a host buffer: no device bytes
                 else:
-                    ids = _allocate(target, stmt, phase, dtype, asserts, getitems, state)
+                    ids = _allocate(target, stmt, phase, dtype, asserts, getitems, state, op.removeprefix("torch.ops."))
                     state.dtypes[target] = dtype
                     state.bind(target, ids)
                     names = [n.strip() for n in source.split(",") if n.strip()]
@@ -194,11 +235,17 @@ def _allocate(
     asserts: Mapping[str, tuple],
     getitems: Mapping[str, list[tuple[int, str]]],
     state: _State,
+    op: str = "",
 ) -> list[int]:
-    """Storages a fallback or extern kernel returns, sized by the ``assert_size_stride`` of its result or
-    of the elements read from it."""
+    """Storages a fallback or extern kernel ``op`` returns, sized by the ``assert_size_stride`` of its
+    result or of the elements read from it, each in its dtype: ``state.known_dtypes`` (read elsewhere
+    in the code), else ``_OUTPUT_DTYPES[op]``, else ``dtype`` (its first tensor argument's). In CUDA
+    code, an output of ``_HOST_OUTPUTS[op]`` is on the host: 0 device bytes."""
+    known = state.known_dtypes
     if target in asserts:
-        return [state.new(span_bytes(*asserts[target], dtype), phase)]
+        return [state.new(span_bytes(*asserts[target], known.get(target, dtype)), phase)]
+    by_index = _OUTPUT_DTYPES.get(op, {})
+    on_host = _HOST_OUTPUTS.get(op, frozenset()) if state.cuda else frozenset()
     elements = sorted(getitems.get(target, ()))
     if not elements:
         log.debug("fxoffload: no size for the result of %r: counted as 0 bytes", stmt)
@@ -207,11 +254,33 @@ def _allocate(
     for index, name in elements:
         while len(ids) < index:  # outputs no line reads: unknown size (often None)
             ids.append(state.new(0, phase))
-        nbytes = span_bytes(*asserts[name], dtype) if name in asserts else 0
+        element_dtype = known.get(name, by_index.get(index, dtype))
+        state.dtypes[name] = element_dtype  # what ``name = target[index]`` binds next
+        sized = name in asserts and index not in on_host
+        nbytes = span_bytes(*asserts[name], element_dtype) if sized else 0
         if name not in asserts:
             log.debug("fxoffload: no size for %s (element %d of %r): counted as 0 bytes", name, index, stmt)
         ids.append(state.new(nbytes, phase))
     return ids
+
+
+def _is_cuda_code(code: str) -> bool:
+    return "empty_strided_cuda(" in code or "device='cuda" in code
+
+
+def _saved_dtypes(
+    fw: Sequence[Statement], bw_args: Sequence[str], bw_sizes: Mapping[str, tuple[int, torch.dtype]]
+) -> dict[str, torch.dtype]:
+    """The dtype of each saved tensor the forward returns, by the forward's name for it: the backward
+    receives the saved tensors first, in the forward's order, and its ``get_args`` says their dtypes
+    (the one place the text gives a fallback result's dtype)."""
+    returned = returned_names(fw)
+    saved_args = [a for a in bw_args if not a.startswith("tangents_")]
+    out: dict[str, torch.dtype] = {}
+    for name, arg in zip(returned[len(returned) - len(saved_args) :], saved_args):
+        if name and arg in bw_sizes:
+            out.setdefault(name, bw_sizes[arg][1])
+    return out
 
 
 def simulate_output_code(
@@ -252,10 +321,11 @@ def simulate_output_code(
         raise ValueError(
             f"{which}: no 'def call(...)' with statements found; pass Inductor's Python wrapper code"
         )
-    state = _State()
+    bw_args, bw_sizes = arg_names(bw), module_args(bw_code, symbols)
+    state = _State(cuda=_is_cuda_code(fw_code) or _is_cuda_code(bw_code), known_dtypes=_saved_dtypes(fw, bw_args, bw_sizes))
     _bind_forward_args(state, arg_names(fw), module_args(fw_code, symbols), set(static_input_indices))
     returned = _run("forward", fw, state, symbols, temporaries)
-    bw_args, bw_sizes = arg_names(bw), module_args(bw_code, symbols)
+    state.known_dtypes = {}  # the backward's results are gradients: their first argument's dtype
     saved = _saved_between(state, returned, bw_args, num_fwd_outputs)
     _bind_backward_args(state, bw_args, bw_sizes, saved)
     grads = _run("backward", bw, state, symbols, temporaries)

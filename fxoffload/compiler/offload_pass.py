@@ -140,7 +140,13 @@ def _recompute_or_offload(
         second, more = attempt_quietly(lambda: _second_plan(plan, new_fw, new_bw, names, context))
         return Trial((new_fw, new_bw, second), planned_memory(second).peak_bytes, target, said=held + more)
 
-    best, trials = refine(budget, attempt, options.max_replans)
+    def on_replan(trial: Trial, target: int) -> None:
+        log.info(
+            "fxoffload: recomputing %d tensors, the new partition peaks at %s, over the budget %s; planning "
+            "again for %s", len(trial.value[2].recomputed), fmt_bytes(trial.peak), fmt_bytes(budget), fmt_bytes(target),
+        )  # fmt: skip
+
+    best, trials = refine(budget, attempt, options.max_replans, on_replan)
     if best is None or (budget is not None and best.peak is not None and best.peak > budget):
         try:
             alone, held = attempt_quietly(lambda: plan_for(first.budget_target, with_recompute=False))

@@ -79,7 +79,7 @@ def refine(
         target = (target if target is not None else budget) - (trial.peak - budget)
         if target <= 0:
             break
-        log.info(
+        log.debug(
             "fxoffload: a plan peaked at %s, over the budget %s; planning again for %s",
             fmt_bytes(trial.peak), fmt_bytes(budget), fmt_bytes(target),
         )  # fmt: skip

@@ -15,7 +15,7 @@ from ..analysis.lifetimes import GraphLifetimes, SavedTensor
 from ..analysis.recompute import RecomputeOption
 from ..options import OffloadOptions
 from ..reasons import Action, Reason, ReasonCode
-from ..sizes import fmt_bytes
+from ..sizes import CUDA_BLOCK_BYTES, fmt_bytes
 from .budget import budget_bytes, fit_budget, planned_memory
 from .decisions import Decision, OffloadPlan, PlanCosts, planned_host_bytes
 from .policy import user_choice
@@ -28,7 +28,7 @@ __all__ = ["MIN_COPY_BYTES", "ineligible_reason", "plan_offloads", "replan_after
 # one such block, for two copies, an event and a host buffer. (The few-byte tensors it keeps on the
 # device include the philox seed and offset of efficient attention, which live on the host at run
 # time although traced on the device: ``runtime.transfers`` keeps them where they are regardless.)
-MIN_COPY_BYTES = 512
+MIN_COPY_BYTES = CUDA_BLOCK_BYTES
 
 
 def ineligible_reason(t: SavedTensor, options: OffloadOptions, *, asked: bool = False) -> Reason | None:

@@ -22,6 +22,7 @@ KIND_NAMES = {
     "saved": "saved activations", "transient": "transients", "host": "host copies in flight",
     "outside": "held by code before this graph",
 }  # fmt: skip
+# The device kinds a breakdown shows, in this order ("host", host memory, comes apart).
 _DEVICE_KINDS = ("parameters", "inputs", "gradients", "saved", "transient", "outside")
 
 

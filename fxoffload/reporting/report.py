@@ -79,8 +79,6 @@ class HostCopy:
     reload_last: int = -1
 
 
-# The kinds a breakdown shows, in this order; "host" is host memory and not part of the device total.
-KINDS = ("parameters", "inputs", "gradients", "saved", "transient", "outside", "host")
 TIMELINES = ("before", "after", "compiled")
 
 
