@@ -28,10 +28,15 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
+import dataclasses
+
 import torch
 import torch.fx as fx
 
-__all__ = ["LIBRARY", "OFFLOAD", "ORDER", "RELOAD", "TRANSFER_OPS", "WAIT", "fake_impl", "is_transfer"]
+__all__ = [
+    "LIBRARY", "OFFLOAD", "ORDER", "RELOAD", "TRANSFER_OPS", "TransferTime", "WAIT", "fake_impl", "is_transfer",
+    "transfer_name",
+]  # fmt: skip
 
 LIBRARY = "fxoffload"
 
@@ -40,18 +45,23 @@ _lib = torch.library.Library(LIBRARY, "DEF")
 # (needs_exact_strides) made it copy a padded CUDA buffer into a fresh one for each op, so the copy
 # and its wait saw different buffers and the one being copied was freed before the wait.
 _TAGS = (torch.Tag.flexible_layout,)
-_lib.define("offload(Tensor src, Tensor[] after, float bandwidth=0.) -> Tensor", tags=_TAGS)
-_lib.define("reload(Tensor host, Device device, Tensor[] after, float bandwidth=0.) -> Tensor", tags=_TAGS)
+# ``name``: which saved tensor the copy moves, as "<graph id>:<tensor>" (``TransferTime.name``).
+_lib.define("offload(Tensor src, Tensor[] after, float bandwidth=0., str name='') -> Tensor", tags=_TAGS)
+_lib.define(
+    "reload(Tensor host, Device device, Tensor[] after, float bandwidth=0., str name='') -> Tensor", tags=_TAGS
+)
 _lib.define("wait(Tensor(a) dest, Tensor keepalive, Tensor[] after) -> Tensor(a)", tags=_TAGS)
 _lib.define("order(Tensor(a) x, Tensor[] after) -> Tensor(a)", tags=_TAGS)
 
 
-def _offload_fake(src: torch.Tensor, after: Sequence[torch.Tensor], bandwidth: float = 0.0) -> torch.Tensor:
+def _offload_fake(
+    src: torch.Tensor, after: Sequence[torch.Tensor], bandwidth: float = 0.0, name: str = ""
+) -> torch.Tensor:
     return torch.empty_strided(src.size(), src.stride(), dtype=src.dtype, device="cpu")
 
 
 def _reload_fake(
-    host: torch.Tensor, device: torch.device, after: Sequence[torch.Tensor], bandwidth: float = 0.0
+    host: torch.Tensor, device: torch.device, after: Sequence[torch.Tensor], bandwidth: float = 0.0, name: str = ""
 ) -> torch.Tensor:
     return torch.empty_strided(host.size(), host.stride(), dtype=host.dtype, device=device)
 
@@ -91,3 +101,29 @@ def is_transfer(node: fx.Node, op: torch._ops.OpOverload | None = None) -> bool:
     if node.op != "call_function":
         return False
     return node.target is op if op is not None else node.target in TRANSFER_OPS
+
+
+def transfer_name(graph_id: int, saved: str) -> str:
+    """The ``name`` argument of the copies of saved tensor ``saved`` of graph ``graph_id``."""
+    return f"{graph_id}:{saved}"
+
+
+@dataclasses.dataclass(frozen=True)
+class TransferTime:
+    """One copy as the device ran it (``runtime.timing``), in seconds. The window is the compute
+    stream's time from the copy's issue to its wait: what the copy can hide behind."""
+
+    name: str  # ``transfer_name(graph id, saved tensor)``
+    direction: str  # "d2h" (an offload) or "h2d" (a reload)
+    nbytes: int
+    window_s: float  # compute between the copy's issue and its wait
+    copy_s: float  # the copy itself, on its link
+    stall_s: float  # how long the compute stream waited for it at the wait
+
+    @property
+    def graph_id(self) -> int:
+        return int(self.name.split(":", 1)[0]) if ":" in self.name else -1
+
+    @property
+    def tensor(self) -> str:
+        return self.name.split(":", 1)[-1]

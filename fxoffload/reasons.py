@@ -55,6 +55,7 @@ class ReasonCode(_StrEnum):
     # policy="auto" and memory_budget.
     TOO_SOON = "too_soon"
     NOT_HIDDEN = "not_hidden"
+    MEASURED_STALL = "measured_stall"
     HIDDEN = "hidden"
     IDLE_WINDOW = "idle_window"
     POLICY_ALL = "policy_all"

@@ -443,7 +443,7 @@ def test_reading_stops_at_max_nodes_and_says_so():
 
 
 def test_the_watch_stops_reading_after_its_time(monkeypatch):
-    from fxoffload.compiler.watch import OutsideWatch as _UpstreamWatch
+    from fxoffload.compiler.watch import CallWatch as _UpstreamWatch
 
     monkeypatch.setattr(_UpstreamWatch, "SECONDS", 0.0)
     torch._dynamo.reset()

@@ -25,7 +25,7 @@ Not seen, so not counted: tensors earlier code holds outside autograd (a cache, 
 an optimizer's state, buffers saved by earlier code (counted as if made in the step: they cannot be
 told from a mask made there), parameters of code after this graph, and what that code allocates
 (an eager LM head after per-layer blocks; a later graph's gradients). Read when the graph
-compiles, and again at its first calls (``compiler.watch.OutsideWatch``): a graph run again later in the
+compiles, and again at its first calls (``compiler.watch.CallWatch``): a graph run again later in the
 step (a block compiled once and run per layer) holds more there, partly what its own earlier calls
 saved, which changes with its plan (``calls``).
 """
@@ -69,7 +69,7 @@ class OutsideMemory:
     # graph's timeline but this one's "outside" (another block's weights, an eager encoder's).
     params_bytes: int = 0
     # A graph run several times in a step (a block compiled once and run per layer, read at its
-    # calls: ``compiler.watch.OutsideWatch``) is planned for its calls at once: what each holds, less what
+    # calls: ``compiler.watch.CallWatch``) is planned for its calls at once: what each holds, less what
     # the earlier calls of the same graph keep (that changes with its plan), and the gradients of the
     # calls after it during its backward. Empty: one call, holding ``held_bytes``.
     calls: tuple[CallOutside, ...] = ()

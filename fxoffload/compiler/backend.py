@@ -13,7 +13,7 @@ from ..options import OffloadOptions
 from ..reporting.report import OffloadReport
 from .compile import GraphCompiler, copy_graph_module
 from .pair import PairRegister
-from .watch import OutsideWatch
+from .watch import CallWatch
 
 log = logging.getLogger(__name__)
 
@@ -32,7 +32,7 @@ class OffloadBackend:
         self._register = PairRegister()
         self._compiler = GraphCompiler(self._register)
         # By graph id: the most bytes code before the graph was seen holding at one of its calls, where
-        # that is more than it was planned with (``watch.OutsideWatch``).
+        # that is more than it was planned with (``watch.CallWatch``).
         self.outside_seen: dict[int, int] = {}
         self.__name__ = "fxoffload"  # torch.compile names a backend by it
 
@@ -59,17 +59,18 @@ class OffloadBackend:
         opts = self.options
         if mode is not None or options:
             opts = opts.replace(**(options or {}), **({"mode": mode} if mode else {}))
-        # Kept to plan again at run time for what code before the graph holds there (``OutsideWatch``).
+        # Kept to plan again at run time (``CallWatch``): for what code before the graph holds there,
+        # for the times its copies took.
         pristine = None
-        if opts.memory_budget is not None and _static_shapes(gm):
+        if (opts.memory_budget is not None or opts.base_policy == "auto") and _static_shapes(gm):
             try:
                 pristine = copy_graph_module(gm)
             except Exception as e:  # then it is said, not planned again
                 log.debug("fxoffload: cannot keep a copy of the graph to plan it again (%s)", e)
         compiled, pair = self._compiler.compile(gm, example_inputs, opts, pristine=pristine)
-        if pair is None or pair.outside is None:
+        if pair is None or (pair.outside is None and not pair.plan.offloaded):
             return compiled
-        return OutsideWatch(self._compiler, pair, opts, pristine, self.outside_seen).wrap(compiled)
+        return CallWatch(self._compiler, pair, opts, pristine, self.outside_seen).wrap(compiled)
 
 
 def _static_shapes(gm: fx.GraphModule) -> bool:

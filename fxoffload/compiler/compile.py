@@ -20,6 +20,7 @@ from ..analysis.memory import MemoryTimeline
 from ..analysis.outside import OutsideMemory
 from ..options import OffloadOptions
 from ..planning.budget import BUDGET_TOLERANCE
+from ..planning.measured import Measured
 from ..reasons import Reason, ReasonCode
 from ..sizes import fmt_bytes
 from .costs import read_outside
@@ -42,6 +43,7 @@ class GraphCompiler:
     def __init__(self, register: PairRegister) -> None:
         self.register = register
         self._compiles: list[float] = []  # seconds of each inner compile of the graph being compiled
+        self._measured: Measured | None = None  # what the device measured of the graph's earlier plan
 
     def _inductor(
         self, graph: fx.GraphModule, example_inputs: list[Any], partitioner: OffloadPartitioner, patches: dict[str, Any]
@@ -60,11 +62,14 @@ class GraphCompiler:
         outside: OutsideMemory | None = None,
         graph_id: int | None = None,
         pristine: fx.GraphModule | None = None,
+        measured: Measured | None = None,
     ) -> tuple[Compiled, PlannedPair | None]:
         """``gm`` compiled, and its pair (None: no backward, or not lowered yet). ``outside``: what
         code before it holds, where not read from ``example_inputs``; ``graph_id``: the id of a
-        graph compiled again; ``pristine``: an unchanged copy of ``gm`` made already."""
+        graph compiled again; ``pristine``: an unchanged copy of ``gm`` made already; ``measured``:
+        what the device measured of its copies under its earlier plan."""
         self._compiles = []
+        self._measured = measured
         outside = outside if outside is not None else read_outside(example_inputs)
         partitioner = self._partitioner(opts, outside, graph_id)
         if opts.inner == "aot_eager":
@@ -101,7 +106,8 @@ class GraphCompiler:
     ) -> OffloadPartitioner:
         # A backward lowered lazily (at its first call) is judged against the budget when its code comes.
         late = None if judged_here or opts.memory_budget is None else (lambda pair: check_budget(pair, opts.strict))
-        return OffloadPartitioner(self.register, opts, outside, graph_id, target, on_backward_code=late)
+        measured = self._measured if opts.policy != "none" else None
+        return OffloadPartitioner(self.register, opts, outside, graph_id, target, late, measured)
 
     def _keep(self, pair: PlannedPair | None) -> PlannedPair | None:
         """Record ``pair`` as the one that runs, its report saying what compiling it took."""

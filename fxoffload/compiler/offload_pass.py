@@ -16,6 +16,7 @@ from ..analysis.recompute import RecomputeOption, recompute_options, recompute_s
 from ..options import OffloadOptions
 from ..planning.budget import planned_memory, unreachable_budget
 from ..planning.decisions import OffloadPlan
+from ..planning.measured import Measured
 from ..planning.plan import plan_offloads, replan_after_recompute
 from ..reasons import Reason
 from ..rewrite.transfers import apply_plan, hoist_saved_views
@@ -42,6 +43,8 @@ def offload_pass(
     repartition: Callable[[frozenset[str]], Pair] | None = None,
     outside: OutsideMemory | None = None,
     budget_target: int | None = None,
+    graph_id: int = -1,
+    measured: Measured | None = None,
 ) -> tuple[fx.GraphModule, fx.GraphModule, OffloadPlan]:
     """The fxoffload pass on a partitioned pair: analyse, plan, rewrite. Returns the rewritten pair
     and the plan.
@@ -50,7 +53,9 @@ def offload_pass(
     for recomputation; without it (a pair with no joint graph behind it) nothing is recomputed.
     ``outside``: what code before the pair holds through it, "outside" in every timeline and so in
     the budget. ``budget_target``: the peak the budget fit aims at, below ``memory_budget`` when the
-    compiler plans again after a miss.
+    compiler plans again after a miss. ``graph_id`` names the copies; ``measured``: what the device
+    measured of this graph's copies under an earlier plan, which corrects the cost model and keeps
+    on the device every tensor whose copy stalled.
     The pair is rewritten in place unless the plan recomputes something: then the returned pair is
     the new partition. The predicted memory before any change is ``(plan.partition_costs or
     plan.costs).baseline``; ``plan.costs.baseline`` is that of the pair the plan was made for.
@@ -63,6 +68,9 @@ def offload_pass(
     #    recomputed instead, and for how much (for a memory_budget, or when a policy function may
     #    ask for it: then at any size, the planner applies min_bytes to its own choices only).
     costs = plan_costs(fw, bw, lifetimes, options, num_fwd_outputs, static, outside)
+    keep: dict[str, Reason] = {}
+    if measured is not None:
+        costs, keep = measured.corrected(costs), measured.keep()
     recompute: dict[str, RecomputeOption] = {}
     refused: dict[str, Reason] = {}
     wanted = options.memory_budget is not None or callable(options.policy)
@@ -77,20 +85,20 @@ def offload_pass(
         return plan_offloads(
             lifetimes, options, host_bytes_available=host_bytes_available, disabled_reason=disabled_reason,
             costs=costs, recompute=recompute if with_recompute else None,
-            recompute_refused=refused if with_recompute else None, budget_target=target,
+            recompute_refused=refused if with_recompute else None, budget_target=target, keep=keep,
         )  # fmt: skip
 
     first, said = attempt_quietly(lambda: plan_for(budget_target))
     if not first.recomputed:
         say(Trial(first, None, said=said))
-        _rewrite(fw, bw, first, options)  # 5. the rewrite
+        _rewrite(fw, bw, first, options, graph_id)  # 5. the rewrite
         return fw, bw, first
     # 4. Recomputation is torch's partitioner's job: tag, partition again, plan the new pair.
     assert repartition is not None
     context = _Context(options, num_fwd_outputs, static, outside, host_bytes_available)
     best = _recompute_or_offload(first, said, plan_for, repartition, (fw, bw), context)
     new_fw, new_bw, plan = best.value
-    _rewrite(new_fw, new_bw, plan, options)
+    _rewrite(new_fw, new_bw, plan, options, graph_id)
     return new_fw, new_bw, plan
 
 
@@ -178,12 +186,12 @@ def _second_plan(
     )
 
 
-def _rewrite(fw: fx.GraphModule, bw: fx.GraphModule, plan: OffloadPlan, options: OffloadOptions) -> None:
+def _rewrite(fw: fx.GraphModule, bw: fx.GraphModule, plan: OffloadPlan, options: OffloadOptions, graph_id: int) -> None:
     for d in plan.decisions:
         log.debug("fxoffload: %s %s (%s): %s", d.decision, d.saved.name, fmt_bytes(d.saved.nbytes), d.reason)
     if plan.note:
         log.info("fxoffload: %s", plan.note)
-    apply_plan(fw, bw, plan, options.prefetch, options.cpu_link(), options.broken_rule)
+    apply_plan(fw, bw, plan, options.prefetch, options.cpu_link(), options.broken_rule, graph_id)
     log.info(
         "fxoffload: offloading %d of %d saved tensors (%s), recomputing %d",
         len(plan.offloaded), len(plan.decisions), fmt_bytes(plan.offloaded_bytes), len(plan.recomputed),

@@ -13,6 +13,7 @@ from .. import _compat
 from ..analysis.memory import kept_saved_bytes, param_grad_bytes, simulate
 from ..analysis.outside import OutsideMemory
 from ..options import OffloadOptions
+from ..planning.measured import Measured
 from ..reasons import Reason
 from ..reporting.report import OffloadReport, PassTimings
 from ..rewrite.mutated_reads import protect_mutated_reads
@@ -31,7 +32,8 @@ class OffloadPartitioner(_compat.CustomPartitionerFn):
     ``outside``: what code before this graph holds on its device, "outside" in every timeline and
     in the budget; ``graph_id``: the id of a graph planned again (None: a new one);
     ``budget_target``: a peak below ``memory_budget`` to fit (a plan made again after a miss).
-    ``on_backward_code(pair)`` runs when Inductor's backward code arrives.
+    ``on_backward_code(pair)`` runs when Inductor's backward code arrives. ``measured``: what the
+    device measured of the graph's copies under its earlier plan (``planning.measured``).
     """
 
     def __init__(
@@ -42,6 +44,7 @@ class OffloadPartitioner(_compat.CustomPartitionerFn):
         graph_id: int | None = None,
         budget_target: int | None = None,
         on_backward_code: Callable[[PlannedPair], None] | None = None,
+        measured: Measured | None = None,
     ) -> None:
         self.register = register
         self.options = options
@@ -49,6 +52,7 @@ class OffloadPartitioner(_compat.CustomPartitionerFn):
         self.graph_id = graph_id
         self.budget_target = budget_target
         self.on_backward_code = on_backward_code
+        self.measured = measured
         self.disabled_reason: Reason | str = ""
         self.pair: PlannedPair | None = None
 
@@ -70,7 +74,7 @@ class OffloadPartitioner(_compat.CustomPartitionerFn):
 
     def uuid(self) -> Any:
         # Cache key part for Inductor; AOTAutograd's cache is off while we compile (see _compat).
-        return ("fxoffload", repr(self.options), self.budget_target, self.disabled_reason)
+        return ("fxoffload", repr(self.options), self.budget_target, self.disabled_reason, self.measured is not None)
 
     def __call__(self, joint: fx.GraphModule, joint_inputs: Any, **kwargs: Any) -> tuple[fx.GraphModule, fx.GraphModule]:
         # 1. torch's min-cut partitioner may recompute, in the backward, a value that reads an input
@@ -101,7 +105,7 @@ class OffloadPartitioner(_compat.CustomPartitionerFn):
         fw, bw, plan = offload_pass(
             fw, bw, num_fwd_outputs, static, self.options, host_bytes_available=host_left,
             disabled_reason=self.disabled_reason, repartition=partition, outside=self.outside,
-            budget_target=self.budget_target,
+            budget_target=self.budget_target, graph_id=graph_id, measured=self.measured,
         )  # fmt: skip
         pass_s = time.perf_counter() - start - repartition_s[0]
         # 4. The memory model of the rewritten pair, and the pair with its report.

@@ -24,6 +24,13 @@ backward apart) plus what it held beyond the plan's count.
   still misses the budget. ``seen`` keeps the most held beyond a plan, by graph id.
 
 Reading costs about 20 us per autograd node, at most ``SECONDS`` per graph, and nothing after.
+
+The same wrapper times the plan's copies on the device (``_CopyTimer``, ``runtime.timing``): at the
+second call after each compile, one call's offloads and a reload of each. The measured windows, copy
+times and stalls go on the report's rows; and where a copy of ``auto``'s stalled the compute stream,
+the graph is planned again once with the model corrected by what was measured (``planning.measured``:
+compute scaled to the device, the link at its measured speed, the stalled tensors kept) and compiled
+again, through the same path and the same ``max_replans`` as above.
 """
 
 from __future__ import annotations
@@ -41,9 +48,13 @@ import torch.fx as fx
 
 from ..analysis.memory import CallOutside
 from ..analysis.outside import OutsideMemory, graph_device, mark_call, read_outside_memory
+from ..ir import TransferTime, transfer_name
 from ..options import OffloadOptions
 from ..planning.budget import BUDGET_TOLERANCE
+from ..planning.measured import Measured, measured_plan, stalled
+from ..reporting.report import carry_measured, with_measured
 from ..runtime.host_pool import host_buffer_ranges
+from ..runtime.timing import Recording
 from ..sizes import fmt_bytes
 from .compile import GraphCompiler, copy_graph_module
 from .pair import PlannedPair
@@ -51,7 +62,7 @@ from .refine import Trial, attempt_quietly, say
 
 log = logging.getLogger(__name__)
 
-__all__ = ["OutsideWatch"]
+__all__ = ["CallWatch"]
 
 Compiled = Callable[..., Any]
 
@@ -67,8 +78,9 @@ class _RunPeak:
     held: tuple[int, ...]  # bytes each call holds at every point (what it read, later calls' parameters)
 
 
-class OutsideWatch:
-    """Wraps a compiled graph: reads what code before it holds at its first calls (see the module)."""
+class CallWatch:
+    """Wraps a compiled graph: reads what code before it holds at its first calls, and times its
+    copies (see the module)."""
 
     CALLS = 256
     SECONDS = 1.0  # and no more reading time than this per graph (a long eager history)
@@ -97,24 +109,34 @@ class OutsideWatch:
         self.held: tuple[warnings.WarningMessage, ...] = ()  # the last re-plan's compile-time verdict
         self.verdict_due = False  # planned again, and no run of the new plan judged yet
         self.mark = object()  # on the backward node of each call read (``mark_call``)
+        if pair.outside is None:
+            self.left = 0  # nothing was read at the compile: nothing to compare with
+        self.timer = _CopyTimer(self)
+        self.measured: Measured | None = None  # what the device measured, once a plan was made from it
 
     def wrap(self, compiled: Compiled) -> Compiled:
         self.compiled = compiled
 
         @functools.wraps(compiled)
         def run(*args: Any) -> Any:
-            if not self.left:
+            if not self.left and self.timer.done:
                 return self.compiled(*args)
-            self.left -= 1
-            # The first call is the one Dynamo compiled for, with the arguments the compile read.
-            if self.left < self.CALLS - 1:
-                # A boxed call passes its arguments in one list (which the callee may empty): read first.
-                self.see(args[0] if len(args) == 1 and isinstance(args[0], list) else args)
+            # A boxed call passes its arguments in one list (which the callee may empty): read first.
+            inputs = args[0] if len(args) == 1 and isinstance(args[0], list) else args
+            reading = self.left > 0
+            if reading:
+                self.left -= 1
+                # The first call is the one Dynamo compiled for, with the arguments the compile read.
+                if self.left < self.CALLS - 1:
+                    self.see(inputs)
+            started = self.timer.before_call(inputs)
             outputs = self.compiled(*args)
-            try:
-                mark_call(outputs, self.mark)  # a later call in this step reaches it
-            except Exception as e:  # an estimate never fails a step
-                log.debug("fxoffload: graph %d: cannot mark its call (%s)", self.pair.graph_id, e)
+            self.timer.after_call(started)
+            if reading:
+                try:
+                    mark_call(outputs, self.mark)  # a later call in this step reaches it
+                except Exception as e:  # an estimate never fails a step
+                    log.debug("fxoffload: graph %d: cannot mark its call (%s)", self.pair.graph_id, e)
             return outputs
 
         return run
@@ -250,13 +272,21 @@ class OutsideWatch:
             "keep what its plan keeps"
         )  # fmt: skip
         log.info("fxoffload: graph %d: %s", old.graph_id, why)
+        if self.compile_again(args, why, outside=model, measured=self.measured):
+            self.said, self.verdict_due = False, True
+
+    def compile_again(self, args: Any, why: str, outside: OutsideMemory | None, measured: Measured | None = None) -> bool:
+        """Plan and compile the graph again (the arguments of the current call as its example
+        inputs); its pair replaces the old one and runs from this call on. False where it failed:
+        the old plan runs on."""
+        old = self.pair
         self.replans += 1
         # strict is a compile's verdict: the run judges this plan, and a step is not failed over it.
         opts = self.options.replace(strict=False)
         try:
             graph = copy_graph_module(self.pristine)
             (compiled, new), said = attempt_quietly(
-                lambda: _compile_outside_dynamo(self.compiler, graph, list(args), opts, model, old.graph_id)
+                lambda: _compile_outside_dynamo(self.compiler, graph, list(args), opts, outside, old.graph_id, measured)
             )
             boxed = getattr(compiled, "_boxed_call", False), getattr(self.compiled, "_boxed_call", False)
             if new is None or boxed[0] != boxed[1]:
@@ -265,11 +295,110 @@ class OutsideWatch:
             log.warning("fxoffload: graph %d: planning it again failed (%s); its plan is kept", old.graph_id, e)
             self.compiler.register.record(old)
             self.pristine, self.why_not = None, f"planning it again failed ({e})"
-            return
+            return False
+        new = dataclasses.replace(new, report=carry_measured(new.report, old.report))
         new = new.with_report(replans=(*old.report.replans, why, *new.report.replans))
         self.compiler.register.record(new)
         self.pair, self.compiled, self.held = new, compiled, said
-        self.said, self.verdict_due = False, True
+        self.timer.restart()
+        return True
+
+    def on_copy_times(self, times: list[TransferTime], forward_s: float | None, args: Any) -> bool:
+        """What the device measured of one call's copies: on the report; and, for "auto", a plan
+        made again where they stalled. True where the graph was planned again."""
+        old = self.pair
+        report = with_measured(old.report, times, forward_s)
+        self.pair = dataclasses.replace(old, report=report)
+        self.compiler.register.record(self.pair)
+        measured = measured_plan(old.plan, times).merged(self.measured)
+        predicted = old.plan.stall * 1e3
+        log.info(
+            "fxoffload: graph %d: measured %d copies: %.3f ms of stall a step (%.3f ms predicted), compute %.2fx "
+            "the model's in the forward, %.2fx in the backward", old.graph_id, len(times), measured.stall_s * 1e3,
+            predicted, measured.fw_scale, measured.bw_scale,
+        )  # fmt: skip
+        auto = self.options.base_policy == "auto" and self.options.memory_budget is None
+        # One plan made again from measurements (a second measurement is reported, not acted on: the
+        # plans would take turns); and within ``max_replans``, with the re-plans for outside memory.
+        stalled_now = any(stalled(t) for t in times)
+        if not (
+            auto and stalled_now and self.measured is None and self.pristine is not None
+            and self.replans < self.options.max_replans
+        ):  # fmt: skip
+            return False
+        names = ", ".join(sorted(measured.stalls))
+        why = (
+            f"measured in the first steps: the copies of {names} stalled the compute stream "
+            f"{measured.stall_s * 1e3:.3g} ms a step (the plan predicted {predicted:.3g} ms), compute ran "
+            f"{measured.fw_scale:.2f}x / {measured.bw_scale:.2f}x the model's time (forward / backward); planned "
+            "again with the measured times, those tensors kept on the device"
+        )
+        log.info("fxoffload: graph %d: %s", old.graph_id, why)
+        self.measured = measured
+        return self.compile_again(args, why, outside=old.outside, measured=measured)
+
+
+class _CopyTimer:
+    """Times one call's copies at the second call after each compile (``runtime.timing``): its
+    forward's offloads and a reload of each, and the forward's own time; hands them to the watch."""
+
+    MAX_OPEN_CALLS = 64  # a recording not complete after this many more calls is read as it is
+
+    def __init__(self, watch: CallWatch) -> None:
+        self.watch = watch
+        self.restart()
+
+    def restart(self) -> None:
+        self.calls = 0
+        self.recording: Recording | None = None
+        self.open_calls = 0
+        self.started: Any = None
+        self.forward: tuple[Any, Any] | None = None
+        self.done = not self.watch.pair.plan.offloaded
+
+    def before_call(self, inputs: Any) -> Any:
+        """Read a recording whose copies have all been waited on; start one at the second call."""
+        if self.recording is not None:
+            self.open_calls += 1
+            if self.recording.complete or self.open_calls > self.MAX_OPEN_CALLS:
+                self.finish(inputs)
+        self.calls += 1
+        if self.done or self.recording is not None or self.calls != 2:
+            return None
+        self.device = graph_device(inputs)
+        self.recording = Recording(transfer_name(self.watch.pair.graph_id, "")).start()
+        return _now(self.device)
+
+    def after_call(self, started: Any) -> None:
+        if started is not None and self.recording is not None:
+            self.forward = (started, _now(self.device))
+            self.recording.close()
+
+    def finish(self, inputs: Any) -> None:
+        recording, self.recording = self.recording, None
+        times = recording.stop()
+        forward_s = _elapsed(*self.forward) if self.forward is not None else None
+        self.done = True
+        try:
+            self.watch.on_copy_times(times, forward_s, inputs)
+        except Exception as e:  # a measurement never fails a step
+            log.warning("fxoffload: graph %d: reading its copies' times failed (%s)", self.watch.pair.graph_id, e)
+
+
+def _now(device: torch.device) -> Any:
+    """A stamp of now on ``device``'s compute stream (the CPU's clock on a CPU)."""
+    if device.type == "cpu":
+        return time.perf_counter()
+    event = torch.Event(device=device, enable_timing=True)
+    torch.accelerator.current_stream(device).record_event(event)
+    return event
+
+
+def _elapsed(start: Any, end: Any) -> float:
+    if isinstance(start, float):
+        return end - start
+    end.synchronize()
+    return start.elapsed_time(end) / 1e3
 
 
 @torch.compiler.disable
@@ -278,8 +407,9 @@ def _compile_outside_dynamo(
     gm: fx.GraphModule,
     example_inputs: list[Any],
     opts: OffloadOptions,
-    outside: OutsideMemory,
+    outside: OutsideMemory | None,
     graph_id: int,
+    measured: Measured | None = None,
 ) -> tuple[Compiled, PlannedPair | None]:
-    """``compiler.compile`` from a running step (``OutsideWatch.replan``): Dynamo is not to trace it."""
-    return compiler.compile(gm, example_inputs, opts, outside=outside, graph_id=graph_id)
+    """``compiler.compile`` from a running step (``CallWatch.compile_again``): Dynamo is not to trace it."""
+    return compiler.compile(gm, example_inputs, opts, outside=outside, graph_id=graph_id, measured=measured)

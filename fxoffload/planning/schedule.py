@@ -70,6 +70,16 @@ def windows(t: SavedTensor, fw_starts: Sequence[float], bw_starts: Sequence[floa
     return fw_starts[-1] - release, bw_starts[max(t.bw_first_use, 0)]
 
 
+def copy_windows(t: SavedTensor, timing: TransferTiming, costs) -> tuple[float, float]:
+    """The compute the model prices between each copy's issue and its wait, as the schedule placed
+    them: the offload issued after its tensor's last forward use, waited on after ``fw_wait_after``;
+    the reload issued after ``bw_issue_after``, waited on before the first backward use."""
+    fw, bw = costs.fw_starts, costs.bw_starts
+    fw_window = fw[min(timing.fw_wait_after + 1, len(fw) - 1)] - fw[t.fw_last_use + 1]
+    issue = bw[timing.bw_issue_after + 1] if timing.bw_issue_after >= 0 else 0.0
+    return max(0.0, fw_window), max(0.0, bw[max(t.bw_first_use, 0)] - issue)
+
+
 def schedule_transfers(
     chosen: Sequence[SavedTensor],
     fw_starts: Sequence[float],

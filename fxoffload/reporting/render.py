@@ -76,10 +76,22 @@ def table(report: OffloadReport, rows: str = "all", width: int | None = None, ke
     ]  # fmt: skip
     headers = ("saved tensor", "shape", "dtype", "MiB", "producer", "fw last use", "bw first use",
                "idle nodes", "copy ms out/in", "window ms fw/bw", "decision", "reason")  # fmt: skip
+    if any(r.measured_stall_ms is not None for r in report.saved):  # the device's figures beside the model's
+        body = [(*b[:10], _measured(r), *b[10:]) for b, r in zip(body, report.saved)]
+        headers = (*headers[:10], "measured copy ms out/in, stall pred/meas", *headers[10:])
     # The reason column takes what the others leave of the width, never less than 40 columns.
     others = _table_width([r[:-1] for r in body], headers[:-1])
     reason_width = max(40, width - others - 2)
-    return f"{header}\n{tabulate(body, headers=headers, maxcolwidths=[None] * 11 + [reason_width])}"
+    widths = [None] * (len(headers) - 1) + [reason_width]
+    return f"{header}\n{tabulate(body, headers=headers, maxcolwidths=widths)}"
+
+
+def _measured(r) -> str:
+    """``0.512/0.498, 0.000/0.031``: what the device measured of a row's copies, beside the plan's stall."""
+    if r.measured_stall_ms is None:
+        return ""
+    out = "/".join("-" if v is None else f"{v:.3f}" for v in (r.measured_d2h_ms, r.measured_h2d_ms))
+    return f"{out}, {r.stall_ms:.3f}/{r.measured_stall_ms:.3f}"
 
 
 def _short_table(report: OffloadReport, header: str, host: str, width: int, kept: int) -> str:
@@ -174,6 +186,16 @@ def summary(report: OffloadReport) -> str:
         lines.extend(f"  planned again: {r}" for r in report.replans)
     if report.device and report.offloaded:  # no stall to predict where nothing is copied
         lines.append(f"  predicted stall: {report.predicted_stall_ms:.3f} ms per step ({report.device})")
+    if report.measured_stall_ms is not None:
+        lines.append(
+            f"  measured in a step: forward {report.measured_forward_ms or 0:.3f} ms, the compute stream waited "
+            f"{report.measured_stall_ms:.3f} ms for copies"
+        )
+    if report.offload_bound_bytes is not None:
+        lines.append(
+            f"  offloaded {fmt_bytes(report.offloaded_bytes)} of the {fmt_bytes(report.offload_bound_bytes)} that "
+            "can leave without a stall (the measured link times the forward's compute)"
+        )
     lines.append(
         f"  offloaded: {len(report.offloaded)} of {len(report.saved)} saved tensors, "
         f"{fmt_bytes(report.offloaded_bytes)} of {fmt_bytes(report.saved_bytes)}"

@@ -28,7 +28,7 @@ import torch
 import torch.fx as fx
 
 from ..analysis.graph import is_compute, is_view, storage_root, storage_users
-from ..ir import OFFLOAD, ORDER, RELOAD, TRANSFER_OPS, WAIT, fake_impl
+from ..ir import OFFLOAD, ORDER, RELOAD, TRANSFER_OPS, WAIT, fake_impl, transfer_name
 from ..options import BROKEN_RULES
 from ..planning.decisions import OffloadPlan
 
@@ -42,6 +42,7 @@ def apply_plan(
     prefetch: int | None,
     cpu_link: tuple[float, float] = (0.0, 0.0),
     broken_rule: str | None = None,
+    graph_id: int = -1,
 ) -> None:
     """Insert one offload/wait pair in ``fw`` and one reload/wait pair in ``bw`` per offloaded tensor.
 
@@ -50,7 +51,8 @@ def apply_plan(
     its predicted issue time); with an int, that many compute nodes away. ``cpu_link`` is the
     (device-to-host, host-to-device) speed in bytes/s of the CPU copy engine (0: unthrottled).
     ``broken_rule``: one of ``BROKEN_RULES``, broken on purpose (the option of that name, for the
-    tests that prove the suite notices each breakage); None in every real use.
+    tests that prove the suite notices each breakage); None in every real use. ``graph_id`` names
+    the copies (``ir.transfer_name``), so that their measured times find their tensors.
     """
     chosen = plan.offloaded
     if not chosen:
@@ -73,14 +75,16 @@ def apply_plan(
         timing = decision.timing if prefetch is None else None
         fw_at = timing.fw_wait_after if timing else None
         bw_at = timing.bw_issue_after if timing else None
+        name = transfer_name(graph_id, t.name)
         host = _rewrite_forward(
-            fw.graph, fw_order, fw_index, fw_nodes[t.name], prefetch or 0, fw_at, cpu_link[0], fw_alive, broken_rule
-        )
+            fw.graph, fw_order, fw_index, fw_nodes[t.name], prefetch or 0, fw_at, (cpu_link[0], name), fw_alive,
+            broken_rule,
+        )  # fmt: skip
         outputs[t.output_index] = host
         _rewrite_backward(
-            bw.graph, bw_order, bw_index, bw_nodes[t.name], host, prefetch or 0, bw_at, cpu_link[1], bw_alive,
+            bw.graph, bw_order, bw_index, bw_nodes[t.name], host, prefetch or 0, bw_at, (cpu_link[1], name), bw_alive,
             broken_rule,
-        )
+        )  # fmt: skip
     output.args = (tuple(outputs),) + tuple(output.args[1:])
     for gm in (fw, bw):
         gm.graph.lint()
@@ -138,7 +142,7 @@ def _rewrite_forward(
     x: fx.Node,
     prefetch: int,
     wait_after: int | None = None,
-    bandwidth: float = 0.0,
+    copy_args: tuple[float, str] = (0.0, ""),
     alive: _Liveness | None = None,
     broken: str | None = None,
 ) -> fx.Node:
@@ -153,7 +157,7 @@ def _rewrite_forward(
         # (Each alive there anyway, or a descendant that is, so the edges hold no memory: a reader
         # after the copy is no race, the wait does not free the source, it ends the copy's claim.)
         after = [_alive_edge(d, index[last] + 0.5, order, index, alive) for d in deps if materialised(d)]
-        copy = _call(graph, OFFLOAD, (x, list(dict.fromkeys(a for a in after if a is not None)), bandwidth))
+        copy = _call(graph, OFFLOAD, (x, list(dict.fromkeys(a for a in after if a is not None)), *copy_args))
     if wait_after is None:
         anchor = _compute_anchor(order, index[last], prefetch, step=+1)
     else:  # right after the scheduled node, or the node after the copy if that comes later: where
@@ -194,7 +198,7 @@ def _rewrite_backward(
     host: fx.Node,
     prefetch: int,
     issue_after: int | None = None,
-    bandwidth: float = 0.0,
+    copy_args: tuple[float, str] = (0.0, ""),
     alive: _Liveness | None = None,
     broken: str | None = None,
 ) -> None:
@@ -230,11 +234,11 @@ def _rewrite_backward(
                 and isinstance(a.meta.get("val"), torch.Tensor)
             ]  # fmt: skip
         with graph.inserting_after(max([anchor, *lower], key=index.__getitem__)):
-            copy = _call(graph, RELOAD, (host_in, device, list(dict.fromkeys(lower)), bandwidth))
+            copy = _call(graph, RELOAD, (host_in, device, list(dict.fromkeys(lower)), *copy_args))
     else:
         first_compute = next(n for n in order if n.op != "placeholder")
         with graph.inserting_before(first_compute):
-            copy = _call(graph, RELOAD, (host_in, device, [], bandwidth))
+            copy = _call(graph, RELOAD, (host_in, device, [], *copy_args))
     # Issued before ``c``, the first materialised node after the anchor that comes before the first
     # use, and waited on after it: the compiler cannot slide the reload down to its use.
     start = index[anchor] + 1 if anchor is not None else 0

@@ -25,6 +25,7 @@ from .._compat import storage_expired, storage_weak_ref
 from ..ir import LIBRARY
 from .copy_engine import D2H, H2D, CopyJob, finish_cpu_copy, layout_like, span, span_nbytes, start_cpu_copy
 from .host_pool import HOST_POOL
+from .timing import Stamps, recording
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +46,7 @@ class _Pending:
     event: torch.Event | None  # a device copy: the event recorded after it on the transfer stream
     device: torch.device  # the device whose compute stream must wait
     job: CopyJob | None = None  # a CPU copy: the copy engine's job
+    stamps: Stamps | None = None  # its times, while a recording wants them (``timing``)
 
 
 # Keyed by the data pointer of a transfer's destination: unique while that destination is alive,
@@ -104,19 +106,25 @@ def _pop(dest: torch.Tensor) -> _Pending:
         ) from None
 
 
-def _device_copy(src: torch.Tensor, dest: torch.Tensor, device: torch.device) -> None:
+def _device_copy(src: torch.Tensor, dest: torch.Tensor, device: torch.device, stamps: Stamps | None) -> None:
     """``dest <- src`` on ``device``'s transfer stream, after what the compute stream has issued."""
     compute = torch.accelerator.current_stream(device)
     transfer = _transfer_stream(device)
     transfer.wait_stream(compute)  # the producer of src (or the allocation of dest) has been issued
     event = torch.Event(device=device)
     with transfer:  # restores the previous stream and current device on exit
+        if stamps is not None:
+            stamps.around_copy(transfer, start=True)
         span(dest).copy_(span(src), non_blocking=True)  # pinned pool buffer, or pageable: then it syncs
         transfer.record_event(event)
-    _register(dest, _Pending(event, device))
+        if stamps is not None:
+            stamps.around_copy(transfer, start=False)
+    _register(dest, _Pending(event, device, stamps=stamps))
 
 
-def _offload_impl(src: torch.Tensor, after: Sequence[torch.Tensor], bandwidth: float = 0.0) -> torch.Tensor:
+def _offload_impl(
+    src: torch.Tensor, after: Sequence[torch.Tensor], bandwidth: float = 0.0, name: str = ""
+) -> torch.Tensor:
     # The host buffer gets the source's size and stride; the span between its first and last element
     # is copied as one run of bytes, so reload restores the very layout, padding included.
     claim = HOST_POOL.acquire(span_nbytes(src), pin=src.device.type != "cpu", device=src.device)
@@ -124,15 +132,18 @@ def _offload_impl(src: torch.Tensor, after: Sequence[torch.Tensor], bandwidth: f
     _origin[host.data_ptr()] = src.device
     if _release_log is not None:
         _release_log.append((id(src), storage_weak_ref(src.untyped_storage())))
+    stamps = Stamps.at_issue(name, D2H, span_nbytes(src), src.device) if recording() else None
     if src.device.type == "cpu":
-        _register(host, _Pending(None, src.device, start_cpu_copy(D2H, src, host, bandwidth)))
+        _register(host, _Pending(None, src.device, start_cpu_copy(D2H, src, host, bandwidth), stamps))
+        if stamps is not None:
+            stamps.issued_on_cpu()
     else:
-        _device_copy(src, host, src.device)
+        _device_copy(src, host, src.device, stamps)
     return host
 
 
 def _reload_impl(
-    host: torch.Tensor, device: torch.device, after: Sequence[torch.Tensor], bandwidth: float = 0.0
+    host: torch.Tensor, device: torch.device, after: Sequence[torch.Tensor], bandwidth: float = 0.0, name: str = ""
 ) -> torch.Tensor:
     if host.data_ptr() in _pending:
         raise RuntimeError(
@@ -147,19 +158,29 @@ def _reload_impl(
     # Allocated on the compute stream (the current one), so the caching allocator ties the block to
     # the stream that uses it; the copy itself runs on the transfer stream.
     dest = torch.empty_strided(host.size(), host.stride(), dtype=host.dtype, device=origin)
+    stamps = Stamps.at_issue(name, H2D, span_nbytes(host), origin) if recording() else None
     if origin.type == "cpu":
-        _register(dest, _Pending(None, origin, start_cpu_copy(H2D, host, dest, bandwidth)))
+        _register(dest, _Pending(None, origin, start_cpu_copy(H2D, host, dest, bandwidth), stamps))
+        if stamps is not None:
+            stamps.issued_on_cpu()
     else:
-        _device_copy(host, dest, origin)
+        _device_copy(host, dest, origin, stamps)
     return dest
 
 
 def _wait_impl(dest: torch.Tensor, keepalive: torch.Tensor, after: Sequence[torch.Tensor]) -> torch.Tensor:
     pending = _pop(dest)
+    stamps = pending.stamps
+    if stamps is not None:
+        stamps.before_wait()
     if pending.job is not None:
         finish_cpu_copy(pending.job, dest, keepalive)
+        if stamps is not None:
+            stamps.link_times(pending.job.start, max(pending.job.ready_at, pending.job.copied_at))
     elif pending.event is not None:
         torch.accelerator.current_stream(pending.device).wait_event(pending.event)
+    if stamps is not None:
+        stamps.after_wait()
     # ``keepalive`` ends here: its storage may be freed and reused from now on, which is safe
     # because every later kernel on the compute stream is ordered after the copy.
     return dest

@@ -1,0 +1,139 @@
+"""What the device measured of a plan's copies, as the planner uses it: the model corrected. Pure.
+
+The cost model's times are a first guess (on an H100 it priced compute 3.3x too slow, median over
+every saved tensor of a 12-layer stack: ``tests/test_kernel_times.py``). The first steps measure each
+copy's window (the compute between its issue and its wait), its duration and the stall at its wait
+(``runtime.timing``). From those:
+
+- the compute the model priced between each copy's issue and its wait, against the measured window,
+  gives one scale per phase (the median ratio), applied to every node's predicted time;
+- the bytes the copies moved over the time they took give the link's speed per direction;
+- every tensor whose copy stalled the compute stream is kept on the device, with that reason.
+
+A plan made again from these is what ``auto`` offloads knowing the device: only what hides.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+from collections.abc import Mapping, Sequence
+
+from ..ir import TransferTime
+from ..reasons import Reason, ReasonCode
+from .decisions import OffloadPlan, PlanCosts
+from .schedule import copy_windows
+
+__all__ = ["Measured", "STALL_FLOOR_S", "measured_plan"]
+
+# A copy stalled when the compute stream waited for it longer than this and than a tenth of the
+# copy: below, a wait's own cost (an event, a Python call) and the clocks' noise.
+STALL_FLOOR_S = 50e-6
+STALL_SHARE = 0.1
+
+
+@dataclasses.dataclass(frozen=True)
+class Measured:
+    """What the first steps measured of a graph's copies, under one plan or several (``merged``),
+    and the corrections it gives the model."""
+
+    times: tuple[TransferTime, ...]
+    # Measured window / the model's, per copy measured, forward (offloads) and backward (reloads).
+    fw_ratios: tuple[float, ...]
+    bw_ratios: tuple[float, ...]
+    moved: Mapping[str, tuple[int, float]]  # per direction: bytes copied and the seconds they took
+    stalls: Mapping[str, float]  # saved tensor -> seconds its copies stalled the compute stream
+
+    @property
+    def fw_scale(self) -> float:
+        """Measured forward compute / the model's (the median over the copies measured)."""
+        return statistics.median(self.fw_ratios) if self.fw_ratios else 1.0
+
+    @property
+    def bw_scale(self) -> float:
+        return statistics.median(self.bw_ratios) if self.bw_ratios else 1.0
+
+    @property
+    def d2h(self) -> float | None:
+        """Bytes/s the offloads moved at; None: no offload measured."""
+        nbytes, seconds = self.moved.get("d2h", (0, 0.0))
+        return nbytes / seconds if seconds > 0 else None
+
+    @property
+    def h2d(self) -> float | None:
+        nbytes, seconds = self.moved.get("h2d", (0, 0.0))
+        return nbytes / seconds if seconds > 0 else None
+
+    @property
+    def stall_s(self) -> float:
+        return sum(t.stall_s for t in self.times)
+
+    def merged(self, earlier: Measured | None) -> Measured:
+        """This measurement and an earlier one of the same graph: every ratio, every byte moved and
+        every tensor that stalled (a tensor kept because it stalled is not measured again)."""
+        if earlier is None:
+            return self
+        moved = {
+            k: (self.moved.get(k, (0, 0.0))[0] + earlier.moved.get(k, (0, 0.0))[0],
+                self.moved.get(k, (0, 0.0))[1] + earlier.moved.get(k, (0, 0.0))[1])
+            for k in {*self.moved, *earlier.moved}
+        }  # fmt: skip
+        return Measured(
+            self.times, earlier.fw_ratios + self.fw_ratios, earlier.bw_ratios + self.bw_ratios, moved,
+            {**earlier.stalls, **self.stalls},
+        )  # fmt: skip
+
+    def keep(self) -> dict[str, Reason]:
+        """The tensors whose copies stalled, to keep on the device in the next plan."""
+        return {
+            name: Reason(
+                ReasonCode.MEASURED_STALL,
+                f"measured: its copies stalled the compute stream {stall * 1e3:.3g} ms a step",
+            )
+            for name, stall in self.stalls.items()
+        }
+
+    def corrected(self, costs: PlanCosts) -> PlanCosts:
+        """``costs`` with every node's time scaled to the measured compute and the link at its
+        measured speed."""
+        rates = costs.rates
+        if self.d2h is not None:
+            rates = dataclasses.replace(rates, d2h=self.d2h)
+        if self.h2d is not None:
+            rates = dataclasses.replace(rates, h2d=self.h2d)
+        fw, bw = self.fw_scale, self.bw_scale
+        return dataclasses.replace(
+            costs, rates=rates, fw_starts=tuple(t * fw for t in costs.fw_starts),
+            bw_starts=tuple(t * bw for t in costs.bw_starts),
+        )  # fmt: skip
+
+
+def stalled(t: TransferTime) -> bool:
+    return t.stall_s > max(STALL_FLOOR_S, STALL_SHARE * t.copy_s)
+
+
+def measured_plan(plan: OffloadPlan, times: Sequence[TransferTime]) -> Measured:
+    """The corrections ``times`` (the copies of ``plan``, measured) give its cost model."""
+    decisions = {d.saved.name: d for d in plan.offloaded if d.timing is not None}
+    ratios: dict[str, list[float]] = {"d2h": [], "h2d": []}
+    moved: dict[str, tuple[int, float]] = {}
+    stalls: dict[str, float] = {}
+    for t in times:
+        if t.copy_s > 0:
+            nbytes, seconds = moved.get(t.direction, (0, 0.0))
+            moved[t.direction] = (nbytes + t.nbytes, seconds + t.copy_s)
+        if stalled(t):
+            stalls[t.tensor] = stalls.get(t.tensor, 0.0) + t.stall_s
+        d = decisions.get(t.tensor)
+        if d is None or plan.costs is None:
+            continue
+        predicted = _predicted_window(d, plan.costs, t.direction)
+        if predicted > 0 and t.window_s > 0:
+            ratios[t.direction].append(t.window_s / predicted)
+    return Measured(tuple(times), tuple(ratios["d2h"]), tuple(ratios["h2d"]), moved, stalls)
+
+
+def _predicted_window(d, costs: PlanCosts, direction: str) -> float:
+    """The compute the model priced between the copy's issue and its wait, as the rewrite placed them."""
+    fw, bw = copy_windows(d.saved, d.timing, costs)
+    return fw if direction == "d2h" else bw

@@ -1,0 +1,167 @@
+"""Measured transfers: when each copy was issued, how long it took, how long the compute waited for it.
+
+Off unless a ``Recording`` is open (one check per op). On an accelerator every stamp is an event of
+torch's device-generic API (``torch.Event(enable_timing=True)``), recorded on the stream where it
+happens and read once the recording stops; on a CPU (``offload_cpu``) the compute thread's clock and
+the copy engine's link clock give the same figures::
+
+    issue = event on the compute stream when the copy is issued     (its window opens)
+    copy  = events on the transfer stream around the copy           (its duration)
+    wait  = events on the compute stream before and after the wait  (window closes; the gap is the stall)
+
+A recording collects the copies whose ``name`` (``ir.transfer_name``) starts with its prefix: the
+transfers of one graph. What the plan predicted for the same copies is the planner's to compare.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any
+
+import torch
+
+from ..ir import TransferTime
+
+__all__ = ["Recording", "Stamps"]
+
+_open: list[Recording] = []
+
+
+class Recording:
+    """The copies of one graph (names starting with ``prefix``): the offloads issued while it is
+    ``issuing`` (one call's forward), and one reload for each of them, whenever it comes (the
+    backward runs later; a graph run several times in a step reloads its last call's tensors first,
+    taken for the first call's: same graph, same copies)."""
+
+    def __init__(self, prefix: str = "") -> None:
+        self.prefix = prefix
+        self.issuing = False
+        self._offloads: list[Stamps] = []
+        self._reloads: dict[str, Stamps] = {}
+
+    def start(self) -> Recording:
+        """Take the offloads issued from now on (until ``close``), and their reloads."""
+        self.issuing = True
+        if self not in _open:
+            _open.append(self)
+        return self
+
+    def close(self) -> None:
+        """The forward call returned: no more offloads; their reloads are still taken."""
+        self.issuing = False
+
+    def wants(self, name: str, direction: str) -> bool:
+        if not name.startswith(self.prefix):
+            return False
+        if direction == "d2h":
+            return self.issuing
+        return name not in self._reloads and any(o.name == name for o in self._offloads)
+
+    def take(self, stamps: Stamps) -> None:
+        if stamps.direction == "d2h":
+            self._offloads.append(stamps)
+        else:
+            self._reloads[stamps.name] = stamps
+
+    @property
+    def complete(self) -> bool:
+        """Every offload taken was waited on, and so was a reload of each."""
+        return (
+            not self.issuing and bool(self._offloads) and all(o.waited for o in self._offloads)
+            and all(o.name in self._reloads and self._reloads[o.name].waited for o in self._offloads)
+        )  # fmt: skip
+
+    def stop(self) -> list[TransferTime]:
+        """Stop, and the copies that were issued and waited on (offloads, then reloads); an
+        accelerator's events are read now, which waits for them."""
+        if self in _open:
+            _open.remove(self)
+        self.issuing = False
+        done = [s for s in (*self._offloads, *self._reloads.values()) if s.waited]
+        self._offloads, self._reloads = [], {}
+        return [s.resolve() for s in done]
+
+
+def recording() -> bool:
+    return bool(_open)
+
+
+@dataclasses.dataclass
+class Stamps:
+    """What one copy's ops stamp, device events or the CPU's clocks."""
+
+    name: str
+    direction: str
+    nbytes: int
+    device: torch.device
+    issue: Any = None  # compute-stream event, or perf_counter seconds
+    copy_start: Any = None
+    copy_end: Any = None
+    wait_start: Any = None
+    wait_end: Any = None
+    waited: bool = False
+
+    @classmethod
+    def at_issue(cls, name: str, direction: str, nbytes: int, device: torch.device) -> Stamps | None:
+        """Stamps for a copy issued now, where a recording wants it (None otherwise)."""
+        wanted = [r for r in _open if r.wants(name, direction)]
+        if not wanted:
+            return None
+        stamps = cls(name, direction, nbytes, device)
+        for r in wanted:
+            r.take(stamps)
+        if device.type == "cpu":
+            stamps.issue = time.perf_counter()
+        else:
+            stamps.issue = _event(torch.accelerator.current_stream(device))
+        return stamps
+
+    def issued_on_cpu(self) -> None:
+        """On a CPU, the copy is issued once the copy engine has it: the work before (a staging buffer,
+        poisoning the destination) is the emulation's, which a device's launch does not have."""
+        self.issue = time.perf_counter()
+
+    def around_copy(self, stream: torch.Stream | None, start: bool) -> None:
+        """On an accelerator: an event on the transfer stream before (``start``) or after the copy."""
+        if stream is not None:
+            setattr(self, "copy_start" if start else "copy_end", _event(stream))
+
+    def link_times(self, start: float, end: float) -> None:
+        """On a CPU: the copy engine's link clock for the copy."""
+        self.copy_start, self.copy_end = start, end
+
+    def before_wait(self) -> None:
+        if self.device.type == "cpu":
+            self.wait_start = time.perf_counter()
+        else:
+            self.wait_start = _event(torch.accelerator.current_stream(self.device))
+
+    def after_wait(self) -> None:
+        if self.device.type == "cpu":
+            self.wait_end = time.perf_counter()
+        else:
+            self.wait_end = _event(torch.accelerator.current_stream(self.device))
+        self.waited = True
+
+    def resolve(self) -> TransferTime:
+        if self.device.type == "cpu":
+            window = self.wait_start - self.issue
+            copy = self.copy_end - self.copy_start
+            # As a copy engine would stall a compute stream: until the copy is done on the link; the
+            # wait's own work of publishing the bytes (an emulation's, see ``copy_engine``) is not it.
+            stall = self.copy_end - self.wait_start
+        else:
+            self.wait_end.synchronize()
+            self.copy_end.synchronize()
+            window = self.issue.elapsed_time(self.wait_start) / 1e3
+            copy = self.copy_start.elapsed_time(self.copy_end) / 1e3
+            # The compute stream resumes at the later of the wait's start and the copy's end.
+            stall = self.wait_start.elapsed_time(self.wait_end) / 1e3
+        return TransferTime(self.name, self.direction, self.nbytes, max(window, 0.0), max(copy, 0.0), max(stall, 0.0))
+
+
+def _event(stream: torch.Stream) -> torch.Event:
+    event = torch.Event(device=stream.device, enable_timing=True)
+    stream.record_event(event)
+    return event
