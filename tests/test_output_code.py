@@ -133,3 +133,24 @@ def test_codecheck_reads_a_copy_freed_before_its_wait():
     )
     (t,) = codecheck.transfers(code)
     assert t.source_released_early and not t.same_buffer and t.kernels_between == 1 and t.returned_at == 0
+
+
+def test_the_second_pass_of_a_mix_order_reduction_launches_a_kernel():
+    """Inductor's mix-order reduction writes partial results into a workspace and reduces them with an
+    eager op on the next line (an ``aten::sum`` kernel on the device, 48 lines in the backward of the
+    H100 trace of ``tests/test_kernel_times.py``): kernels between a copy and its wait count it."""
+    second_pass = "    buf19 = workspace_0[0 * 512 * 1024 : (0 + 1) * 512 * 1024].view(512, 1024).sum(dim=0)"
+    assert codecheck.is_kernel(second_pass)
+    amax = "    buf2 = workspace_1[0 * 64 * 8 : (0 + 1) * 64 * 8].view(64, 8).amax(dim=0).to(torch.bfloat16)"
+    assert codecheck.is_kernel(amax)
+    assert not codecheck.is_kernel("    buf5 = buf4[0]") and not codecheck.is_kernel("    buf7 = workspace_0")
+    code = (
+        "def call(self, args):\n"
+        "    buf3 = torch.ops.fxoffload.offload.default(buf2, [buf1], 0.0)\n"
+        "    triton_per_fused_0.run(buf2, workspace_0, 8192, 1024, stream=stream0)\n"
+        f"{second_pass}\n"
+        "    buf8 = torch.ops.fxoffload.wait.default(buf3, buf2, [buf19])\n"
+        "    return (buf8, )\n"
+    )
+    (t,) = codecheck.transfers(code)
+    assert t.kernels_between == 2

@@ -36,6 +36,11 @@ _KERNEL = re.compile(
     r"^\s*(?:\w+ = )?(?:extern_kernels\.\w+|cpp_fused_\w+|triton_\w+\.run|\w+_kernel\w*\.run|torch\.ops\.aten\.\w+\.\w+"
     r"|aten\.\w+\.\w+)\("
 )
+# the second pass of Inductor's mix-order reduction: the kernel above wrote partial results into a
+# workspace, this line reduces them with an eager op (``aten::sum``, ``aten::amax`` ...), one kernel
+_WORKSPACE_REDUCTION = re.compile(
+    r"^\s*\w+ = \w+\[[^\]]*\]\.view\([^)]*\)\.\w+\(dim=0\)(?:\.to\([\w.]+\))?\s*$"
+)
 _COPY = re.compile(r"^\s*(\w+) = torch\.ops\.fxoffload\.(offload|reload)\.default\((.*)\)\s*$")
 _WAIT = re.compile(r"^\s*(\w+) = torch\.ops\.fxoffload\.wait\.default\((.*)\)\s*$")
 _ORDER = re.compile(r"^\s*(\w+) = torch\.ops\.fxoffload\.order\.default\((.*)\)\s*$")
@@ -111,8 +116,10 @@ def call_body(code: str) -> list[str]:
 
 
 def is_kernel(line: str) -> bool:
-    """A line of Inductor wrapper code that launches a kernel (extern, generated or fallback)."""
-    return bool(_KERNEL.match(line)) and "fxoffload" not in line
+    """A line of Inductor wrapper code that launches a kernel (extern, generated or fallback), the
+    eager reduction after a mix-order reduction kernel
+    (``buf19 = workspace_0[0 * 512 * 1024 : (0 + 1) * 512 * 1024].view(512, 1024).sum(dim=0)``) included."""
+    return (bool(_KERNEL.match(line)) or bool(_WORKSPACE_REDUCTION.match(line))) and "fxoffload" not in line
 
 
 def is_materialised_call(line: str) -> bool:
