@@ -135,6 +135,41 @@ def test_codecheck_reads_a_copy_freed_before_its_wait():
     assert t.source_released_early and not t.same_buffer and t.kernels_between == 1 and t.returned_at == 0
 
 
+def test_lines_are_read_for_the_op_they_run_and_the_buffers_they_pass():
+    """What ``measure.kernel_times`` lines a trace up with: the op a line names, whether it may launch
+    anything, and which lines pass a buffer (or an alias of it) to an op."""
+    code = (
+        "def call(self, args):\n"
+        "    buf0 = empty_strided_cuda((1024, ), (1, ), torch.float32)\n"
+        "    stream0 = get_raw_stream(0)\n"
+        "    triton_per_fused_sum_0.run(primals_1, buf0, workspace_0, 8192, 1024, stream=stream0)\n"
+        "    buf1 = workspace_0[0 * 512 * 1024 : (0 + 1) * 512 * 1024].view(512, 1024).sum(dim=0)\n"
+        "    buf2 = reinterpret_tensor(buf0, (32, 32), (32, 1), 0)\n"
+        "    extern_kernels.mm(buf2, primals_2, out=buf3)\n"
+        "    buf4 = torch.ops.aten._scaled_dot_product_cudnn_attention.default(buf3, buf3, buf3)\n"
+        "    buf5 = buf4[0]\n"
+        "    buf6 = torch.ops.fxoffload.offload.default(buf5, [], 0.0)\n"
+        "    buf7 = buf3; del buf3  # reuse\n"
+        "    buf7.copy_(buf5)\n"
+        "    assert_size_stride(buf5, (8, ), (1, ))\n"
+        "    del buf0\n"
+        "    return (buf6, )\n"
+    )
+    body = codecheck.call_body(code)
+    assert [codecheck.op_name(line) for line in body] == [
+        None, None, "triton_per_fused_sum_0", None, None, "aten::mm",
+        "aten::_scaled_dot_product_cudnn_attention", None, "fxoffload::offload", None, None, None, None, None,
+    ]  # fmt: skip
+    assert [codecheck.triton_kernel(line) for line in body][2:4] == ["triton_per_fused_sum_0", None]
+    assert [i for i, line in enumerate(body) if codecheck.is_kernel(line)] == [2, 3, 5, 6]
+    assert [i for i, line in enumerate(body) if codecheck.may_launch(line)] == [2, 3, 5, 6, 8, 10]
+    # buf2 and buf5 are aliases of buf0 and buf4 (not buf7: it reuses buf3's memory); our ops are not readers
+    assert codecheck.readers(code, "buf0") == [2, 5]
+    assert codecheck.readers(code, "buf4") == [10]
+    assert codecheck.readers(code, "buf3") == [5, 6]  # an out= too
+    assert codecheck.readers(code, "workspace_0") == [2, 3] and codecheck.readers(code, "buf7") == [10]
+
+
 def test_the_second_pass_of_a_mix_order_reduction_launches_a_kernel():
     """Inductor's mix-order reduction writes partial results into a workspace and reduces them with an
     eager op on the next line (an ``aten::sum`` kernel on the device, 48 lines in the backward of the

@@ -4,8 +4,9 @@ The FX graph fxoffload hands to Inductor is not what runs: Inductor fuses, reord
 (``reorder_for_peak_memory``), pads buffers on CUDA and may copy an argument to give an op the
 strides it asks for. This module reads the wrapper (kept on ``OffloadReport.output_code``): its
 ``call`` body as statements, argument lists, the layouts of ``get_args`` and ``assert_size_stride``,
-what it returns, which lines launch kernels, and, for every copy, what the checks of the schedule
-need (``transfers``)::
+what it returns, which lines launch kernels, the op a line names (``op_name``) and the lines that
+pass a buffer to an op (``readers``), which ``measure.line_times`` lines a profiler trace up with,
+and, for every copy, what the checks of the schedule need (``transfers``)::
 
     buf3 = torch.ops.fxoffload.offload.default(buf1, [buf2], 0.0)    # copy: reads buf1
     buf4 = buf3; del buf3                                            # alias of the host copy
@@ -18,7 +19,9 @@ need (``transfers``)::
 from __future__ import annotations
 
 import ast
+import collections
 import dataclasses
+import functools
 import re
 from collections.abc import Mapping, Sequence
 from typing import NamedTuple
@@ -29,7 +32,8 @@ from ..sizes import span_bytes
 
 __all__ = [
     "Statement", "Transfer", "arg_names", "asserted_layouts", "base_name", "call_body", "eval_ints", "is_kernel",
-    "is_materialised_call", "module_args", "parse_dtype", "returned_names", "split_args", "statements", "transfers",
+    "is_materialised_call", "may_launch", "module_args", "op_name", "parse_dtype", "readers",
+    "returned_names", "split_args", "statements", "transfers", "triton_kernel",
 ]  # fmt: skip
 
 _KERNEL = re.compile(
@@ -122,6 +126,45 @@ def is_kernel(line: str) -> bool:
     return (bool(_KERNEL.match(line)) or bool(_WORKSPACE_REDUCTION.match(line))) and "fxoffload" not in line
 
 
+_TRITON_RUN = re.compile(r"^\s*(?:[\w, ]+ = )?(triton_\w+|\w+_kernel\w*)\.run\(")
+_EXTERN = re.compile(r"^\s*(?:[\w, ]+ = )?extern_kernels\.(\w+)\(")
+_TORCH_OP = re.compile(r"^\s*(?:[\w, ]+ = )?(?:torch\.ops\.(\w+)|(aten))\.(\w+)\.\w+\(")
+# lines of ``call`` that call something and launch nothing on the device: the wrapper's bookkeeping
+_BOOKKEEPING = re.compile(
+    r"^\s*(?:#|del |return\b|with |args\.clear\(|assert_\w+\(|torch\.cuda\.set_device\(|"
+    r"(?:[\w, ]+ = )?(?:empty_strided\w*|get_raw_stream|reinterpret_tensor|torch\.empty\w*|empty\w*)\()"
+)
+_NAME_ALIAS = re.compile(r"^\s*\w+ = \w+(?:\[\d+\])?\s*(?:;.*)?(?:#.*)?$")
+
+
+def triton_kernel(line: str) -> str | None:
+    """The generated kernel a line launches (``triton_poi_fused_0.run(...)``: ``triton_poi_fused_0``),
+    else None. The profiler records the launch under the same name."""
+    m = _TRITON_RUN.match(line)
+    return m.group(1) if m else None
+
+
+def op_name(line: str) -> str | None:
+    """The op a line of ``call`` runs, where its text names it, as the op's schema (and the profiler)
+    names it: ``extern_kernels.mm(`` -> ``aten::mm``, ``torch.ops.ns.op.default(`` -> ``ns::op``,
+    ``aten.op.default(`` -> ``aten::op``; a generated kernel's own name (``triton_kernel``). Else None."""
+    if kernel := triton_kernel(line):
+        return kernel
+    if m := _EXTERN.match(line):
+        return f"aten::{m.group(1)}"
+    if m := _TORCH_OP.match(line):
+        return f"{m.group(1) or m.group(2)}::{m.group(3)}"
+    return None
+
+
+def may_launch(line: str) -> bool:
+    """A line of ``call`` that calls something other than the wrapper's bookkeeping (allocations,
+    streams, asserts, aliases, ``del``): what may run on the device. Every ``is_kernel`` line, and the
+    calls it does not know (``buf1.copy_(buf2)``, ...)."""
+    s = line.split(";")[0]
+    return "(" in s and not _BOOKKEEPING.match(s) and not _NAME_ALIAS.match(s)
+
+
 def is_materialised_call(line: str) -> bool:
     """A line of FX code that calls an op every compiler runs as a kernel of its own (a matmul, ...)."""
     return bool(_FX_MATERIALISED.search(line))
@@ -177,6 +220,47 @@ def returned_names(stmts: Sequence[Statement]) -> list[str | None]:
             values = [a for a in split_args(m.group(1)) if a] if m else []
             return [None if a == "None" or not re.match(r"[A-Za-z_]", a) else base_name(a) for a in values]
     return []
+
+
+def readers(code: str, name: str) -> list[int]:
+    """Lines of ``call`` (indices into ``call_body(code)``) that pass ``name``, or a name aliasing it,
+    to an op that may run on the device (``may_launch``; fxoffload's own ops left out), in order: as an
+    argument, an ``out=``, the tensor a method is called on (``name.copy_(x)``, ``name[...].sum()``).
+
+    Aliases are the names made from it after it: ``x = name``, ``x = reinterpret_tensor(name, ...)``
+    and ``x = name[0]`` (which takes an element of a tuple result as the whole: over-approximate), not
+    a ``# reuse`` of its memory by another buffer."""
+    aliases, uses = _reader_index(code)
+    names, todo = {name}, [name]
+    while todo:
+        for alias in aliases.get(todo.pop(), ()):
+            if alias not in names:
+                names.add(alias)
+                todo.append(alias)
+    return sorted({i for n in names for i in uses.get(n, ())})
+
+
+_VIEW_ALIAS = re.compile(
+    r"^\s*(\w+) = (?:reinterpret_tensor\()?(\w+)(?:\[\d+\]|,[^;]*\))?\s*(?:;\s*del \w+)?\s*(#.*)?$"
+)
+
+
+@functools.lru_cache(maxsize=8)
+def _reader_index(code: str) -> tuple[dict[str, list[str]], dict[str, list[int]]]:
+    """Of ``call``: name -> the names made as aliases of it, and name -> the lines that pass it to an op."""
+    aliases: dict[str, list[str]] = collections.defaultdict(list)
+    uses: dict[str, list[int]] = collections.defaultdict(list)
+    for i, line in enumerate(call_body(code)):
+        if m := _VIEW_ALIAS.match(line):
+            if "# reuse" not in line:
+                aliases[m.group(2)].append(m.group(1))
+            continue
+        if "fxoffload" in line or not may_launch(line):
+            continue
+        passed = line.split(";")[0].split("#")[0].split(" = ", 1)[-1]  # not the names it assigns to
+        for n in set(re.findall(r"\b[A-Za-z_]\w*\b", passed)):
+            uses[n].append(i)
+    return aliases, uses
 
 
 def arg_names(stmts: Sequence[Statement]) -> list[str]:
