@@ -23,12 +23,15 @@ def restore_threads():
 
 
 def test_bench_smoke(tmp_path, capsys, restore_threads):
-    """Tiny GPT, one timed step, fxoffload next to alternatives and torch's in-tree offloading."""
+    """Tiny GPT, one timed step, fxoffload next to alternatives and torch's in-tree offloading, on
+    the CPU whatever the machine (``--device cpu``): where there is a GPU the default is the GPU,
+    with a 1 MiB ``min_bytes`` above every tensor of the tiny preset."""
     pytest.importorskip("matplotlib")
     out, png = tmp_path / "bench.json", tmp_path / "bench.png"
     methods = "eager,fxoffload-all,fxoffload-budget=0.5,save_on_cpu,streamed,checkpoint,intree"
-    argv = ["--preset", "tiny", "--steps", "1", "--warmup", "0", "--batch", "2", "--threads", "1",
-            "--inner", "aot_eager", "--methods", methods, "--json", str(out), "--png", str(png)]  # fmt: skip
+    argv = ["--preset", "tiny", "--device", "cpu", "--steps", "1", "--warmup", "0", "--batch", "2",
+            "--threads", "1", "--inner", "aot_eager", "--methods", methods, "--json", str(out),
+            "--png", str(png)]  # fmt: skip
     assert main(argv) == 0
     data = json.loads(out.read_text())
     rows = {r["method"]: r for r in data["rows"]}
@@ -52,11 +55,18 @@ def test_bench_smoke(tmp_path, capsys, restore_threads):
     assert int(tagged) == int(planned) > 0
     assert rows["intree"]["offloaded_MiB"] > 0
     assert "CPU" in data["conditions"]["device"] and data["conditions"]["gpu"] is False
-    assert data["conditions"]["command"].startswith("python -m bench --preset tiny")
+    assert data["conditions"]["command"].startswith("python -m bench --preset tiny --device cpu")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     printed = capsys.readouterr().out
     assert "[7/7] intree ..." in printed and "fxoffload-budget=0.5" in printed
     assert "measured peak MiB (above start)" in printed
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is available here: --device cuda would run")
+def test_device_cuda_without_cuda_is_refused(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["--device", "cuda"])
+    assert e.value.code == 2 and "--device cuda: CUDA is not available here" in capsys.readouterr().err
 
 
 def test_parse_methods():
