@@ -9,6 +9,8 @@ import fxoffload
 from fxoffload import _compat
 
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+# The older of the two supported torch versions, where some measured figures differ by design of torch.
+TORCH_2_11 = torch.torch_version.TorchVersion(torch.__version__) < (2, 12)
 
 
 def skip_unless_fake_devices_can_be_made(devices) -> None:
