@@ -11,6 +11,11 @@ from fxoffload import _compat
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 # The older of the two supported torch versions, where some measured figures differ by design of torch.
 TORCH_2_11 = torch.torch_version.TorchVersion(torch.__version__) < (2, 12)
+# What code before a graph saved is read through ``SavedTensor.data`` (fxoffload/upstream.py).
+requires_saved_tensor_reads = pytest.mark.skipif(
+    not _compat.can_read_saved_tensors(),
+    reason="this torch cannot read a SavedTensor without unpacking it: code before a graph is not counted",
+)
 
 
 def skip_unless_fake_devices_can_be_made(devices) -> None:
@@ -27,11 +32,6 @@ def skip_unless_fake_devices_can_be_made(devices) -> None:
                 f"a fake tensor on {device} makes torch initialise {device} where CUDA is present, "
                 f"and this machine has {count} CUDA device(s)"
             )
-# What code before a graph saved is read through ``SavedTensor.data`` (fxoffload/upstream.py).
-requires_saved_tensor_reads = pytest.mark.skipif(
-    not _compat.can_read_saved_tensors(),
-    reason="this torch cannot read a SavedTensor without unpacking it: code before a graph is not counted",
-)
 
 
 @pytest.fixture(autouse=True)
