@@ -28,7 +28,7 @@ test-torch211:
 	.venv-211/bin/python -m pytest -q
 
 bench-smoke: $(STAMP)
-	$(PY) -m bench --preset tiny --steps 1 --warmup 0 --threads 1 --inner aot_eager --methods eager,fxoffload-all,fxoffload-budget=0.5,save_on_cpu,streamed,checkpoint
+	$(PY) -m bench --preset tiny --device cpu --steps 1 --warmup 0 --threads 1 --inner aot_eager --methods eager,fxoffload-all,fxoffload-budget=0.5,save_on_cpu,streamed,checkpoint
 
 clean:
 	rm -rf $(VENV) .venv-211 build *.egg-info

@@ -1,6 +1,6 @@
 """Peak memory and step time of fxoffload next to what users would pick instead.
 
-    python -m bench --workload gpt --preset tiny --steps 2                  # CPU smoke run
+    python -m bench --workload gpt --preset tiny --steps 2 --device cpu     # CPU smoke run
     python -m bench --workload gpt --preset gpt2-medium --png gpt2m.png     # on a GPU
     python -m bench --workload hf-llama --preset medium --methods eager,fxoffload-budget,checkpoint \
         --budgets 0.7,0.5
@@ -94,6 +94,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps after the first (compile) step")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
+        "--device",
+        default=None,
+        choices=("cpu", "cuda"),
+        help="where to run (default: cuda where CUDA is available, else cpu)",
+    )
+    parser.add_argument(
         "--min-bytes",
         default=None,
         help="fxoffload's and the streamed offloader's threshold (default: 1MiB on a GPU, 16KiB on a CPU)",
@@ -120,7 +126,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.threads < 1:
             parser.error(f"--threads must be >= 1, got {args.threads}")
         torch.set_num_threads(args.threads)
-    cuda = torch.cuda.is_available()
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: CUDA is not available here")
+    cuda = args.device == "cuda" if args.device else torch.cuda.is_available()
     try:
         methods = parse_methods(args.methods, args.budgets)
         min_bytes = parse_bytes(args.min_bytes or ("1MiB" if cuda else "16KiB"), "--min-bytes")

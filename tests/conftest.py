@@ -9,11 +9,29 @@ import fxoffload
 from fxoffload import _compat
 
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+# The older of the two supported torch versions, where some measured figures differ by design of torch.
+TORCH_2_11 = torch.torch_version.TorchVersion(torch.__version__) < (2, 12)
 # What code before a graph saved is read through ``SavedTensor.data`` (fxoffload/upstream.py).
 requires_saved_tensor_reads = pytest.mark.skipif(
     not _compat.can_read_saved_tensors(),
     reason="this torch cannot read a SavedTensor without unpacking it: code before a graph is not counted",
 )
+
+
+def skip_unless_fake_devices_can_be_made(devices) -> None:
+    """Skip where a fake tensor on one of ``devices`` cannot be made. Fake tensors need no GPU on a
+    machine without CUDA, but where CUDA is present torch creates a real tensor on the fake one's
+    device when it makes it (``FakeTensor``'s ``init_gpu_context``): a fake ``cuda:1`` then needs a
+    second GPU, and fails on one GPU with "invalid device ordinal"."""
+    if not torch.cuda.is_available():
+        return
+    count = torch.cuda.device_count()
+    for device in map(torch.device, devices):
+        if device.type == "cuda" and (device.index or 0) >= count:
+            pytest.skip(
+                f"a fake tensor on {device} makes torch initialise {device} where CUDA is present, "
+                f"and this machine has {count} CUDA device(s)"
+            )
 
 
 @pytest.fixture(autouse=True)

@@ -11,7 +11,7 @@ from fxoffload.analysis.code_memory import simulate_output_code
 from fxoffload.sizes import span_bytes as storage_bytes
 from fxoffload.measure.allocator import track_cpu_frees
 
-from .conftest import measured_example
+from .conftest import TORCH_2_11, measured_example
 
 
 def wrapper(body: str, get_args: str = "") -> str:
@@ -229,7 +229,18 @@ def _measured_and_predicted(name: str, policy: str) -> tuple[int, int, int]:
 
 
 # With a plan (GPT, seq2seq's decoder): tests/test_no_cost.py, on the same steps it measures.
-@pytest.mark.parametrize("name, policy", [("mlp", "none"), ("cnn", "none")])
+# torch 2.11's convolution_backward copies a 512 KiB operand to a contiguous one inside the kernel
+# (aten::contiguous under aten::convolution_backward; torch 2.13 does not), and the replay reads the
+# wrapper code, which cannot show it: 3948976 bytes measured against 3406188 replayed, alike with the
+# torch 2.11.0+cu130 wheel on a 2-core CPU machine and on the one-GPU H100 machine.
+CONV_BACKWARD_COPIES = pytest.mark.xfail(
+    TORCH_2_11, strict=True, reason="torch 2.11's convolution_backward copies an operand inside the kernel"
+)
+
+
+@pytest.mark.parametrize(
+    "name, policy", [("mlp", "none"), pytest.param("cnn", "none", marks=CONV_BACKWARD_COPIES)]
+)
 def test_predicted_within_5_percent_of_the_cpu_allocator(name, policy):
     track_cpu_frees()  # frees of blocks from before the step count
     threads = torch.get_num_threads()

@@ -235,7 +235,7 @@ def test_a_failing_probe_says_so_and_the_default_link_is_used(fake_cuda):
 ])  # fmt: skip
 def test_the_graph_is_priced_on_the_device_of_its_saved_tensors(devices, priced):
     """A graph on cuda:1 measures cuda:1's link, whatever device is current while it compiles (fake
-    tensors: no GPU needed)."""
+    tensors: no GPU needed where CUDA is absent, and a second one where it is present)."""
     from fxoffload.compiler.costs import cost_device
     from fxoffload.analysis.lifetimes import analyze_saved_tensors
 

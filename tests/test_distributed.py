@@ -4,6 +4,11 @@ plan on every rank.
 
 One spawn runs every scenario (starting processes and importing torch is the slow part); each test
 checks one scenario's results.
+
+The CPU is pinned, so that a GPU on the machine changes nothing: the workers start with no CUDA
+device visible, and FSDP2 is given a CPU mesh (without one, ``fully_shard`` builds its mesh on the
+accelerator torch finds, and on a one-GPU H100 machine the workers died: "CUDA error: invalid device
+ordinal", rank 0 with SIGSEGV). DDP on a GPU: ``tests/test_cuda.py::test_ddp_on_one_gpu``.
 """
 
 import copy
@@ -104,10 +109,12 @@ def _ddp_scenarios(model, x):
 
 def _fsdp2_scenario(model, x):
     try:
+        from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
     except ImportError as e:  # pragma: no cover - both supported torch versions have it
         return {"fsdp2_error": f"torch.distributed.fsdp.fully_shard is missing: {e}"}
     world = dist.get_world_size()
+    mesh = init_device_mesh("cpu", (world,))  # fully_shard's default is the accelerator's mesh
     ref = copy.deepcopy(model)
     _steps(ref, list(ref.parameters()), x)
     for p in ref.parameters():  # plain data parallelism: the mean of the ranks' gradients
@@ -117,8 +124,8 @@ def _fsdp2_scenario(model, x):
         sharded = copy.deepcopy(model)
         for block in sharded.blocks:
             block.compile(backend=backend)
-            fully_shard(block)
-        fully_shard(sharded)
+            fully_shard(block, mesh=mesh)
+        fully_shard(sharded, mesh=mesh)
         _steps(sharded, list(sharded.parameters()), x)
         return {n: p.grad.full_tensor() for n, p in sharded.named_parameters()}
 
@@ -153,7 +160,10 @@ def _worker(rank: int, world: int, init_file: str, results: str) -> None:
 
 @pytest.fixture(scope="module")
 def ranks():
-    with tempfile.TemporaryDirectory() as tmp:
+    # Each run its own directory (the rendezvous file included): no port, nothing shared between
+    # pytest-xdist workers that run this module at the same time.
+    with tempfile.TemporaryDirectory() as tmp, pytest.MonkeyPatch.context() as env:
+        env.setenv("CUDA_VISIBLE_DEVICES", "")  # the spawned workers see no GPU: the CPU path
         mp.spawn(_worker, args=(WORLD, os.path.join(tmp, "init"), tmp), nprocs=WORLD, join=True)
         return [torch.load(os.path.join(tmp, f"rank{r}.pt"), weights_only=False) for r in range(WORLD)]
 

@@ -1,8 +1,12 @@
 """Options: validation with clear messages, and the two ways of passing them."""
 
+import os
+import re
 import subprocess
 import sys
 import textwrap
+from importlib.metadata import entry_points
+from pathlib import Path
 
 import pytest
 import torch
@@ -210,8 +214,13 @@ def test_report_api():
     assert "fxoffload.offload.default" in code and "fxoffload.reload.default" in code
 
 
-def _run(code: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=300)
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _run(code: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=300, env=env
+    )
 
 
 SNIPPET = """
@@ -224,8 +233,28 @@ SNIPPET = """
 """
 
 
-def test_backend_name_works_without_importing_fxoffload():
-    result = _run(SNIPPET)
+def _declared_entry_point() -> str:
+    """The target pyproject.toml declares for ``backend="fxoffload"`` (its ``torch_dynamo_backends``)."""
+    text = (ROOT / "pyproject.toml").read_text()
+    section = text.split("[project.entry-points.torch_dynamo_backends]", 1)[1].split("\n[", 1)[0]
+    (target,) = re.findall(r'^fxoffload\s*=\s*"([^"]+)"', section, re.M)
+    return target
+
+
+def test_backend_name_works_without_importing_fxoffload(tmp_path):
+    """torch finds the name through the package's entry point. Run from the tree (``PYTHONPATH=.``,
+    as on the H100 machine) the package is not installed and there is none, so the child gets the
+    one pyproject.toml declares, in a dist-info on its path as ``pip install`` would write it."""
+    env = None
+    if not any(ep.name == "fxoffload" for ep in entry_points(group="torch_dynamo_backends")):
+        info = tmp_path / "fxoffload_tree-0.dist-info"
+        info.mkdir()
+        (info / "METADATA").write_text("Metadata-Version: 2.1\nName: fxoffload-tree\nVersion: 0\n")
+        declared = f"[torch_dynamo_backends]\nfxoffload = {_declared_entry_point()}\n"
+        (info / "entry_points.txt").write_text(declared)
+        path = [str(tmp_path), str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(path)}
+    result = _run(SNIPPET, env)
     assert result.returncode == 0, result.stderr[-2000:]
     assert "ok" in result.stdout
 

@@ -13,7 +13,7 @@ from fxoffload.runtime import host_pool
 from fxoffload.runtime import transfers
 from fxoffload.testing.models import MLP
 
-from .conftest import cpu_backend, train_step
+from .conftest import cpu_backend, skip_unless_fake_devices_can_be_made, train_step
 
 INNERS = ["aot_eager", "inductor"]
 
@@ -365,8 +365,11 @@ def test_host_budget_is_shared_by_the_graphs_of_one_backend():
 
 def _two_device_graphs(devices, n=256):
     """A partitioned pair by hand: one chain per device, each saving a tanh for the backward. The
-    values are fake tensors, so "cuda:0" and "cuda:1" need no GPU."""
+    values are fake tensors, so "cuda:0" and "cuda:1" need no GPU where CUDA is absent; where it is
+    present they need those devices (``skip_unless_fake_devices_can_be_made``)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
+
+    skip_unless_fake_devices_can_be_made(devices)
 
     aten = torch.ops.aten
     mode = FakeTensorMode()

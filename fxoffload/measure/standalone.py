@@ -10,8 +10,9 @@ also allocate scratch memory of their own for the duration of the call, and no f
 on a CPU ``native_dropout_backward`` casts its mask to the gradient's dtype (one more gradient-sized
 buffer), ``native_dropout`` draws its mask in floating point, a convolution's backward reorders its
 weights. Measured on a 2-layer GPT, the dropout backward's scratch alone was 0.5 MiB above a 2.3 MiB
-prediction. So each distinct (op, argument signature, device) is run once on made-up inputs, and the
-bytes it allocated above what it returned are its temporary; graphs of the process share the figures.
+prediction. So each distinct (op, argument signature, device; on a CPU also the thread count, which
+changes oneDNN's algorithms) is run once on made-up inputs, and the bytes it allocated above what it
+returned are its temporary; graphs of the process share the figures.
 
 CPU: one ``torch.profiler`` session for all the ops of a graph pair: each op runs inside a
 ``record_function`` range, and the CPU allocator's events inside the range give its peak and what
@@ -187,12 +188,16 @@ def _time_node(node: fx.Node, device: torch.device, repeats: int) -> float | Non
     return sorted(times)[len(times) // 2]
 
 
-# Bytes above its outputs that one (op, signature, device) allocated while it ran; 0 when it could
-# not run alone. Shared by every graph of the process, like the calibration's timings.
+# Bytes above its outputs that one (op, signature, device, CPU threads) allocated while it ran; 0 when
+# it could not run alone. Shared by every graph of the process, like the calibration's timings.
 _measured: dict[tuple[Any, ...], int] = {}
 
 def _key(node: fx.Node, device: torch.device) -> tuple[Any, ...]:
-    return (node.target, _signature(node.args), _signature(node.kwargs), str(device))
+    # On a CPU the thread count is part of the op: oneDNN picks its convolution algorithm, and so its
+    # scratch, per thread count (the CNN's convolution backwards measured at 8 threads put 1.6% more
+    # on a steady step's peak run at 1 thread), and a process changes its thread count between graphs.
+    threads = torch.get_num_threads() if device.type == "cpu" else None
+    return (node.target, _signature(node.args), _signature(node.kwargs), str(device), threads)
 
 
 def op_temporaries(graphs: Iterable[fx.GraphModule], device: torch.device) -> dict[fx.Node, int]:

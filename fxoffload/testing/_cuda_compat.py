@@ -62,11 +62,20 @@ def fake_cuda_device(props: Any) -> Iterator[None]:
         "_exchange_device": lambda device: 0,
         "_maybe_exchange_device": lambda device: 0,
     }
+    really_available = torch.cuda.is_available()
     with contextlib.ExitStack() as stack:
         for name, stub in stubs.items():
             _patch(stack, torch.cuda, name, stub)
             if name in CudaInterface.__dict__:
                 _patch(stack, CudaInterface, name, staticmethod(stub))
+        if not really_available and torch.accelerator.is_available():
+            # A CUDA build on a machine without a GPU (torch 2.11's wheel): torch.accelerator now
+            # believes the stubs, and Dynamo asks it for the current stream, which initialises CUDA
+            # for real ("Found no NVIDIA driver"). A CPU build has no accelerator to believe them.
+            raise cuda_lowering_unavailable(
+                "this CUDA build has no GPU to reach, and torch.accelerator (whose current stream Dynamo "
+                "asks for) would initialise CUDA for the faked device"
+            )
         clear = getattr(DeviceProperties.create, "cache_clear", None)
         if clear is not None:
             stack.callback(clear)
@@ -77,9 +86,15 @@ def fake_cuda_device(props: Any) -> Iterator[None]:
 def fake_tensor_relabeller(device_type: str, device: torch.device) -> Callable[[Any], bool]:
     """A function ``relabel(value)``: a fake tensor on ``device_type`` says it is on ``device`` from
     then on (in place); returns whether ``value`` was a fake tensor at all."""
-    FakeTensor = _private_module("torch._subclasses.fake_tensor").FakeTensor
-    if getattr(getattr(FakeTensor, "fake_device", None), "fset", None) is None:
-        raise cuda_lowering_unavailable("FakeTensor.fake_device cannot be set")
+    fake_tensor = _private_module("torch._subclasses.fake_tensor")
+    FakeTensor = fake_tensor.FakeTensor
+    # A property with a setter on torch 2.13, a plain attribute on torch 2.11: asked of a fake tensor,
+    # not of the class (whose attribute only the property is).
+    probe = fake_tensor.FakeTensorMode().from_tensor(torch.empty(0))
+    try:
+        probe.fake_device = probe.fake_device
+    except (AttributeError, TypeError) as e:
+        raise cuda_lowering_unavailable("FakeTensor.fake_device cannot be set", e) from e
 
     def relabel(value: Any) -> bool:
         if not isinstance(value, FakeTensor):
