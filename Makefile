@@ -13,7 +13,7 @@ $(STAMP): pyproject.toml constraints.txt
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(PY) -m fxoffload.demo
+	$(PY) -m fxoffload.tools.demo
 
 test: $(STAMP)
 	$(PY) -m pytest -q
