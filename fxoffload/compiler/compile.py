@@ -161,18 +161,23 @@ class GraphCompiler:
             # The plan is the fit's smallest peak already when it predicts more than the target.
             after = pair.memory_after.peak_bytes if pair.memory_after is not None else 0
             lowest_reachable = after > (target if target is not None else pair.memory_budget)
-            return Trial((compiled, pair), timeline.peak_bytes, target, lowest_reachable, said, pair.memory_budget)
+            plan = pair.plan
+            return Trial(
+                (compiled, pair), timeline.peak_bytes, target, lowest_reachable, said, pair.memory_budget,
+                cost=plan.stall + plan.recompute_seconds, raisable=plan.changes_graphs,
+            )  # fmt: skip
 
         def on_replan(trial: Trial, target: int) -> None:
             _, pair = trial.value
+            side = "over" if trial.peak > pair.memory_budget else "well under"
             replans.append(
-                f"Inductor's code of plan {len(replans) + 1} peaked at {fmt_bytes(trial.peak)}, over memory_budget "
+                f"Inductor's code of plan {len(replans) + 1} peaked at {fmt_bytes(trial.peak)}, {side} memory_budget "
                 f"{fmt_bytes(pair.memory_budget)}; planned again for {fmt_bytes(target)} on the FX model"
             )
             log.info("fxoffload: graph %d: %s", pair.graph_id, replans[-1])
 
         # The budget in bytes is the first plan's (a fraction needs its baseline): read from its trial.
-        best, _ = refine(None, attempt, opts.max_replans, on_replan)
+        best, _ = refine(None, attempt, opts.max_replans, on_replan, tolerance=BUDGET_TOLERANCE)
         assert best is not None
         compiled, pair = best.value
         if pair is not None and replans:

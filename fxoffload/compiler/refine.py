@@ -42,6 +42,11 @@ class Trial(Generic[T]):
     # The budget in bytes it is judged against, where the caller of ``refine`` could not know it
     # before the first attempt (a fraction of a baseline the plan computes).
     budget: int | None = None
+    # What the plan costs in time (predicted stall and recomputation): of the trials that meet the
+    # budget, the cheapest is kept.
+    cost: float = 0.0
+    # Planned again for a higher target where it is well under the budget (its plan did something).
+    raisable: bool = False
 
 
 def attempt_quietly(fn: Callable[[], T]) -> tuple[T, tuple[warnings.WarningMessage, ...]]:
@@ -58,12 +63,20 @@ def refine(
     limit: int,
     on_replan: Callable[[Trial[T], int], None] | None = None,
     start: int | None = None,
+    tolerance: float = 0.0,
+    raise_below: float = 0.9,
 ) -> tuple[Trial[T] | None, list[Trial[T]]]:
-    """Try ``start`` (default: ``budget``), then targets lowered by each miss, ``limit`` more times
-    at most; return the judged trial with the lowest peak (the first trial when none could be
-    judged) and every trial judged. ``budget`` None: the first trial's ``budget``. ``attempt``
-    returns None to stop (nothing to try at that target); ``on_replan(trial, next_target)`` hears
-    of each miss that is planned again."""
+    """Try ``start`` (default: ``budget``), then a target moved by each miss, ``limit`` more times at
+    most, and return the trial kept and every trial judged.
+
+    A trial over the budget is planned again for a target lowered by the miss. A trial that can be
+    raised (``raisable``) and peaks below ``raise_below`` of the budget is planned again for a
+    target raised by the slack: a plan made on a model that over-counts (the FX model under autocast
+    counts casts Inductor fuses) offloads more than the budget needs, and the code it compiles to is
+    the judge. Kept: of the trials within ``tolerance`` of the budget, the cheapest (``cost``); else
+    the lowest peak (the first trial when none could be judged). ``budget`` None: the first trial's
+    ``budget``. ``attempt`` returns None to stop; ``on_replan(trial, next_target)`` hears of each
+    trial planned again."""
     trials: list[Trial[T]] = []
     target = start if start is not None else budget
     for i in range(limit + 1):
@@ -74,18 +87,31 @@ def refine(
             return (trial if not trials else min(trials, key=_peak)), trials
         trials.append(trial)
         budget = budget if budget is not None else trial.budget
-        if budget is None or trial.peak <= budget or trial.lowest_reachable or i == limit:
+        if budget is None or i == limit:
+            break
+        over = trial.peak > budget
+        slack = trial.raisable and trial.peak < budget * raise_below
+        if (over and trial.lowest_reachable) or not (over or slack):
             break
         target = (target if target is not None else budget) - (trial.peak - budget)
         if target <= 0:
             break
         log.debug(
-            "fxoffload: a plan peaked at %s, over the budget %s; planning again for %s",
-            fmt_bytes(trial.peak), fmt_bytes(budget), fmt_bytes(target),
+            "fxoffload: a plan peaked at %s, %s the budget %s; planning again for %s",
+            fmt_bytes(trial.peak), "over" if over else "under", fmt_bytes(budget), fmt_bytes(target),
         )  # fmt: skip
         if on_replan is not None:
             on_replan(trial, target)
-    return (min(trials, key=_peak) if trials else None), trials
+    return _kept(trials, budget, tolerance), trials
+
+
+def _kept(trials: Sequence[Trial[T]], budget: int | None, tolerance: float) -> Trial[T] | None:
+    if not trials:
+        return None
+    meeting = [t for t in trials if budget is not None and t.peak <= budget * (1 + tolerance)]
+    if meeting:
+        return min(meeting, key=lambda t: (t.cost, t.peak))
+    return min(trials, key=_peak)
 
 
 def lowest(candidates: Sequence[Trial[T]], keep_first_on_tie: bool = True) -> Trial[T]:
