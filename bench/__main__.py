@@ -55,6 +55,11 @@ COLUMNS = (  # (row key, header, format); columns with no value in any row are l
     ("predicted_before_MiB", "predicted peak MiB (no offload)", "{:,.2f}"),
     ("predicted_after_MiB", "predicted peak MiB", "{:,.2f}"),
     ("offloaded_MiB", "offloaded MiB/step", "{:,.2f}"),
+    ("time_x", "step time x baseline", "{:.2f}"),
+    ("left_peak_MiB", "left the peak MiB", "{:,.1f}"),
+    ("offload_bound_MiB", "bound MiB (link x fw)", "{:,.1f}"),
+    ("bound_share", "of the bound", "{:.0%}"),
+    ("measured_stall_ms", "stall ms (measured)", "{:.2f}"),
     ("dtoh_MiB", "D2H MiB (trace)", "{:,.1f}"),
     ("dtoh_GBps", "D2H GB/s", "{:.1f}"),
     ("htod_GBps", "H2D GB/s", "{:.1f}"),
@@ -78,6 +83,26 @@ def table(rows: list[dict[str, Any]], unit: str) -> str:
     return tabulate(
         body, headers=headers, disable_numparse=True, maxcolwidths=[None] * (len(used) - 1) + [60]
     )
+
+
+def against_baseline(rows: list[dict[str, Any]]) -> None:
+    """Each row against the compiler alone ("inductor", else "eager"): its step time as a multiple, the
+    bytes its method took off the peak, and, for an offloading method, that against the bound it
+    measured (bytes that can leave the peak without a stall: the link's bytes/s x the forward's time)."""
+    base = next((r for r in rows if r["method"] == "inductor" and r["status"] == "ok"), None)
+    base = base or next((r for r in rows if r["method"] == "eager" and r["status"] == "ok"), None)
+    if base is None:
+        return
+    key = "peak_alloc_MiB" if base.get("peak_alloc_MiB") is not None else "measured_peak_MiB"
+    for r in rows:
+        if r["status"] != "ok" or r is base:
+            continue
+        if r.get("step_ms") and base.get("step_ms"):
+            r["time_x"] = r["step_ms"] / base["step_ms"]
+        if r.get(key) is not None and base.get(key) is not None:
+            r["left_peak_MiB"] = base[key] - r[key]
+            if r.get("offload_bound_MiB"):
+                r["bound_share"] = max(0.0, r["left_peak_MiB"]) / r["offload_bound_MiB"]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -179,6 +204,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"    {row['status']}: {row['note']}", flush=True)
         rows.append(row)
     check_losses(rows, rtol=2e-2 if ctx.amp else 1e-3)
+    against_baseline(rows)
     print(table(rows, workload.unit))
     if args.json:
         _write_json(args.json, conditions, rows)

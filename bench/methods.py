@@ -6,6 +6,8 @@ shows; nothing is dropped silently. Names on the command line:
     eager, inductor, fxoffload-auto, fxoffload-all,
     fxoffload-budget[=F]      fxoffload with memory_budget=F (a fraction of its predicted peak without
                               offloading)
+    fxoffload-recompute[=F]   the same with recompute="inductor": torch's partitioner recomputes under its
+                              activation_memory_budget, fxoffload offloads what hides on top
     save_on_cpu               eager under torch.autograd.graph.save_on_cpu(pin_memory=True on a GPU)
     streamed                  eager, saved-tensor hooks + side stream (TRL's when importable, else
                               bench/streamed.py)
@@ -14,8 +16,8 @@ shows; nothing is dropped silently. Names on the command line:
     intree                    Inductor with torch's in-tree activation offloading, on the tensors fxoffload
                               (policy="auto") chose
 
-Without ``=F`` the two sweeps take every value of ``--budgets``. The two budgets mean different
-things: fxoffload's is a fraction of its predicted peak device memory, Inductor's a fraction of the
+Without ``=F`` the sweeps take every value of ``--budgets``. The two budgets mean different
+things: fxoffload's (both methods) is a fraction of its predicted peak device memory, Inductor's a fraction of the
 activation memory its partitioner would save.
 """
 
@@ -44,13 +46,14 @@ KINDS = (
     "fxoffload-auto",
     "fxoffload-all",
     "fxoffload-budget",
+    "fxoffload-recompute",
     "save_on_cpu",
     "streamed",
     "checkpoint",
     "inductor-amb",
     "intree",
 )
-SWEPT = ("fxoffload-budget", "inductor-amb")
+SWEPT = ("fxoffload-budget", "fxoffload-recompute", "inductor-amb")
 DEFAULT = ",".join(KINDS)
 
 
@@ -90,7 +93,7 @@ def parse_methods(spec: str, budgets: str) -> list[Method]:
         if kind not in KINDS:
             raise ValueError(f"unknown method {kind!r}; choose from: {', '.join(KINDS)}")
         if value and kind not in SWEPT:
-            raise ValueError(f"method {kind!r} takes no value (only {' and '.join(SWEPT)} do), got {item!r}")
+            raise ValueError(f"method {kind!r} takes no value (only {', '.join(SWEPT)} do), got {item!r}")
         if kind in SWEPT:
             if value:
                 methods.append(Method(kind, parse_budget(value, kind)))
@@ -147,8 +150,10 @@ def prepare(
         return Prepared(_step(torch.compile(model, backend="inductor"), batch, ctx))
     if kind.startswith("fxoffload"):
         options = {"policy": "all"} if kind == "fxoffload-all" else {"policy": "auto"}
-        if kind == "fxoffload-budget":
+        if kind in ("fxoffload-budget", "fxoffload-recompute"):
             options["memory_budget"] = method.budget
+        if kind == "fxoffload-recompute":
+            options["recompute"] = "inductor"
         backend = fxoffload.backend(**ctx.fxoffload_options(**options))
         note = "" if ctx.cuda else "offload_cpu=True: host copies are CPU tensors (left out of measured peak)"
         return Prepared(

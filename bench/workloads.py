@@ -131,12 +131,30 @@ SEQ2SEQ_PRESETS = {
     "thread": dict(vocab=8000, emb=256, hidden=512, batch=64, src_len=80, tgt_len=40),
 }
 
+# Where offloading should win (issue: "a workload where offloading wins"). Llama-7B-shaped blocks, few
+# enough to fit one H100 (``../shared/gpu/bound.py``: at dim 4096 about 30% of the saved bytes can
+# leave within the forward on PCIe with bf16 weights); "bf16" weights are bf16 (no saved weight casts),
+# the others fp32 under --amp bf16. A video diffusion transformer at long sequence: non-causal
+# attention grows with the square of the tokens while the saved bytes grow linearly.
+LLAMA_PRESETS = {
+    "tiny": dict(dim=64, heads=4, mlp=176, seq=64, batch=2, blocks=2, bf16=False),
+    "7b-4l": dict(dim=4096, heads=32, mlp=11008, seq=2048, batch=1, blocks=4, bf16=False),
+    "7b-4l-bf16": dict(dim=4096, heads=32, mlp=11008, seq=2048, batch=1, blocks=4, bf16=True),
+}
+DIT_PRESETS = {
+    "tiny": dict(dim=64, heads=4, tokens=128, batch=2, blocks=2, bf16=False),
+    "video-16k": dict(dim=1536, heads=24, tokens=16384, batch=1, blocks=4, bf16=True),
+    "video-32k": dict(dim=3072, heads=24, tokens=32768, batch=1, blocks=2, bf16=True),
+}
+
 WORKLOADS: dict[str, tuple[str, ...]] = {
     "gpt": tuple(PRESETS),
     "hf-gpt2": tuple(HF_PRESETS["hf-gpt2"]),
     "hf-llama": tuple(HF_PRESETS["hf-llama"]),
     "cnn": tuple(CNN_PRESETS),
     "seq2seq": tuple(SEQ2SEQ_PRESETS),
+    "llama": tuple(LLAMA_PRESETS),
+    "dit": tuple(DIT_PRESETS),
 }
 
 
@@ -163,6 +181,10 @@ def build(
         return _hf(name, preset, device, batch)
     if name == "cnn":
         return _cnn(preset, device, batch)
+    if name == "llama":
+        return _llama(preset, device, batch)
+    if name == "dit":
+        return _dit(preset, device, batch)
     return _seq2seq(preset, device, batch)
 
 
@@ -261,3 +283,89 @@ def _seq2seq(preset: str, device, batch: int | None) -> Workload:
         f"GRUCell decoder with additive attention, vocab {kw['vocab']}, src {kw['src_len']}, "
         f"tgt {kw['tgt_len']}, batch {batch}",
     )
+
+
+class LlamaBlock(nn.Module):
+    """RMSNorm, fused QKV, causal SDPA, SwiGLU MLP: a Llama block's shape (``../shared/gpu/bound.py``)."""
+
+    def __init__(self, dim: int, heads: int, mlp: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.n1, self.n2 = nn.RMSNorm(dim), nn.RMSNorm(dim)
+        self.qkv, self.o = nn.Linear(dim, 3 * dim, bias=False), nn.Linear(dim, dim, bias=False)
+        self.gate, self.up = nn.Linear(dim, mlp, bias=False), nn.Linear(dim, mlp, bias=False)
+        self.down = nn.Linear(mlp, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.n1(x)).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        x = x + self.o(F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, d))
+        h = self.n2(x)
+        return x + self.down(F.silu(self.gate(h)) * self.up(h))
+
+
+class DiTBlock(nn.Module):
+    """A diffusion transformer block: adaptive LayerNorm (shift, scale, gate from the conditioning),
+    non-causal attention over every token of a video clip, a GELU MLP."""
+
+    def __init__(self, dim: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.n1 = nn.LayerNorm(dim, elementwise_affine=False)
+        self.n2 = nn.LayerNorm(dim, elementwise_affine=False)
+        self.ada = nn.Linear(dim, 6 * dim)
+        self.qkv, self.o = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
+        self.fc1, self.fc2 = nn.Linear(dim, 4 * dim), nn.Linear(4 * dim, dim)
+
+    def forward(self, x: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        shift1, scale1, gate1, shift2, scale2, gate2 = self.ada(F.silu(c))[:, None].chunk(6, dim=-1)
+        h = self.n1(x) * (1 + scale1) + shift1
+        q, k, v = self.qkv(h).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        x = x + gate1 * self.o(F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(b, t, d))
+        h = self.n2(x) * (1 + scale2) + shift2
+        return x + gate2 * self.fc2(F.gelu(self.fc1(h), approximate="tanh"))
+
+
+class Stack(nn.Module):
+    """Blocks in a row on a given input, the mean square of the output as the loss (``bound.py``'s)."""
+
+    def __init__(self, blocks: list[nn.Module], conditioned: bool = False) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(blocks)
+        self.conditioned = conditioned
+
+    def forward(self, x: torch.Tensor, c: torch.Tensor | None = None) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x, c) if self.conditioned else block(x)
+        return x.float().pow(2).mean()
+
+
+def _llama(preset: str, device, batch: int | None) -> Workload:
+    kw = LLAMA_PRESETS[preset]
+    batch = batch or kw["batch"]
+    model = Stack([LlamaBlock(kw["dim"], kw["heads"], kw["mlp"]) for _ in range(kw["blocks"])])
+    dtype = torch.bfloat16 if kw["bf16"] else torch.float32
+    model = model.to(dtype)
+    x = torch.randn(batch, kw["seq"], kw["dim"], device=device, dtype=dtype, requires_grad=True)
+    return Workload(
+        "llama", preset, model, (x,), lambda m: list(m.blocks), batch * kw["seq"], "tokens",
+        f"Llama-shaped blocks: {kw['blocks']} x (dim {kw['dim']}, {kw['heads']} heads, SwiGLU {kw['mlp']}), "
+        f"seq {kw['seq']}, batch {batch}, {'bf16' if kw['bf16'] else 'fp32'} weights",
+    )  # fmt: skip
+
+
+def _dit(preset: str, device, batch: int | None) -> Workload:
+    kw = DIT_PRESETS[preset]
+    batch = batch or kw["batch"]
+    model = Stack([DiTBlock(kw["dim"], kw["heads"]) for _ in range(kw["blocks"])], conditioned=True)
+    dtype = torch.bfloat16 if kw["bf16"] else torch.float32
+    model = model.to(dtype)
+    x = torch.randn(batch, kw["tokens"], kw["dim"], device=device, dtype=dtype, requires_grad=True)
+    c = torch.randn(batch, kw["dim"], device=device, dtype=dtype)
+    return Workload(
+        "dit", preset, model, (x, c), lambda m: list(m.blocks), batch * kw["tokens"], "tokens",
+        f"video diffusion transformer blocks: {kw['blocks']} x (dim {kw['dim']}, {kw['heads']} heads, "
+        f"non-causal attention, adaLN), {kw['tokens']} tokens, batch {batch}, "
+        f"{'bf16' if kw['bf16'] else 'fp32'} weights",
+    )  # fmt: skip

@@ -49,12 +49,19 @@ def call_partitioner(
     name: str,
     joint: fx.GraphModule,
     joint_inputs: Any,
+    activation_memory_budget: float | None = None,
     **kwargs: Any,
 ) -> tuple[fx.GraphModule, fx.GraphModule]:
-    """Run torch's own partitioner ``name``, passing only the keyword arguments it accepts."""
+    """Run torch's own partitioner ``name``, passing only the keyword arguments it accepts;
+    ``activation_memory_budget``: the min-cut partitioner's budget (``functorch.config``) for this
+    call only, which makes it recompute until the saved activations fit that fraction."""
     fn = TORCH_PARTITIONERS[name]
     accepted = inspect.signature(fn).parameters
-    return fn(joint, joint_inputs, **{k: v for k, v in kwargs.items() if k in accepted})
+    args = {k: v for k, v in kwargs.items() if k in accepted}
+    if activation_memory_budget is None:
+        return fn(joint, joint_inputs, **args)
+    with functorch_config.patch(activation_memory_budget=activation_memory_budget):
+        return fn(joint, joint_inputs, **args)
 
 
 @contextlib.contextmanager
@@ -77,6 +84,17 @@ def tag_must_recompute(joint: fx.GraphModule, names: frozenset[str]) -> None:
     for node in joint.graph.nodes:
         if node.name in names:
             node.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
+
+
+def tag_must_save(joint: fx.GraphModule, names: frozenset[str]) -> None:
+    """Forbid torch's partitioners to recompute the joint graph's nodes ``names``: the ``MUST_SAVE``
+    tag of selective activation checkpointing, which the min-cut partitioner honours under any
+    activation memory budget."""
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    for node in joint.graph.nodes:
+        if node.name in names:
+            node.meta["recompute"] = CheckpointPolicy.MUST_SAVE
 
 
 def must_save(node: fx.Node) -> bool:

@@ -10,9 +10,13 @@ from typing import Any
 POLICIES = ("auto", "all", "none")
 INNER_COMPILERS = ("inductor", "aot_eager")
 PARTITIONERS = ("min_cut", "default")
+RECOMPUTE = ("fxoffload", "inductor")
 MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
-# The ordering rules of the rewrite that the ``broken_rule`` option breaks on purpose (``rewrite``).
-BROKEN_RULES = ("no_wait_before_use", "source_released_at_issue", "reload_before_written", "no_order_edges")
+# The rules of the rewrite that the ``broken_rule`` option breaks on purpose: its ordering rules
+# (``rewrite.transfers``) and random ops kept saved under torch's recomputation (``rewrite.random_ops``).
+BROKEN_RULES = (
+    "no_wait_before_use", "source_released_at_issue", "reload_before_written", "no_order_edges", "random_ops_saved",
+)  # fmt: skip
 
 _UNITS = {
     "": 1, "b": 1,
@@ -107,6 +111,11 @@ class OffloadOptions:
     # policy function returned "offload" for them; the rest follows ``policy``. A path is dotted from
     # the compiled module ("layers.0.mlp.fc1"), the innermost module that produced the tensor.
     offload_modules: tuple[str, ...] = ()
+    # With memory_budget, what recomputes activations: "fxoffload" (the budget fit weighs each tensor's
+    # recomputation against an un-hidden offload, and torch's partitioner carries out its choices) or
+    # "inductor" (torch's own min-cut partitioner under ``activation_memory_budget``, lowered step by
+    # step until the offloads that hide on top meet the budget; the budget fit only where none does).
+    recompute: str = "fxoffload"
     # How many times a plan is made again when the peak it reached (on the memory model of the new
     # partition, in the code Inductor generated, or at run time) misses ``memory_budget``: each time
     # for a target lowered by the miss, and the lowest peak is kept. 0 keeps the first plan.
@@ -120,6 +129,7 @@ class OffloadOptions:
         self._check_policy()
         _choice("inner", self.inner, INNER_COMPILERS)
         _choice("partitioner", self.partitioner, PARTITIONERS)
+        _choice("recompute", self.recompute, RECOMPUTE)
         _choice("mode", self.mode, MODES)
         object.__setattr__(self, "min_bytes", parse_bytes(self.min_bytes, "min_bytes"))
         if self.host_budget is not None:
@@ -159,6 +169,11 @@ class OffloadOptions:
             raise ValueError(
                 f"fxoffload: broken_rule={self.broken_rule!r} is not valid; choose one of: "
                 f"{', '.join(map(repr, BROKEN_RULES))} (for fxoffload's own tests), or None"
+            )
+        if self.recompute == "inductor" and self.partitioner != "min_cut":
+            raise ValueError(
+                "fxoffload: recompute='inductor' uses the min-cut partitioner's activation_memory_budget; "
+                f"it needs partitioner='min_cut', got partitioner={self.partitioner!r}"
             )
         if self.inner == "aot_eager" and self.mode != "default":
             raise ValueError(f"fxoffload: mode={self.mode!r} applies to inner='inductor' only")

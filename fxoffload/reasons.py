@@ -62,6 +62,7 @@ class ReasonCode(_StrEnum):
     PEAK_NOT_LOWERED = "peak_not_lowered"
     BUDGET_OFFLOAD = "budget_offload"
     BUDGET_RECOMPUTE = "budget_recompute"
+    INDUCTOR_RECOMPUTE = "inductor_recompute"
     RECOMPUTE_SOURCE = "recompute_source"
     STILL_SAVED = "still_saved"
     # The user's own policy.

@@ -30,7 +30,7 @@ def test_bench_smoke(tmp_path, capsys, restore_threads):
     with a 1 MiB ``min_bytes`` above every tensor of the tiny preset."""
     pytest.importorskip("matplotlib")
     out, png = tmp_path / "bench.json", tmp_path / "bench.png"
-    methods = "eager,fxoffload-all,fxoffload-budget=0.5,save_on_cpu,streamed,checkpoint,intree"
+    methods = "eager,fxoffload-all,fxoffload-budget=0.5,fxoffload-recompute=0.8,save_on_cpu,streamed,checkpoint,intree"
     argv = ["--preset", "tiny", "--device", "cpu", "--steps", "1", "--warmup", "0", "--batch", "2",
             "--threads", "1", "--inner", "aot_eager", "--methods", methods, "--json", str(out),
             "--png", str(png)]  # fmt: skip
@@ -49,7 +49,14 @@ def test_bench_smoke(tmp_path, capsys, restore_threads):
     for name in ("fxoffload-all", "fxoffload-budget=0.5"):
         assert rows[name]["offloaded_MiB"] > 0
         assert rows[name]["predicted_after_MiB"] < rows[name]["predicted_before_MiB"]
-    assert "predicted budget" in rows["fxoffload-budget=0.5"]["note"]
+    assert "budget met by the code" in rows["fxoffload-recompute=0.8"]["note"]
+    assert "budget" in rows["fxoffload-budget=0.5"]["note"] and "by the code" in rows["fxoffload-budget=0.5"]["note"]
+    # Every other row against the compiler alone (eager here): its time as a multiple, what left the peak.
+    assert "time_x" not in rows["eager"] and all(r["time_x"] > 0 for n, r in rows.items() if n != "eager")
+    assert all(
+        r["left_peak_MiB"] == pytest.approx(rows["eager"]["measured_peak_MiB"] - r["measured_peak_MiB"])
+        for n, r in rows.items() if n != "eager"
+    )  # fmt: skip
     assert rows["streamed"]["offloaded_MiB"] > 0 and "synchronous" in rows["streamed"]["note"]
     # torch's pass found the tensors by the names fxoffload gave them, and offloaded some of them.
     assert rows["intree"]["note"].startswith("tagged ")
@@ -60,7 +67,7 @@ def test_bench_smoke(tmp_path, capsys, restore_threads):
     assert data["conditions"]["command"].startswith("python -m bench --preset tiny --device cpu")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     printed = capsys.readouterr().out
-    assert "[7/7] intree ..." in printed and "fxoffload-budget=0.5" in printed
+    assert "[8/8] intree ..." in printed and "fxoffload-budget=0.5" in printed
     assert "measured peak MiB (above start)" in printed
 
 
@@ -72,8 +79,9 @@ def test_device_cuda_without_cuda_is_refused(capsys):
 
 
 def test_parse_methods():
-    names = [m.name for m in parse_methods("eager,fxoffload-budget,inductor-amb=0.3", "0.8,0.5")]
-    assert names == ["eager", "fxoffload-budget=0.8", "fxoffload-budget=0.5", "inductor-amb=0.3"]
+    names = [m.name for m in parse_methods("eager,fxoffload-budget,fxoffload-recompute,inductor-amb=0.3", "0.8,0.5")]
+    assert names == ["eager", "fxoffload-budget=0.8", "fxoffload-budget=0.5", "fxoffload-recompute=0.8",
+                     "fxoffload-recompute=0.5", "inductor-amb=0.3"]  # fmt: skip
     with pytest.raises(ValueError, match="unknown method 'fxoffload-some'; choose from: eager, inductor"):
         parse_methods("fxoffload-some", "0.5")
     with pytest.raises(ValueError, match=r"inductor-amb: 1.5 is out of range; use fractions in \(0, 1\]"):

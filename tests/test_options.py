@@ -121,6 +121,9 @@ BAD_VALUES = [
     ({"offload_modules": (3,)}, r"offload_modules must be a tuple of non-empty module path patterns .* got \(3,\)"),
     ({"offload_modules": None}, r"offload_modules must be a tuple .* got None"),
     ({"offload_modules": ("*.mlp.*",), "policy": "none"}, r"offload_modules needs a policy that offloads; policy='none'"),
+    ({"recompute": "checkpoint"}, r"recompute='checkpoint' is not valid; choose one of: 'fxoffload', 'inductor'"),
+    ({"recompute": "inductor", "partitioner": "default"}, r"recompute='inductor' uses the min-cut .* it needs "
+                                                          r"partitioner='min_cut', got partitioner='default'"),
     ({"max_replans": -1}, r"max_replans must be an int >= 0, got -1"),
     ({"max_replans": 1.5}, r"max_replans must be an int >= 0, got 1.5"),
     ({"broken_rule": "all_of_them"}, r"broken_rule='all_of_them' is not valid; choose one of: 'no_wait_before_use'"),

@@ -15,13 +15,14 @@ from ..analysis.outside import OutsideMemory
 from ..analysis.recompute import RecomputeOption, recompute_options, recompute_sources
 from ..options import OffloadOptions
 from ..planning.budget import planned_memory, unreachable_budget
-from ..planning.decisions import OffloadPlan
+from ..planning.decisions import OffloadPlan, PlanCosts
 from ..planning.measured import Measured
 from ..planning.plan import plan_offloads, replan_after_recompute
 from ..reasons import Reason
 from ..rewrite.transfers import apply_plan, hoist_saved_views
 from ..sizes import fmt_bytes
 from .costs import plan_costs
+from .inductor_recompute import with_inductor_recompute
 from .refine import Trial, attempt_quietly, refine, say
 
 log = logging.getLogger(__name__)
@@ -71,6 +72,21 @@ def offload_pass(
     keep: dict[str, Reason] = {}
     if measured is not None:
         costs, keep = measured.corrected(costs), measured.keep()
+    inductor_recomputes = options.recompute == "inductor" and repartition is not None and not disabled_reason
+    if options.memory_budget is not None and inductor_recomputes:  # it recomputes, the plan offloads what hides
+
+        def analyse(f: fx.GraphModule, b: fx.GraphModule) -> tuple[GraphLifetimes, PlanCosts]:
+            found = _lifetimes(f, b, num_fwd_outputs, static)
+            new = plan_costs(f, b, found, options, num_fwd_outputs, static, outside)
+            return found, measured.corrected(new) if measured is not None else new
+
+        plan_args = {"host_bytes_available": host_bytes_available, "keep": keep}
+        kept = with_inductor_recompute(
+            (fw, bw), lifetimes, costs, options, repartition, analyse, plan_args, budget_target
+        )
+        if kept is not None:
+            _rewrite(*kept, options, graph_id)
+            return kept
     recompute: dict[str, RecomputeOption] = {}
     refused: dict[str, Reason] = {}
     wanted = options.memory_budget is not None or callable(options.policy)

@@ -17,6 +17,7 @@ from ..planning.measured import Measured
 from ..reasons import Reason
 from ..reporting.report import OffloadReport, PassTimings
 from ..rewrite.mutated_reads import protect_mutated_reads
+from ..rewrite.random_ops import keep_random_ops_saved
 from .offload_pass import offload_pass
 from .pair import PairRegister, PlannedPair, new_graph_id
 
@@ -83,14 +84,23 @@ class OffloadPartitioner(_compat.CustomPartitionerFn):
         # 2. torch's partitioner, and again for what the plan recomputes (timed apart from the pass).
         repartition_s = [0.0]
 
-        def partition(recompute: frozenset[str] = frozenset()) -> tuple[fx.GraphModule, fx.GraphModule]:
+        def partition(
+            recompute: frozenset[str] = frozenset(), memory_budget: float | None = None
+        ) -> tuple[fx.GraphModule, fx.GraphModule]:
+            """torch's partitioner; ``recompute``: nodes tagged for it; ``memory_budget``: its own
+            activation memory budget (random ops kept saved first, ``rewrite.random_ops``)."""
             if recompute:
                 _compat.tag_must_recompute(joint, recompute)
+            if memory_budget is not None and self.options.broken_rule != "random_ops_saved":
+                keep_random_ops_saved(joint)
+            again = bool(recompute) or memory_budget is not None
             start = time.perf_counter()
             try:
-                return _compat.call_partitioner(self.options.partitioner, joint, joint_inputs, **kwargs)
+                return _compat.call_partitioner(
+                    self.options.partitioner, joint, joint_inputs, activation_memory_budget=memory_budget, **kwargs
+                )
             finally:
-                if recompute:
+                if again:
                     repartition_s[0] += time.perf_counter() - start
 
         fw, bw = partition()

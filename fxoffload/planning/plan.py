@@ -80,6 +80,7 @@ def plan_offloads(
     keep: Mapping[str, Reason] | None = None,
     recompute_refused: Mapping[str, Reason] | None = None,
     budget_target: int | None = None,
+    fit: bool = True,
 ) -> OffloadPlan:
     """Decide every saved tensor of one graph pair.
 
@@ -91,7 +92,8 @@ def plan_offloads(
     function may ask for it. ``recompute_refused`` says why the others cannot be (kept on the
     decisions). ``keep`` names tensors that must stay on the device, with the reason.
     ``budget_target``: the peak in bytes the budget fit aims at, where it is lower than
-    ``memory_budget`` (a plan made again after a miss, ``compiler.refine``).
+    ``memory_budget`` (a plan made again after a miss, ``compiler.refine``). ``fit=False``: no
+    budget fit, only what the policy chooses (the budget is still recorded, for the verdict).
     """
     unchanged = _unchanged_reason(lifetimes, options, disabled_reason)
     if unchanged is not None:
@@ -108,18 +110,19 @@ def plan_offloads(
     budget = fit_peak = None
     if options.memory_budget is not None and costs is not None and costs.baseline is not None:
         budget = budget_bytes(options.memory_budget, costs.baseline)
+    if budget is not None and fit:
         # The budget never overrides a user's choice: what the user decided is no candidate.
         sizes = {t.name: t.nbytes for t in lifetimes.saved}
         candidates = {
             n: o for n, o in (recompute or {}).items() if n not in asked.decided and sizes.get(n, 0) >= options.min_bytes
         }
         host_left = None if host_bytes_available is None else host_bytes_available - picks.host_used
-        fit = fit_budget(
+        fitted = fit_budget(
             budget_target or budget, lifetimes.saved, picks.chosen, picks.left, candidates, costs, options,
             host_left, asked.recomputes,
         )  # fmt: skip
-        extra, fit_peak = fit.offloads, fit.peak
-        _say_budget_choices(fit, budget, asked, recompute or {}, recomputed, reasons)
+        extra, fit_peak = fitted.offloads, fitted.peak
+        _say_budget_choices(fitted, budget, asked, recompute or {}, recomputed, reasons)
         picks.chosen.extend(extra)
     _say_recompute_sources(recomputed, reasons)
     made = _Made(lifetimes.saved, reasons, recomputed, recompute_refused or {}, costs, options,
@@ -140,7 +143,7 @@ def _unchanged_reason(lifetimes: GraphLifetimes, options: OffloadOptions, disabl
     if not options.offload_cpu and all(d in ("cpu", "meta") for d in lifetimes.devices):
         return Reason(
             ReasonCode.NO_ACCELERATOR,
-            "no accelerator tensors in this graph; compiled unchanged (offload_cpu=False)",
+            "no accelerator tensors in this graph, nothing to offload (offload_cpu=False)",
         )
     return None
 

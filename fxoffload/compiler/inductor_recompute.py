@@ -1,0 +1,134 @@
+"""``memory_budget`` with ``recompute="inductor"``: torch's own partitioner recomputes, fxoffload offloads
+what hides on top.
+
+Inductor's ``activation_memory_budget`` frees saved bytes by recomputation at a fraction of the time
+an un-hidden offload costs (1.19x step time for 0.69x memory on an H100 GPT, where fxoffload's own
+budget took 7x: ``../shared/gpu/README.md``). So the partition is made by torch's min-cut partitioner
+at activation budgets from 1 down, and on each fxoffload adds only the offloads that hide; the
+cheapest that meets the budget on the memory model (recomputation priced by the model, corrected by
+what the device measured) is kept. Where none does, fxoffload's own budget fit decides (un-hidden
+offloads and its own recomputation, on the first partition): recomputing everything can peak higher
+than saving (the backward rebuilds at once what the forward saved over time). Random ops are kept
+saved (``rewrite.random_ops``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch.fx as fx
+
+from ..analysis.cost import node_time
+from ..analysis.graph import is_compute
+from ..analysis.lifetimes import GraphLifetimes
+from ..analysis.recompute import RecomputeOption
+from ..options import OffloadOptions
+from ..planning.budget import budget_bytes, planned_memory
+from ..planning.decisions import Decision, OffloadPlan, PlanCosts
+from ..planning.plan import plan_offloads
+from ..reasons import Action, Reason, ReasonCode
+from ..sizes import fmt_bytes
+
+log = logging.getLogger(__name__)
+
+__all__ = ["ACTIVATION_BUDGETS", "with_inductor_recompute"]
+
+# The activation memory budgets tried, least recomputation first.
+ACTIVATION_BUDGETS = (1.0, 0.8, 0.6, 0.4, 0.2, 0.0)
+
+Pair = tuple[fx.GraphModule, fx.GraphModule]
+
+
+@dataclasses.dataclass
+class _Candidate:
+    budget: float  # the activation memory budget torch's partitioner was given
+    pair: Pair
+    lifetimes: GraphLifetimes
+    plan: OffloadPlan
+    peak: int  # the memory model's peak with the plan's offloads
+    recompute_s: float  # the model's time of what the backward recomputes
+
+    @property
+    def cost(self) -> float:
+        return self.recompute_s + self.plan.stall
+
+
+def with_inductor_recompute(
+    pair: Pair,
+    lifetimes: GraphLifetimes,
+    costs: PlanCosts,
+    options: OffloadOptions,
+    repartition: Callable[..., Pair],
+    analyse: Callable[[fx.GraphModule, fx.GraphModule], tuple[GraphLifetimes, PlanCosts]],
+    plan_args: Mapping[str, Any],
+    budget_target: int | None = None,
+) -> tuple[fx.GraphModule, fx.GraphModule, OffloadPlan] | None:
+    """The partition and plan kept (see the module), or None where no activation budget meets the
+    budget with the offloads that hide: then fxoffload's own budget fit (un-hidden offloads and its
+    recomputation) is the way. ``analyse(fw, bw)``: the lifetimes and cost model of a new partition
+    (saved views hoisted); ``plan_args``: the rest of
+    ``plan_offloads``'s arguments (host bytes, what to keep)."""
+    assert options.memory_budget is not None and costs.baseline is not None
+    budget = budget_target or budget_bytes(options.memory_budget, costs.baseline)
+    first_bw = {n.name for n in pair[1].graph.nodes}
+    candidates: list[_Candidate] = []
+    for activations in ACTIVATION_BUDGETS:
+        try:
+            fw, bw = pair if activations == 1.0 else repartition(frozenset(), activations)
+        except Exception as e:  # never fail a compile over an optimisation
+            log.warning("fxoffload: torch's partitioner at activation budget %s failed (%s)", activations, e)
+            break
+        found, found_costs = (lifetimes, costs) if activations == 1.0 else analyse(fw, bw)
+        plan = plan_offloads(found, options, costs=found_costs, fit=False, budget_target=budget, **plan_args)
+        recomputed = [n for n in bw.graph.nodes if is_compute(n) and n.name not in first_bw]
+        seconds = sum(node_time(n, found_costs.rates) for n in recomputed)
+        candidates.append(_Candidate(activations, (fw, bw), found, plan, planned_memory(plan).peak_bytes, seconds))
+        if candidates[-1].peak <= budget:
+            break  # the least recomputation that meets it (later budgets recompute more)
+    meeting = [c for c in candidates if c.peak <= budget]
+    if not meeting:
+        low = min((c.peak for c in candidates), default=0)
+        log.info(
+            "fxoffload: memory_budget %s: torch's partitioner with the offloads that hide reaches %s at best; "
+            "fxoffload's own budget fit decides", fmt_bytes(budget), fmt_bytes(low),
+        )  # fmt: skip
+        return None
+    chosen = min(meeting, key=lambda c: c.cost)
+    plan = chosen.plan
+    log.info(
+        "fxoffload: memory_budget %s with torch's partitioner recomputing: activation budget %s, %s predicted, "
+        "%.3f ms recomputed (%d partitions tried)", fmt_bytes(budget), chosen.budget,
+        fmt_bytes(planned_memory(plan).peak_bytes), chosen.recompute_s * 1e3, len(candidates),
+    )  # fmt: skip
+    fw, bw = chosen.pair
+    return fw, bw, _with_recomputed(plan, lifetimes, costs, chosen, budget_bytes(options.memory_budget, costs.baseline))
+
+
+def _with_recomputed(
+    plan: OffloadPlan, first: GraphLifetimes, costs: PlanCosts, chosen: _Candidate, budget: int
+) -> OffloadPlan:
+    """``plan`` with a ``recompute`` decision for every tensor the first partition saved that torch's
+    partitioner recomputes in the chosen one, the first partition's costs (its baseline is the
+    memory before any change) and the user's ``budget`` (for the verdict on the generated code)."""
+    if chosen.budget == 1.0:
+        return dataclasses.replace(plan, memory_budget=budget)
+    now = {d.saved.name for d in plan.decisions}
+    bw_nodes = {n.name: n for n in chosen.pair[1].graph.nodes}
+    reason = Reason(
+        ReasonCode.INDUCTOR_RECOMPUTE,
+        f"recomputed in the backward by torch's partitioner at activation_memory_budget={chosen.budget}",
+    )
+    recomputed = tuple(
+        Decision(t, Action.RECOMPUTE, reason, recompute=RecomputeOption(
+            t.name, t.producer, node_time(bw_nodes[t.name], costs.rates) if t.name in bw_nodes else 0.0, ()
+        ))
+        for t in first.saved if t.name not in now
+    )  # fmt: skip
+    note = f"torch's partitioner recomputes {len(recomputed)} saved tensors (activation_memory_budget={chosen.budget})"
+    note = f"{plan.note}; {note}" if plan.note else note
+    return dataclasses.replace(
+        plan, decisions=plan.decisions + recomputed, partition_costs=costs, note=note, memory_budget=budget
+    )

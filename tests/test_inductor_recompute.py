@@ -1,0 +1,132 @@
+"""``memory_budget`` with ``recompute="inductor"``: torch's min-cut partitioner recomputes under its
+own ``activation_memory_budget``, fxoffload offloads what hides on top (``compiler.inductor_recompute``).
+
+Results never change (dropout included: its random draws are kept saved, and the test fails with
+that rule broken on purpose), the budget is met in the code Inductor generated, the plan says which
+tensors torch's partitioner recomputes, and where no activation budget meets the memory budget
+fxoffload's own budget fit decides.
+"""
+
+import logging
+import warnings
+
+import pytest
+import torch
+import torch._functorch.config as functorch_config
+import torch._inductor.config as inductor_config
+import torch.nn.functional as F
+from torch import nn
+
+from .conftest import assert_same, cpu_backend, train_step
+
+D, N = 32, 1024  # small weights, large batch: activations dominate the peak
+# A slow link: no offload hides, so what meets a budget is recomputation.
+SLOW = {"bandwidth": "0.01GB", "compute_rates": {"flops": 1e13, "memory_bandwidth": 1e12}, "policy": "auto"}
+
+
+@pytest.fixture(autouse=True)
+def _eager_random():
+    with inductor_config.patch(fallback_random=True):
+        yield
+
+
+class Dropouts(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(D, D), nn.Linear(D, D), nn.Linear(D, D)
+
+    def forward(self, x):
+        h = F.dropout(torch.relu(self.a(x)), 0.5, True)
+        h = F.dropout(torch.tanh(self.b(h)), 0.5, True)
+        return self.c(h).square().mean()
+
+
+class Blocks(nn.Module):
+    def __init__(self, blocks=3):
+        super().__init__()
+        self.up = nn.ModuleList(nn.Linear(D, 4 * D, bias=False) for _ in range(blocks))
+        self.down = nn.ModuleList(nn.Linear(4 * D, D, bias=False) for _ in range(blocks))
+
+    def forward(self, x):
+        for up, down in zip(self.up, self.down, strict=True):
+            x = x + down(torch.sin(up(x)))
+        return (x.sin() * x).mean()
+
+
+def _backend(inner="aot_eager", **options):
+    return cpu_backend(inner=inner, recompute="inductor", **{**SLOW, "offload_cpu": False, **options})
+
+
+def _by_torch(report):
+    return [r for r in report.saved if r.reason_code == "inductor_recompute"]
+
+
+def test_dropout_draws_once_and_the_test_fails_with_the_rule_broken():
+    """Under an activation budget torch's partitioner would recompute dropout with fresh random
+    numbers (pytorch#190758); kept saved, the gradients are eager's. Broken on purpose, they are not."""
+    torch.manual_seed(0)
+    model, x = Dropouts(), (torch.randn(N, D),)
+    eager = train_step(model, x)
+    backend = _backend(memory_budget=0.8)
+    assert_same(train_step(model, x, backend), eager, rtol=1e-4, atol=1e-6)
+    (report,) = backend.reports
+    assert "native_dropout.default(" not in report.bw_code
+
+    torch._dynamo.reset()
+    broken = _backend(memory_budget=0.8, broken_rule="random_ops_saved")
+    with pytest.raises(AssertionError):
+        assert_same(train_step(model, x, broken), eager, rtol=1e-4, atol=1e-6)
+    (report,) = broken.reports
+    assert "native_dropout.default(" in report.bw_code  # the backward draws again
+    assert _by_torch(report), report.table()
+    assert all("activation_memory_budget=" in r.reason for r in _by_torch(report)), report.table()
+
+
+def test_inductor_code_meets_the_budget_and_matches_inductor():
+    torch.manual_seed(0)
+    model, x = Blocks(), (torch.randn(N, D),)
+    backend = _backend("inductor", memory_budget=0.7, verify_peak=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # a missed budget warns
+        got = train_step(model, x, backend)
+    assert_same(got, train_step(model, x, "inductor"), rtol=1e-5, atol=1e-7)
+    (report,) = backend.reports
+    assert _by_torch(report), report.table()
+    assert report.compiled_memory().peak.total <= report.memory_budget, report.summary()
+    # Each tensor torch recomputes is no longer an output of the forward graph's code.
+    for row in _by_torch(report):
+        assert f"{row.name}," not in report.fw_code.split("return")[-1], row.name
+
+
+def test_the_least_recomputation_that_meets_the_budget_is_kept():
+    """A looser budget recomputes fewer saved tensors than a tighter one."""
+    torch.manual_seed(0)
+    model, x = Blocks(), (torch.randn(N, D),)
+    recomputed = {}
+    for budget in (0.9, 0.7):
+        torch._dynamo.reset()
+        backend = _backend(memory_budget=budget)
+        train_step(model, x, backend)
+        (report,) = backend.reports
+        recomputed[budget] = sum(r.nbytes for r in _by_torch(report))
+    assert 0 < recomputed[0.9] < recomputed[0.7], recomputed
+
+
+def test_an_unreachable_budget_falls_back_to_fxoffloads_own_fit(caplog):
+    torch.manual_seed(0)
+    model, x = Blocks(), (torch.randn(N, D),)
+    backend = _backend(memory_budget=0.05)
+    with caplog.at_level(logging.INFO, logger="fxoffload"), warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # the budget is unreachable
+        got = train_step(model, x, backend)
+    assert any("fxoffload's own budget fit decides" in r.getMessage() for r in caplog.records)
+    (report,) = backend.reports
+    assert not _by_torch(report), report.table()
+    assert_same(got, train_step(model, x), rtol=1e-4, atol=1e-6)
+
+
+def test_torchs_activation_budget_is_set_for_the_partition_only():
+    before = functorch_config.activation_memory_budget
+    torch.manual_seed(0)
+    train_step(Blocks(), (torch.randn(N, D),), _backend(memory_budget=0.7))
+    assert functorch_config.activation_memory_budget == before
