@@ -35,11 +35,11 @@ restructures of the package.
 from __future__ import annotations
 
 import argparse
-import copy
 import dataclasses
 import logging
 import math
 import random
+import re
 import sys
 import time
 import traceback
@@ -51,6 +51,7 @@ from typing import Any
 import torch
 import torch._dynamo
 import torch.nn as nn
+import torch.utils.checkpoint
 import torch.nn.functional as F
 
 import fxoffload
@@ -106,6 +107,11 @@ class Case:
     # the same graph, then one backward: the first call's host copies must survive the second call);
     # "retain" (backward twice, retain_graph=True: the reloads run twice from the same host copies).
     schedule: str = "plain"
+    # The second step's batch has one more row: Dynamo recompiles with a dynamic batch size, and host
+    # buffers of the first step's sizes are reused for other sizes.
+    dynamic: bool = False
+    # Index of a block run under torch.utils.checkpoint (non-reentrant), -1 for none.
+    checkpoint: int = -1
 
     @property
     def low_precision(self) -> bool:
@@ -116,7 +122,8 @@ class Case:
     def describe(self) -> str:
         blocks = ", ".join(kind + "".join(f" {k}={v}" for k, v in params) for kind, params in self.blocks)
         extra = [f"tokens={self.tokens}", f"image={self.image or '-'}", f"loss={self.loss}",
-                 f"input_grad={self.input_grad}", f"head={self.head_dtype}", f"schedule={self.schedule}"]
+                 f"input_grad={self.input_grad}", f"head={self.head_dtype}", f"schedule={self.schedule}",
+                 f"dynamic={self.dynamic}", f"checkpoint={self.checkpoint}"]
         return (f"B={self.batch} T={self.seq} D={self.dim} H={self.heads} [{blocks}] " + " ".join(extra))
 
 
@@ -203,10 +210,25 @@ def make_case(seed: int, index: int) -> Case:
         loss=rng.choice(("ce", "mse", "tuple")),
         input_grad=rng.random() < 0.5,
         head_dtype="bfloat16" if rng.random() < 0.1 else "float32",
-        # Its own stream, drawn last: adding it left the models of earlier cases as they were.
-        schedule=random.Random(f"fxoffload-fuzz/{seed}/{index}/schedule").choices(
-            ("plain", "accumulate", "retain"), (6, 2, 2))[0],
+        # Each on its own stream: adding them left the models of earlier cases as they were.
+        schedule=_stream(seed, index, "schedule").choices(("plain", "accumulate", "retain"), (6, 2, 2))[0],
+        dynamic=_stream(seed, index, "dynamic").random() < 0.2,
+        checkpoint=_checkpointed(_stream(seed, index, "checkpoint"), blocks),
     )
+
+
+def _stream(seed: int, index: int, what: str) -> random.Random:
+    return random.Random(f"fxoffload-fuzz/{seed}/{index}/{what}")
+
+
+# Blocks that update buffers would update them again when checkpointing reruns them; a graph break
+# under checkpoint is torch's business, not ours.
+NOT_CHECKPOINTED = ("counter", "ema", "graph_break")
+
+
+def _checkpointed(rng: random.Random, blocks: Sequence[tuple[str, Any]]) -> int:
+    eligible = [i for i, (kind, _) in enumerate(blocks) if kind not in NOT_CHECKPOINTED]
+    return rng.choice(eligible) if eligible and rng.random() < 0.2 else -1
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -602,8 +624,11 @@ class FuzzModel(nn.Module):
         if self.stem is not None:
             h = h + self.stem(image)[:, None, :]
         aux: list[torch.Tensor] = []
-        for block in self.blocks:
-            h = block(h, aux)
+        for i, block in enumerate(self.blocks):
+            if i == self.case.checkpoint:  # extra outputs dropped: appending is no side effect to rerun
+                h = torch.utils.checkpoint.checkpoint(block, h, [], use_reentrant=False)
+            else:
+                h = block(h, aux)
         out = self.head(h.to(self.head.weight.dtype)).float()
         if self.case.loss == "tuple":
             return (out, *aux)
@@ -622,16 +647,18 @@ def build(case: Case, steps: int = 2) -> tuple[FuzzModel, list[dict[str, torch.T
     torch.manual_seed(case.seed * 100_003 + case.index)
     model = FuzzModel(case)
     batches = []
-    for _ in range(steps):
+    for step in range(steps):
+        rows = case.batch + (step if case.dynamic else 0)
         batch = {
-            "x": torch.randn(case.batch, case.seq, case.dim),
-            "target": torch.randint(0, FuzzModel.CLASSES, (case.batch, case.seq)),
+            "x": torch.randn(rows, case.seq, case.dim),
+            "target": torch.randint(0, FuzzModel.CLASSES, (rows, case.seq)),
         }
         if case.tokens:
-            batch["tokens"] = torch.randint(0, FuzzModel.VOCAB, (case.batch, case.seq))
+            batch["tokens"] = torch.randint(0, FuzzModel.VOCAB, (rows, case.seq))
         if case.image:
-            image = torch.randn(case.batch, 3, 6, 6)
-            batch["image"] = image.contiguous(memory_format=torch.channels_last) if "cl" in case.image else image
+            image = torch.randn(rows, 3, 6, 6)
+            channels_last = "cl" in case.image
+            batch["image"] = image.contiguous(memory_format=torch.channels_last) if channels_last else image
         batches.append(batch)
     return model, batches
 
@@ -871,7 +898,8 @@ def run_case(
             status, detail = classify(eager, reference, got, tol)
             outcome = Outcome(case, name, status, detail, seconds=time.perf_counter() - start)
             if isinstance(got, RunResult):
-                outcome.offloaded, outcome.recomputed, outcome.graphs = got.offloaded, got.recomputed, got.graphs
+                outcome.offloaded, outcome.recomputed = got.offloaded, got.recomputed
+                outcome.graphs = got.graphs
             elif status == ERROR:
                 log.debug("%s raised:\n%s", name, getattr(got, "__fuzz_traceback__", ""))
             outcomes.append(outcome)
@@ -904,6 +932,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help=f"comma-separated option sets among {', '.join(OPTION_SETS)}")
     parser.add_argument("--per-case", type=int, default=0,
                         help="run only this many of the option sets per case, in turn (0: all of them)")
+    parser.add_argument("--grep", default="", help="only the cases whose description matches this regex "
+                        "(e.g. 'dynamic=True|checkpoint=[0-9]')")
     parser.add_argument("-v", "--verbose", action="store_true", help="describe each case, tracebacks")
     args = parser.parse_args(argv)
     names = [n for n in args.options.split(",") if n]
@@ -918,11 +948,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     start = time.perf_counter()
     for index in indices:
         case = make_case(args.seed, index)
+        if not re.search(args.grep, case.describe()):
+            continue
         if args.verbose:
             print(f"case {index}: {case.describe()}", flush=True)
         these = names
         if args.per_case and not args.case:  # Inductor compiles are slow: spread the sets over the cases
-            these = [names[(index * args.per_case + j) % len(names)] for j in range(min(args.per_case, len(names)))]
+            count = min(args.per_case, len(names))
+            these = [names[(index * args.per_case + j) % len(names)] for j in range(count)]
         mine = run_case(case, args.inner, {n: OPTION_SETS[n] for n in these})
         outcomes += mine
         marks = " ".join(f"{o.options}={o.status}" for o in mine)
@@ -931,7 +964,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             if o.status != OK:
                 print(f"    {o.status} {o.options}: {o.detail}", flush=True)
     print()
-    print(f"torch {torch.__version__}, inner={args.inner}, seed={args.seed}, {len(indices)} cases, "
+    ran = len({o.case.index for o in outcomes})
+    print(f"torch {torch.__version__}, inner={args.inner}, seed={args.seed}, {ran} cases, "
           f"{time.perf_counter() - start:.0f} s")
     print(summary(outcomes))
     failures = [o for o in outcomes if o.status != OK]

@@ -84,7 +84,9 @@ def test_rounding_noise_of_the_compiler_is_allowed_once():
 def _corrupting_partition(joint, joint_inputs, *, num_fwd_outputs, **kwargs):
     """torch's min-cut partition, then every float activation the backward reads is shifted by 0.5:
     the kind of error a broken offload (a stale or wrong host copy) would make."""
-    fw, bw = min_cut_rematerialization_partition(joint, joint_inputs, num_fwd_outputs=num_fwd_outputs, **kwargs)
+    fw, bw = min_cut_rematerialization_partition(
+        joint, joint_inputs, num_fwd_outputs=num_fwd_outputs, **kwargs
+    )
     output = fw.graph.output_node()
     outs = list(output.args[0])
     for i in range(num_fwd_outputs, len(outs)):
