@@ -844,7 +844,13 @@ def classify(eager: Ref, inner: Ref, got: Ref, tol: Tolerance) -> tuple[str, str
     if isinstance(eager, BaseException):
         return ERROR, f"eager raised (a fuzz generator bug): {_exc(eager)}"
     if isinstance(inner, BaseException):
-        return TORCH_BUG, f"the compiler alone raised: {_exc(inner)}"
+        if isinstance(got, BaseException):
+            return TORCH_BUG, f"the compiler alone raised, and fxoffload too: {_exc(inner)}"
+        # No reference but eager's: fxoffload ran (it may avoid what the compiler alone trips on).
+        got_vs_eager = first_difference(got, eager, tol, group_noise(eager, tol))
+        if got_vs_eager is not None:
+            return MISMATCH, f"the compiler alone raised ({_exc(inner)}); vs eager: {got_vs_eager}"
+        return TORCH_BUG, f"the compiler alone raised, fxoffload matches eager: {_exc(inner)}"
     if isinstance(got, BaseException):
         return ERROR, _exc(got)
     inner_vs_eager = first_difference(inner, eager, tol, group_noise(eager, tol))

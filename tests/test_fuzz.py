@@ -66,6 +66,9 @@ def test_classify():
     assert fuzz.classify(eager, wrong, wrong, tol)[0] == fuzz.TORCH_BUG
     assert fuzz.classify(eager, same, RuntimeError("boom"), tol) == (fuzz.ERROR, "RuntimeError: boom")
     assert fuzz.classify(eager, RuntimeError("boom"), RuntimeError("boom"), tol)[0] == fuzz.TORCH_BUG
+    # The compiler alone raised: eager is the only reference left.
+    assert fuzz.classify(eager, RuntimeError("boom"), same, tol)[0] == fuzz.TORCH_BUG
+    assert fuzz.classify(eager, RuntimeError("boom"), wrong, tol)[0] == fuzz.MISMATCH
 
 
 def test_rounding_noise_of_the_compiler_is_allowed_once():
