@@ -22,10 +22,11 @@ rounding noise the compiler alone shows against eager; NaN from the copy engine'
 buffers is never within it. Outcomes per (case, option set):
 
 - OK: fxoffload agrees with the compiler alone, which agrees with eager;
-- FXOFFLOAD_MISMATCH: fxoffload differs from the compiler alone (and is not the one agreeing with eager);
-- TORCH_BUG: the compiler alone differs from eager (fxoffload matching eager there is torch's bug
-  that fxoffload happens to avoid, e.g. the guarded partitioner bug of ``fxoffload/mutation.py``),
-  or the compiler alone raises;
+- FXOFFLOAD_MISMATCH: fxoffload differs from the compiler alone and from eager (or, where the
+  compiler alone raised, from eager);
+- TORCH_BUG: the compiler alone differs from eager or raises, and fxoffload matches one of them or
+  raises too (fxoffload matching eager there is torch's bug that it avoids, e.g. the guarded
+  partitioner bug of ``fxoffload/mutation.py``);
 - ERROR: fxoffload raised where the compiler alone did not.
 
 Only the public API is used (``fxoffload.backend``, ``torch.compile``), so this keeps working across
@@ -856,14 +857,14 @@ def classify(eager: Ref, inner: Ref, got: Ref, tol: Tolerance) -> tuple[str, str
     inner_vs_eager = first_difference(inner, eager, tol, group_noise(eager, tol))
     slack = rounding_slack(inner, eager, tol)
     got_vs_inner = first_difference(got, inner, tol, slack)
-    if got_vs_inner is None:
-        if inner_vs_eager is None:
-            return OK, ""
-        return TORCH_BUG, f"compiler alone vs eager: {inner_vs_eager}"
     got_vs_eager = first_difference(got, eager, tol, slack)
-    if got_vs_eager is None and inner_vs_eager is not None:
-        return TORCH_BUG, f"fxoffload matches eager, the compiler alone does not: {inner_vs_eager}"
-    return MISMATCH, f"vs compiler alone: {got_vs_inner}; vs eager: {got_vs_eager or 'same'}"
+    if got_vs_inner is None and inner_vs_eager is None:
+        return OK, ""
+    if got_vs_eager is None:  # eager's answer where the compiler alone has another (or borders on it)
+        return TORCH_BUG, f"fxoffload matches eager, the compiler alone does not: {inner_vs_eager or got_vs_inner}"
+    if got_vs_inner is None:
+        return TORCH_BUG, f"fxoffload matches the compiler alone, which differs from eager: {inner_vs_eager}"
+    return MISMATCH, f"vs compiler alone: {got_vs_inner}; vs eager: {got_vs_eager}"
 
 
 def _exc(e: BaseException) -> str:
