@@ -26,15 +26,15 @@ AOT_EAGER_CASES = [(89, "auto"), (129, "all"), (238, "budget"), (63, "all-slow")
 INDUCTOR_CASES = [(78, "all"), (288, "all-slow")]
 
 
-def _check(outcomes):
+def _check(outcomes, inner):
     bad = [o for o in outcomes if o.status in (fuzz.MISMATCH, fuzz.ERROR)]
-    assert not bad, "\n".join(f"{o.status} {o.options}: {o.detail}\n  {o.repro('?')}" for o in bad)
+    assert not bad, "\n".join(f"{o.status} {o.options}: {o.detail}\n  {o.repro(inner)}" for o in bad)
 
 
 @pytest.mark.parametrize("index,options", AOT_EAGER_CASES)
 def test_fuzz_aot_eager(index, options):
     (outcome,) = fuzz.run_case(fuzz.make_case(0, index), "aot_eager", {options: fuzz.OPTION_SETS[options]})
-    _check([outcome])
+    _check([outcome], "aot_eager")
     assert outcome.offloaded > 0, "nothing was offloaded: the comparison says nothing"
     if options == "budget-recompute":
         assert outcome.recomputed > 0
@@ -43,7 +43,7 @@ def test_fuzz_aot_eager(index, options):
 @pytest.mark.parametrize("index,options", INDUCTOR_CASES)
 def test_fuzz_inductor(index, options):
     (outcome,) = fuzz.run_case(fuzz.make_case(0, index), "inductor", {options: fuzz.OPTION_SETS[options]})
-    _check([outcome])
+    _check([outcome], "inductor")
     assert outcome.offloaded > 0
 
 
