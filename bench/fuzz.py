@@ -1,7 +1,8 @@
 """Random-model differential fuzz: offloading must never change results.
 
     python -m bench.fuzz --cases 200 --seed 0                       # aot_eager, every option set
-    python -m bench.fuzz --cases 40 --seed 0 --inner inductor
+    python -m bench.fuzz --cases 40 --seed 1 --inner inductor --per-case 1   # one option set per case
+    python -m bench.fuzz --cases 100 --grep 'dynamic=True|checkpoint=[0-9]'   # only cases like these
     python -m bench.fuzz --case 17 --seed 0 --options all-slow -v   # one case: the repro of a failure
 
 Each case is a small training model drawn from ``(seed, case)``: a stack of blocks (MLPs, matmul
@@ -16,7 +17,9 @@ trains two steps (plain SGD in between, the seed fixed before each step) under
 
 and compares every output, loss, parameter gradient, input gradient and, after the steps, every
 buffer. A step is one forward and backward, two micro-batches before one backward, or a backward run
-twice with ``retain_graph=True`` (``Case.schedule``). Dropout is off: the models draw no random
+twice with ``retain_graph=True`` (``Case.schedule``); the second step may have one more row in its
+batch (a recompile with a dynamic batch size) and one block may run under activation checkpointing.
+Dropout is off: the models draw no random
 numbers. Float tensors are compared with a tolerance (``Tolerance``) that allows fxoffload the
 rounding noise the compiler alone shows against eager; NaN from the copy engine's poisoned host
 buffers is never within it. Outcomes per (case, option set):
@@ -52,8 +55,8 @@ from typing import Any
 import torch
 import torch._dynamo
 import torch.nn as nn
-import torch.utils.checkpoint
 import torch.nn.functional as F
+import torch.utils.checkpoint
 
 import fxoffload
 
