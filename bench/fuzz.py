@@ -950,9 +950,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     unknown = [n for n in names if n not in OPTION_SETS]
     if unknown:
         parser.error(f"unknown option set(s) {unknown}; choose among {list(OPTION_SETS)}")
-    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING,
-                        format="%(name)s: %(message)s")
-    logging.getLogger("fxoffload").setLevel(logging.WARNING)  # its per-decision logs are not wanted here
+    # -v: this module's debug lines (a raising run's traceback), not torch's or fxoffload's.
+    logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s")
+    log.setLevel(logging.DEBUG if args.verbose else logging.WARNING)
     indices = args.case or range(args.start, args.start + args.cases)
     outcomes: list[Outcome] = []
     start = time.perf_counter()
