@@ -1,0 +1,115 @@
+"""A small fixed budget of the random-model differential fuzz (bench/fuzz.py): fxoffload's outputs,
+losses, gradients and buffers equal those of the compiler without it, and the comparison does fail
+when a backend really changes a saved tensor.
+
+``python -m bench.fuzz --cases 200`` runs the large budget; a failure prints its ``--case`` repro.
+"""
+
+import pytest
+import torch
+from torch._dynamo.backends.common import aot_autograd
+from torch._dynamo.backends.debugging import boxed_nop
+from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+from bench import fuzz
+
+# Cases of seed 0 picked so that together they hold most of what the generator makes (counters read
+# before and after their update, EMA, conv + BatchNorm stems with pooling and a channels-last input,
+# bf16 autocast and bf16 pieces, SDPA and hand-written attention, argsort and max indices, bool
+# masks, a graph break, tuple outputs, backward with retain_graph, micro-batches, a dynamic batch
+# size, a checkpointed block), each with one option set, the six sets in turn (every run compiles
+# afresh, 2-3 s on 2 cores: that bounds this file to its minute). Case 68 is one where
+# "budget-recompute" does recompute. Under Inductor, two small cases (a fxoffload compile there
+# re-lowers its graphs every time): two micro-batches through one graph, and a slow emulated link.
+AOT_EAGER_CASES = [(89, "auto"), (129, "all"), (238, "budget"), (63, "all-slow"), (36, "all-default-part"),
+                   (68, "budget-recompute")]
+INDUCTOR_CASES = [(78, "all"), (288, "all-slow")]
+
+
+def _check(outcomes, inner):
+    bad = [o for o in outcomes if o.status in (fuzz.MISMATCH, fuzz.ERROR)]
+    assert not bad, "\n".join(f"{o.status} {o.options}: {o.detail}\n  {o.repro(inner)}" for o in bad)
+
+
+@pytest.mark.parametrize("index,options", AOT_EAGER_CASES)
+def test_fuzz_aot_eager(index, options):
+    (outcome,) = fuzz.run_case(fuzz.make_case(0, index), "aot_eager", {options: fuzz.OPTION_SETS[options]})
+    _check([outcome], "aot_eager")
+    assert outcome.offloaded > 0, "nothing was offloaded: the comparison says nothing"
+    if options == "budget-recompute":
+        assert outcome.recomputed > 0
+
+
+@pytest.mark.parametrize("index,options", INDUCTOR_CASES)
+def test_fuzz_inductor(index, options):
+    (outcome,) = fuzz.run_case(fuzz.make_case(0, index), "inductor", {options: fuzz.OPTION_SETS[options]})
+    _check([outcome], "inductor")
+    assert outcome.offloaded > 0
+
+
+def _result(**tensors):
+    return fuzz.RunResult({k: torch.as_tensor(v) for k, v in tensors.items()})
+
+
+def test_classify():
+    tol = fuzz.Tolerance(rtol=1e-4, atol=1e-6, noise=1e-3)
+    eager = _result(loss=1.0, grad=[1.0, 2.0], idx=[1, 2])
+    same = _result(loss=1.0 + 1e-7, grad=[1.0, 2.0], idx=[1, 2])
+    assert fuzz.classify(eager, same, same, tol) == (fuzz.OK, "")
+    wrong = _result(loss=1.0, grad=[1.0, 2.1], idx=[1, 2])
+    assert fuzz.classify(eager, same, wrong, tol)[0] == fuzz.MISMATCH
+    nan = _result(loss=1.0, grad=[1.0, float("nan")], idx=[1, 2])  # a host copy read before it was written
+    assert fuzz.classify(eager, same, nan, tol)[0] == fuzz.MISMATCH
+    other_idx = _result(loss=1.0, grad=[1.0, 2.0], idx=[2, 1])
+    assert fuzz.classify(eager, same, other_idx, tol)[0] == fuzz.MISMATCH
+    # The compiler alone is wrong and fxoffload (which may avoid the bug) is right: torch's bug.
+    assert fuzz.classify(eager, wrong, same, tol)[0] == fuzz.TORCH_BUG
+    # Both wrong the same way: the bug is the compiler's, fxoffload kept it as it was.
+    assert fuzz.classify(eager, wrong, wrong, tol)[0] == fuzz.TORCH_BUG
+    assert fuzz.classify(eager, same, RuntimeError("boom"), tol) == (fuzz.ERROR, "RuntimeError: boom")
+    assert fuzz.classify(eager, RuntimeError("boom"), RuntimeError("boom"), tol)[0] == fuzz.TORCH_BUG
+    # The compiler alone raised: eager is the only reference left.
+    assert fuzz.classify(eager, RuntimeError("boom"), same, tol)[0] == fuzz.TORCH_BUG
+    assert fuzz.classify(eager, RuntimeError("boom"), wrong, tol)[0] == fuzz.MISMATCH
+
+
+def test_rounding_noise_of_the_compiler_is_allowed_once():
+    """A gradient that is zero in exact arithmetic (a conv bias before BatchNorm) is rounding noise,
+    which the compiler alone shows too: fxoffload may differ by as much, not by more."""
+    tol = fuzz.Tolerance(rtol=1e-4, atol=1e-6, noise=1e-3)
+    eager = _result(**{"step0.grad.w": [1.0, 2.0], "step0.grad.bias": [5e-7]})
+    inner = _result(**{"step0.grad.w": [1.0, 2.0], "step0.grad.bias": [7e-6]})
+    assert fuzz.classify(eager, inner, inner, tol)[0] == fuzz.OK
+    noisy = _result(**{"step0.grad.w": [1.0, 2.0], "step0.grad.bias": [-6e-6]})
+    assert fuzz.classify(eager, inner, noisy, tol)[0] == fuzz.OK
+    wrong = _result(**{"step0.grad.w": [1.0, 2.0], "step0.grad.bias": [1e-3]})
+    assert fuzz.classify(eager, inner, wrong, tol)[0] == fuzz.MISMATCH
+
+
+def _corrupting_partition(joint, joint_inputs, *, num_fwd_outputs, **kwargs):
+    """torch's min-cut partition, then every float activation the backward reads is shifted by 0.5:
+    the kind of error a broken offload (a stale or wrong host copy) would make."""
+    fw, bw = min_cut_rematerialization_partition(
+        joint, joint_inputs, num_fwd_outputs=num_fwd_outputs, **kwargs
+    )
+    output = fw.graph.output_node()
+    outs = list(output.args[0])
+    for i in range(num_fwd_outputs, len(outs)):
+        node, val = outs[i], getattr(outs[i], "meta", {}).get("val")
+        if node.op != "placeholder" and isinstance(val, torch.Tensor) and val.is_floating_point():
+            with fw.graph.inserting_before(output):
+                outs[i] = fw.graph.call_function(torch.ops.aten.add.Tensor, (node, 0.5))
+    output.args = (tuple(outs),)
+    fw.recompile()
+    return fw, bw
+
+
+def test_a_backend_that_changes_saved_tensors_is_a_mismatch():
+    """The end-to-end check can fail: the runner flags a backend that corrupts saved activations."""
+    def corrupt():
+        return aot_autograd(fw_compiler=boxed_nop, bw_compiler=boxed_nop, partition_fn=_corrupting_partition)
+
+    case = fuzz.make_case(0, 213)
+    (outcome,) = fuzz.run_case(case, "aot_eager", {}, backends={"corrupt": corrupt})
+    assert outcome.status == fuzz.MISMATCH, outcome
+    assert "grad" in outcome.detail
