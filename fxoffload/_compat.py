@@ -121,7 +121,9 @@ def cudagraphs_enabled(config_patches: dict[str, Any]) -> bool:
 @contextlib.contextmanager
 def _no_autograd_cache() -> Iterator[None]:
     # A hit in AOTAutograd's cache would skip the partitioner, and so the plan and its report.
-    # Inductor's own FX graph cache still serves the (rewritten) forward and backward graphs.
+    # Inductor's own FX graph cache still serves the (rewritten) forward and backward graphs: keyed
+    # by their code, whose copies carry the graph's id (``rewrite.transfers``), so a later process
+    # that compiles the same graphs in the same order hits it (bench/fuzz_repros/fxgraph_cache_miss.py).
     with functorch_config.patch(enable_autograd_cache=False):
         yield
 
@@ -142,6 +144,8 @@ def compile_with_inductor(
     from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 
     def inner_compile(graph: fx.GraphModule, inputs: Any, **kwargs: Any) -> Any:
+        if kwargs.get("is_backward"):
+            _backward_without_donated_buffers()
         if on_output_code is None:
             return compile_fx_inner(graph, inputs, **kwargs)
         kind = "backward" if kwargs.get("is_backward") else "inference" if kwargs.get("is_inference") else "forward"
@@ -270,6 +274,19 @@ def cpu_block_sizes_flag() -> Any:
         return None
 
 
+def _backward_without_donated_buffers() -> None:
+    """Called as a backward is lowered: where donated buffers are off for this compile
+    (``backward_lowered_at_compile``), record that it has none, as a lazily lowered backward does
+    when its first call retains the graph. AOTAutograd's runtime otherwise reads "unknown" (None) as
+    "some", and refuses ``backward(retain_graph=True)`` while ``donated_buffer`` is on globally."""
+    if getattr(functorch_config, "donated_buffer", True):
+        return
+    context = torch._guards.TracingContext.try_get()
+    meta = getattr(context, "fw_metadata", None)
+    if meta is not None and getattr(meta, "bw_donated_idxs", []) is None:
+        meta.bw_donated_idxs = []
+
+
 def can_lower_backward_at_compile() -> bool:
     """Whether this torch has ``functorch.config.force_non_lazy_backward_lowering``."""
     return hasattr(functorch_config, "force_non_lazy_backward_lowering")
@@ -279,11 +296,18 @@ def can_lower_backward_at_compile() -> bool:
 def backward_lowered_at_compile() -> Iterator[bool]:
     """AOTAutograd lowers the backward while the forward compiles, not at the first backward call
     (``functorch.config.force_non_lazy_backward_lowering``). Yields False, changing nothing, where
-    this torch has no such option: the backward is then lowered lazily."""
+    this torch has no such option: the backward is then lowered lazily.
+
+    Without donated buffers (``functorch.config.donated_buffer``): lowered early, a backward with
+    them refuses ``backward(retain_graph=True)``, which a lazily lowered one accepts by compiling
+    itself without them at that first call. Turned off here, the early backward runs wherever
+    ``backend="inductor"``'s does; the cost is Inductor not reusing a saved tensor's buffer for an
+    output in that backward (the GPT's backward code is identical either way, on a CPU)."""
     if not can_lower_backward_at_compile():
         yield False
         return
-    with functorch_config.patch(force_non_lazy_backward_lowering=True):
+    donated = {"donated_buffer": False} if hasattr(functorch_config, "donated_buffer") else {}
+    with functorch_config.patch(force_non_lazy_backward_lowering=True, **donated):
         yield True
 
 

@@ -1,5 +1,7 @@
 """Offloading never changes results: losses and gradients match eager and backend="inductor"."""
 
+import copy
+
 import pytest
 import torch
 import torch._inductor.config as inductor_config
@@ -157,3 +159,28 @@ def test_cpu_graph_unchanged_without_offload_cpu(caplog):
     assert report.offloaded == ()
     assert "no accelerator tensors" in report.note
     assert any("no accelerator tensors" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.parametrize("options", [{}, {"memory_budget": 0.5}], ids=["verify_peak", "memory_budget"])
+def test_backward_retaining_the_graph_runs_where_inductor_does(options):
+    """verify_peak and memory_budget lower the backward while the forward compiles; with donated
+    buffers AOTAutograd would then refuse ``backward(retain_graph=True)``, which ``backend="inductor"``
+    (lowering at the first backward) runs. Found by the fuzz (bench/fuzz_repros)."""
+    torch.manual_seed(0)
+    model, x = MLP(layers=2), torch.randn(64, 64)
+
+    def grads(backend):
+        torch._dynamo.reset()
+        m = copy.deepcopy(model)
+        fn = m if backend is None else torch.compile(m, backend=backend)
+        loss = fn(x).square().mean()
+        loss.backward(retain_graph=True)  # two backwards through one graph (two losses, a GAN step)
+        loss.backward()
+        return {n: p.grad for n, p in m.named_parameters()}
+
+    backend = fxoffload.backend(offload_cpu=True, min_bytes=0, policy="all", **options)
+    got, eager = grads(backend), grads(None)
+    assert backend.reports and backend.reports[0].offloaded, backend.reports[0].table()
+    for name in eager:
+        torch.testing.assert_close(got[name], eager[name], msg=name)
+    assert_same((torch.zeros(1), got), (torch.zeros(1), grads("inductor")), rtol=1e-5, atol=1e-6)

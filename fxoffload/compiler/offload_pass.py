@@ -72,19 +72,10 @@ def offload_pass(
     keep: dict[str, Reason] = {}
     if measured is not None:
         costs, keep = measured.corrected(costs), measured.keep()
-    inductor_recomputes = options.recompute == "inductor" and repartition is not None and not disabled_reason
-    if options.memory_budget is not None and inductor_recomputes:  # it recomputes, the plan offloads what hides
-
-        def analyse(f: fx.GraphModule, b: fx.GraphModule) -> tuple[GraphLifetimes, PlanCosts]:
-            found = _lifetimes(f, b, num_fwd_outputs, static)
-            new = plan_costs(f, b, found, options, num_fwd_outputs, static, outside)
-            return found, measured.corrected(new) if measured is not None else new
-
-        plan_args = {"host_bytes_available": host_bytes_available, "keep": keep}
-        kept = with_inductor_recompute(
-            (fw, bw), lifetimes, costs, options, repartition, analyse, plan_args, budget_target
-        )
-        if kept is not None:
+    context = _Context(options, num_fwd_outputs, static, outside, host_bytes_available)
+    if options.memory_budget is not None and options.recompute == "inductor" and repartition and not disabled_reason:
+        kept = _torchs_recompute((fw, bw), lifetimes, costs, keep, measured, repartition, budget_target, context)
+        if kept is not None:  # torch's partitioner recomputes, the plan offloads what hides on top
             _rewrite(*kept, options, graph_id)
             return kept
     recompute: dict[str, RecomputeOption] = {}
@@ -111,7 +102,6 @@ def offload_pass(
         return fw, bw, first
     # 4. Recomputation is torch's partitioner's job: tag, partition again, plan the new pair.
     assert repartition is not None
-    context = _Context(options, num_fwd_outputs, static, outside, host_bytes_available)
     best = _recompute_or_offload(first, said, plan_for, repartition, (fw, bw), context)
     new_fw, new_bw, plan = best.value
     _rewrite(new_fw, new_bw, plan, options, graph_id)
@@ -127,6 +117,30 @@ class _Context:
     static: tuple[int, ...]
     outside: OutsideMemory | None
     host_bytes_available: int | None
+
+
+def _torchs_recompute(
+    pair: Pair,
+    lifetimes: GraphLifetimes,
+    costs: PlanCosts,
+    keep: dict[str, Reason],
+    measured: Measured | None,
+    repartition: Callable[..., Pair],
+    budget_target: int | None,
+    context: _Context,
+) -> tuple[fx.GraphModule, fx.GraphModule, OffloadPlan] | None:
+    """``recompute="inductor"`` (``compiler.inductor_recompute``): the partition torch's min-cut
+    makes under an activation memory budget and its plan, or None where none meets the budget."""
+
+    def analyse(f: fx.GraphModule, b: fx.GraphModule) -> tuple[GraphLifetimes, PlanCosts]:
+        found = _lifetimes(f, b, context.num_fwd_outputs, context.static)
+        new = plan_costs(f, b, found, context.options, context.num_fwd_outputs, context.static, context.outside)
+        return found, measured.corrected(new) if measured is not None else new
+
+    plan_args = {"host_bytes_available": context.host_bytes_available, "keep": keep}
+    return with_inductor_recompute(
+        pair, lifetimes, costs, context.options, repartition, analyse, plan_args, budget_target
+    )
 
 
 def _recompute_or_offload(

@@ -91,9 +91,8 @@ def plan_offloads(
     then choose recomputation where it is predicted cheaper than an un-hidden offload, and a policy
     function may ask for it. ``recompute_refused`` says why the others cannot be (kept on the
     decisions). ``keep`` names tensors that must stay on the device, with the reason.
-    ``budget_target``: the peak in bytes the budget fit aims at, where it is lower than
-    ``memory_budget`` (a plan made again after a miss, ``compiler.refine``). ``fit=False``: no
-    budget fit, only what the policy chooses (the budget is still recorded, for the verdict).
+    ``budget_target``: the fit's peak in bytes, below ``memory_budget`` after a miss (``compiler.refine``).
+    ``fit=False``: no budget fit, only what the policy chooses (the budget is still recorded).
     """
     unchanged = _unchanged_reason(lifetimes, options, disabled_reason)
     if unchanged is not None:
@@ -141,10 +140,7 @@ def _unchanged_reason(lifetimes: GraphLifetimes, options: OffloadOptions, disabl
     if disabled:
         return disabled if isinstance(disabled, Reason) else Reason(ReasonCode.DISABLED, disabled)
     if not options.offload_cpu and all(d in ("cpu", "meta") for d in lifetimes.devices):
-        return Reason(
-            ReasonCode.NO_ACCELERATOR,
-            "no accelerator tensors in this graph, nothing to offload (offload_cpu=False)",
-        )
+        return Reason(ReasonCode.NO_ACCELERATOR, "no accelerator tensors in this graph (offload_cpu=False)")
     return None
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import copy
 import time
+from typing import Any
 
 import torch
 
@@ -115,6 +116,10 @@ def main(argv: list[str] | None = None) -> None:
           + (f"; recomputed: {len(recomputed)}, {rebuilt}" if recomputed else ""))  # fmt: skip
     pool = fmt_bytes(stats.bytes_allocated)
     print(f"host pool: {stats.buffers} buffers, {pool}, allocated in the first step and reused")
+    _closing(args, backend, device)
+
+def _closing(args: argparse.Namespace, backend: Any, device: str) -> None:
+    """What to try next, how the figures were taken, and each graph's table."""
     replanned = [why for report in backend.reports for why in report.replans if why.startswith("measured")]
     if args.policy == "auto":
         print("policy 'auto' offloads what hides behind compute; "
@@ -122,6 +127,7 @@ def main(argv: list[str] | None = None) -> None:
                  if replanned else "its copies measured hiding in the first steps"))  # fmt: skip
         print("more memory: policy='all' offloads every eligible tensor (slower where copies cannot hide);")
         print("  memory_budget='12GiB' (or 0.7) fits the peak you need, offloading or recomputing only that far")
+        print("  (recompute='inductor': torch's partitioner recomputes, offloads only where they hide)")
     print("(peak memory: allocator bytes above what was live at the step's start"
           + (", fxoffload's host buffers left out)" if device == "cpu" else ")"))
     if device == "cpu":
@@ -131,6 +137,7 @@ def main(argv: list[str] | None = None) -> None:
         print(report.table(rows="all" if args.all_rows else "short", kept=3))
     if not args.all_rows:
         print("\nevery saved tensor and column: python -m fxoffload.tools.demo --all-rows")
+
 
 
 if __name__ == "__main__":
