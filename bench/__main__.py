@@ -4,13 +4,20 @@
     python -m bench --workload gpt --preset gpt2-medium --png gpt2m.png     # on a GPU
     python -m bench --workload hf-llama --preset medium --methods eager,fxoffload-budget,checkpoint \
         --budgets 0.7,0.5
+    python -m bench --workload llama --preset 7b-4l-bf16 --amp bf16 --budgets 0.8,0.6,0.4 \
+        --methods inductor,fxoffload-auto,fxoffload-budget,fxoffload-recompute,inductor-amb,checkpoint
 
 Workloads (presets): gpt (tiny, small, gpt2-medium), hf-gpt2 (tiny, gpt2-medium), hf-llama (tiny,
-medium), cnn (tiny, resnet18), seq2seq (tiny, thread). The hf-* ones need `transformers`.
+medium), cnn (tiny, resnet18), seq2seq (tiny, thread), llama (tiny, 7b-4l, 7b-4l-bf16: four blocks of
+Llama-2-7B at 2,048 tokens), dit (tiny, video-16k, video-32k: diffusion-transformer blocks over a long
+video token sequence). The hf-* ones need `transformers`.
 
-Methods: eager, inductor, fxoffload-auto, fxoffload-all, fxoffload-budget[=F], save_on_cpu, streamed,
-checkpoint, inductor-amb[=F], intree (see bench/methods.py). Each runs on a fresh deep copy of the
-same model with the same seed; the first step's loss of every method is compared with eager's.
+Methods: eager, inductor, fxoffload-auto, fxoffload-all, fxoffload-budget[=F], fxoffload-recompute[=F],
+save_on_cpu, streamed, checkpoint, inductor-amb[=F], intree (see bench/methods.py). Each runs on a
+fresh deep copy of the same model with the same seed; the first step's loss of every method is
+compared with eager's. Every row is set against the compiler alone (inductor, else eager): step time
+as a multiple, the bytes that left the peak, and for fxoffload that against the bound it measured
+(the link's bytes/s x the forward's time: what can leave the peak without a stall).
 
 A step is forward + backward (no optimizer). GPU: peak allocated/reserved over the timed steps,
 median step time from CUDA events, throughput, bytes copied to/from the host and the achieved link
@@ -114,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--preset", default="tiny", help="a preset of the workload (listed above)")
     parser.add_argument("--batch", type=int, default=None, help="batch size (default: the preset's)")
     parser.add_argument("--methods", default=DEFAULT, help="comma-separated (default: all)")
-    parser.add_argument("--budgets", default="0.8,0.5", help="fractions in (0, 1] for the two budget sweeps")
+    parser.add_argument("--budgets", default="0.8,0.5", help="fractions in (0, 1] for the budget sweeps")
     parser.add_argument("--steps", type=int, default=10, help="timed steps per method (median reported)")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps after the first (compile) step")
     parser.add_argument("--seed", type=int, default=0)
@@ -143,6 +150,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--amp", default="none", choices=("none", "bf16"), help="autocast on the GPU")
     parser.add_argument("--json", default=None, help="write conditions and rows to this file")
+    parser.add_argument("--cpu-link", default=None, help="on a CPU: the speed of fxoffload's emulated host "
+                        "link (offload_cpu's copy threads), e.g. 2GB for 2 GB/s; default: as fast as memory allows")
     parser.add_argument("--png", default=None, help="draw peak memory against step time to this file")
     args = parser.parse_args(argv)
     if args.steps < 1 or args.warmup < 0:
@@ -157,6 +166,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         methods = parse_methods(args.methods, args.budgets)
         min_bytes = parse_bytes(args.min_bytes or ("1MiB" if cuda else "16KiB"), "--min-bytes")
+        cpu_link = None if args.cpu_link is None else parse_bytes(args.cpu_link, "--cpu-link")
+        if cpu_link is not None and cuda:
+            raise ValueError("--cpu-link emulates a host link on a CPU; a GPU run uses its real link")
         device = torch.device("cuda" if cuda else "cpu")
         workload = build(args.workload, args.preset, device, args.batch, args.seed)
     except ValueError as e:
@@ -168,7 +180,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.amp == "bf16" and not cuda:
         print("note: --amp bf16 is for GPU runs; this CPU run is fp32", flush=True)
-    ctx = Context(device, min_bytes, args.inner, torch.bfloat16 if args.amp == "bf16" and cuda else None)
+    ctx = Context(device, min_bytes, args.inner, torch.bfloat16 if args.amp == "bf16" and cuda else None,
+                  cpu_link=cpu_link)  # fmt: skip
 
     conditions = {
         "date": datetime.date.today().isoformat(),
@@ -188,6 +201,7 @@ def main(argv: list[str] | None = None) -> int:
         "steps": args.steps,
         "warmup": args.warmup,
         "min_bytes": min_bytes,
+        "cpu_link_bytes_per_s": cpu_link,
         "fxoffload_inner": args.inner,
         "step": "forward + backward + zero_grad, no optimizer",
         "command": _command(argv),

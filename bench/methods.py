@@ -117,13 +117,16 @@ class Context:
     inner: str  # fxoffload's inner compiler
     amp: torch.dtype | None  # autocast dtype on the GPU, or None for fp32
     auto_reports: list | None = None  # fxoffload policy="auto"'s reports with inner="inductor" (for intree)
+    cpu_link: int | None = None  # on a CPU: bytes/s of fxoffload's emulated host link (cpu_link_bandwidth)
 
     @property
     def cuda(self) -> bool:
         return self.device.type == "cuda"
 
     def fxoffload_options(self, **options: Any) -> dict[str, Any]:
-        extra = {"offload_cpu": True} if not self.cuda else {}
+        extra = {} if self.cuda else {"offload_cpu": True}
+        if not self.cuda and self.cpu_link is not None:
+            extra["cpu_link_bandwidth"] = self.cpu_link
         return {"min_bytes": self.min_bytes, "inner": self.inner, **extra, **options}
 
 

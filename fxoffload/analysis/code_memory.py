@@ -71,8 +71,8 @@ import torch
 from ..sizes import cuda_block_bytes, span_bytes
 from .memory import CATEGORIES, MemoryPoint, MemoryTimeline
 from .output_code import (
-    Statement, arg_names, asserted_layouts, base_name, call_body, eval_ints, module_args, parse_dtype,
-    returned_names, split_args, statements,
+    ASSIGN, NAME, Statement, arg_names, asserted_layouts, base_name, call_body, eval_ints, module_args,
+    parse_dtype, returned_names, split_args, statements,
 )
 
 log = logging.getLogger(__name__)
@@ -98,11 +98,9 @@ _HOST_OUTPUTS: dict[str, frozenset[int]] = {
     "aten._scaled_dot_product_flash_attention.default": frozenset({6, 7}),
 }
 
-_ASSIGN = re.compile(r"^(\w+) = (.+)$")
 _EMPTY = re.compile(r"^empty_strided(?:_\w+)?\((.*)\)$")
 _REINTERPRET = re.compile(r"^reinterpret_tensor\((\w+)\s*,")
 _GETITEM = re.compile(r"^(\w+)\[(\d+)\]$")
-_NAME = re.compile(r"^\w+$")
 _CALL = re.compile(r"^([\w.]+)\((.*)\)$")
 _DEL = re.compile(r"^del ([\w\s,]+)$")
 _FXOFFLOAD = re.compile(r"^torch\.ops\.fxoffload\.(offload|reload|wait|order)\.default$")
@@ -171,7 +169,7 @@ def _run(
     asserts = asserted_layouts(stmts, symbols)
     getitems: dict[str, list[tuple[int, str]]] = {}  # tuple name -> (index, element name)
     for _, stmt, _ in stmts:
-        if (m := _ASSIGN.match(stmt)) and (g := _GETITEM.match(m.group(2))):
+        if (m := ASSIGN.match(stmt)) and (g := _GETITEM.match(m.group(2))):
             getitems.setdefault(g.group(1), []).append((int(g.group(2)), m.group(1)))
     result: list[list[int]] = []
     for line, stmt, source in stmts:
@@ -184,7 +182,7 @@ def _run(
         elif m := _DEL.match(stmt):
             for name in (n.strip() for n in m.group(1).split(",")):
                 state.unbind(name)
-        elif (m := _ASSIGN.match(stmt)) and not stmt.endswith("= args"):
+        elif (m := ASSIGN.match(stmt)) and not stmt.endswith("= args"):
             target, value = m.groups()
             if e := _EMPTY.match(value):
                 args = split_args(e.group(1))
@@ -192,7 +190,7 @@ def _run(
                 dtype = parse_dtype(args[2] if len(args) > 2 else "float32", stmt)
                 state.dtypes[target] = dtype
                 state.bind(target, [state.new(span_bytes(size, stride, dtype), phase)])
-            elif _NAME.match(value) or _REINTERPRET.match(value):
+            elif NAME.match(value) or _REINTERPRET.match(value):
                 base = base_name(value)
                 state.dtypes.setdefault(target, state.dtypes.get(base, torch.float32))
                 state.bind(target, state.names.get(base, []))

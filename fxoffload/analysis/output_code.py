@@ -58,8 +58,9 @@ _DEL = re.compile(r"\bdel (\w+)")
 _REUSE = re.compile(r"^\s*(\w+) = (\w+); del \2\s*# reuse")
 
 
-_ASSIGN = re.compile(r"^(\w+) = (.+)$")
-_NAME = re.compile(r"^\w+$")
+# A statement ``name = value``, and a bare name (shared with ``analysis.code_memory``).
+ASSIGN = re.compile(r"^(\w+) = (.+)$")
+NAME = re.compile(r"^\w+$")
 _UNPACK_ARGS = re.compile(r"^([\w\s,]+?),? = args$")
 _ASSERT = re.compile(r"^assert_size_stride\((\w+),\s*(.*)\)$")
 _RETURN = re.compile(r"^return\s*\(?(.*?)\)?\s*$")
@@ -292,7 +293,7 @@ def asserted_layouts(stmts: Sequence[Statement], symbols: Mapping[str, int]) -> 
         if (m := _ASSERT.match(stmt)) and m.group(1) not in out:
             args = split_args(m.group(2))
             out[m.group(1)] = (eval_ints(args[0], symbols, stmt), eval_ints(args[1], symbols, stmt))
-        elif (m := _ASSIGN.match(stmt)) and _NAME.match(m.group(2)):
+        elif (m := ASSIGN.match(stmt)) and NAME.match(m.group(2)):
             alias_of[m.group(1)] = m.group(2)
     for name, base in alias_of.items():
         if name in out:
