@@ -17,6 +17,8 @@ import torch._inductor.config as inductor_config
 import torch.nn.functional as F
 from torch import nn
 
+import fxoffload
+
 from .conftest import assert_same, cpu_backend, train_step
 
 D, N = 32, 1024  # small weights, large batch: activations dominate the peak
@@ -130,3 +132,20 @@ def test_torchs_activation_budget_is_set_for_the_partition_only():
     torch.manual_seed(0)
     train_step(Blocks(), (torch.randn(N, D),), _backend(memory_budget=0.7))
     assert functorch_config.activation_memory_budget == before
+
+
+def test_a_target_is_not_raised_where_the_budget_chose_nothing():
+    """The offloads that hide meet the budget alone: the code well under it is no reason to plan again
+    for a raised target (nothing the budget chose could be undone; it compiled the same plan twice)."""
+    from fxoffload.testing.models import GPT, PRESETS, gpt_batch
+
+    torch.manual_seed(0)
+    cfg = PRESETS["tiny"]
+    model, batch = GPT(cfg), gpt_batch(cfg, 8)
+    backend = fxoffload.backend(offload_cpu=True, min_bytes="16KiB", memory_budget=0.6, recompute="inductor")
+    torch.compile(model, backend=backend)(*batch).backward()
+    (report,) = backend.reports
+    assert report.offloaded and not _by_torch(report), report.table()
+    assert not {r.reason_code for r in report.saved} & {"budget_offload", "budget_recompute"}, report.table()
+    assert report.compiled_memory().peak.total < 0.9 * report.memory_budget
+    assert report.replans == (), report.replans

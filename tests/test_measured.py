@@ -132,3 +132,17 @@ def test_without_the_replan_the_stall_stays():
     assert not report.replans and report.offloaded
     assert report.measured_stall_ms > len(report.offloaded), report.summary()  # over 1 ms a copy
     assert not [r for r in report.saved if r.reason_code == "measured_stall"]
+
+
+def test_the_offloads_on_top_of_torchs_recompute_are_measured_too():
+    """``recompute="inductor"`` adds "auto"'s offloads on top of torch's partition: those that stalled
+    are kept on the device once measured, and torch's partitioner recomputes more instead, where the
+    budget then needs it. Budgets are of the memory model, the step trains like eager."""
+    model, batch = _gpt()
+    backend = _backend("50MB", memory_budget=0.9, recompute="inductor", **STALLS)
+    got = train_step(model, batch, backend, steps=5)
+    assert_same(got, train_step(model, batch, steps=5), rtol=1e-4, atol=1e-5)
+    (report,) = backend.reports
+    assert [r for r in report.replans if r.startswith("measured in the first steps")], report.replans
+    kept = {r.name for r in report.saved if r.reason_code == "measured_stall"}
+    assert kept and not kept & {r.name for r in report.offloaded}, report.table()

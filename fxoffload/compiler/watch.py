@@ -304,8 +304,8 @@ class CallWatch:
         return True
 
     def on_copy_times(self, times: list[TransferTime], forward_s: float | None, args: Any) -> bool:
-        """What the device measured of one call's copies: on the report; and, for "auto", a plan
-        made again where they stalled. True where the graph was planned again."""
+        """What the device measured of one call's copies: on the report; and, for "auto" (also on top
+        of ``recompute="inductor"``), a plan made again where they stalled. True where the graph was planned again."""
         old = self.pair
         report = with_measured(old.report, times, forward_s)
         self.pair = dataclasses.replace(old, report=report)
@@ -317,7 +317,9 @@ class CallWatch:
             "the model's in the forward, %.2fx in the backward", old.graph_id, len(times), measured.stall_s * 1e3,
             predicted, measured.fw_scale, measured.bw_scale,
         )  # fmt: skip
-        auto = self.options.base_policy == "auto" and self.options.memory_budget is None
+        # "auto"'s own choices: alone, or the offloads on top of torch's recomputation for a budget.
+        options = self.options
+        auto = options.base_policy == "auto" and (options.memory_budget is None or options.recompute == "inductor")
         # One plan made again from measurements (a second measurement is reported, not acted on: the
         # plans would take turns); and within ``max_replans``, with the re-plans for outside memory.
         stalled_now = any(stalled(t) for t in times)

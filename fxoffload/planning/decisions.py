@@ -11,7 +11,7 @@ from ..analysis.cost import DeviceRates
 from ..analysis.lifetimes import SavedTensor
 from ..analysis.memory import CallOutside, MemoryTimeline
 from ..analysis.recompute import RecomputeOption
-from ..reasons import Action, Reason
+from ..reasons import Action, Reason, ReasonCode
 from ..sizes import host_bytes
 from .schedule import TransferTiming
 
@@ -92,6 +92,14 @@ class OffloadPlan:
     @property
     def changes_graphs(self) -> bool:
         return bool(self.offloaded or self.recomputed)
+
+    @property
+    def budget_chose(self) -> bool:
+        """Whether ``memory_budget`` decided anything here (what a raised target could undo)."""
+        return any(d.reason.code in _BUDGET_CODES for d in self.decisions)
+
+
+_BUDGET_CODES = frozenset({ReasonCode.BUDGET_OFFLOAD, ReasonCode.BUDGET_RECOMPUTE, ReasonCode.INDUCTOR_RECOMPUTE})
 
 
 def planned_host_bytes(t: SavedTensor) -> int:
