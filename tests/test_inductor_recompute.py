@@ -149,3 +149,20 @@ def test_a_target_is_not_raised_where_the_budget_chose_nothing():
     assert not {r.reason_code for r in report.saved} & {"budget_offload", "budget_recompute"}, report.table()
     assert report.compiled_memory().peak.total < 0.9 * report.memory_budget
     assert report.replans == (), report.replans
+
+
+def test_just_past_torchs_reach_offloads_on_top_of_its_recompute(caplog):
+    """A budget that torch's partitioner with the offloads that hide just misses: an un-hidden offload
+    on top of its recomputation meets it (the cheaper way), not fxoffload's own fit from the start."""
+    torch.manual_seed(0)
+    model, x = Blocks(), (torch.randn(N, D),)
+    backend = _backend("inductor", memory_budget=0.5, offload_cpu=True)
+    with caplog.at_level(logging.INFO, logger="fxoffload"), warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # a missed budget warns
+        got = train_step(model, x, backend)
+    assert_same(got, train_step(model, x, "inductor"), rtol=1e-5, atol=1e-7)
+    assert not any("fxoffload's own budget fit decides" in r.getMessage() for r in caplog.records)
+    (report,) = backend.reports
+    codes = {r.reason_code for r in report.saved}
+    assert {"inductor_recompute", "budget_offload"} <= codes and "budget_recompute" not in codes, report.table()
+    assert report.compiled_memory().peak.total <= report.memory_budget, report.summary()

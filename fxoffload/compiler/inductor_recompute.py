@@ -4,11 +4,12 @@ what hides on top.
 Inductor's ``activation_memory_budget`` frees saved bytes by recomputation at a fraction of the time
 an un-hidden offload costs (1.19x step time for 0.69x memory on an H100 GPT, where fxoffload's own
 budget took 7x: ``../shared/gpu/README.md``). So the partition is made by torch's min-cut partitioner
-at activation budgets from 1 down, and on each fxoffload adds only the offloads that hide; the
-cheapest that meets the budget on the memory model (recomputation priced by the model, corrected by
-what the device measured) is kept. Where none does, fxoffload's own budget fit decides (un-hidden
-offloads and its own recomputation, on the first partition): recomputing everything can peak higher
-than saving (the backward rebuilds at once what the forward saved over time). Random ops are kept
+at activation budgets from 1 down, and on each fxoffload adds the offloads that hide; where that
+misses the budget, also a fit that offloads un-hidden on top (its stall priced against recomputing
+more). The cheapest that meets the budget on the memory model (recomputation and stall priced by
+the model, corrected by what the device measured) is kept. Where none does, fxoffload's own budget
+fit decides (its own recomputation too, on the first partition): recomputing everything can peak
+higher than saving (the backward rebuilds at once what the forward saved over time). Random ops are kept
 saved (``rewrite.random_ops``).
 """
 
@@ -31,6 +32,7 @@ from ..planning.decisions import Decision, OffloadPlan, PlanCosts
 from ..planning.plan import plan_offloads
 from ..reasons import Action, Reason, ReasonCode
 from ..sizes import fmt_bytes
+from .refine import attempt_quietly
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +69,7 @@ def with_inductor_recompute(
     budget_target: int | None = None,
 ) -> tuple[fx.GraphModule, fx.GraphModule, OffloadPlan] | None:
     """The partition and plan kept (see the module), or None where no activation budget meets the
-    budget with the offloads that hide: then fxoffload's own budget fit (un-hidden offloads and its
+    budget with offloads on top: then fxoffload's own budget fit (un-hidden offloads and its
     recomputation) is the way. ``analyse(fw, bw)``: the lifetimes and cost model of a new partition
     (saved views hoisted); ``plan_args``: the rest of
     ``plan_offloads``'s arguments (host bytes, what to keep)."""
@@ -82,12 +84,15 @@ def with_inductor_recompute(
             log.warning("fxoffload: torch's partitioner at activation budget %s failed (%s)", activations, e)
             break
         found, found_costs = (lifetimes, costs) if activations == 1.0 else analyse(fw, bw)
-        plan = plan_offloads(found, options, costs=found_costs, fit=False, budget_target=budget, **plan_args)
         recomputed = [n for n in bw.graph.nodes if is_compute(n) and n.name not in first_bw]
         seconds = sum(node_time(n, found_costs.rates) for n in recomputed)
-        candidates.append(_Candidate(activations, (fw, bw), found, plan, planned_memory(plan).peak_bytes, seconds))
+        hidden = plan_offloads(found, options, costs=found_costs, fit=False, budget_target=budget, **plan_args)
+        candidates.append(_Candidate(activations, (fw, bw), found, hidden, planned_memory(hidden).peak_bytes, seconds))
         if candidates[-1].peak <= budget:
             break  # the least recomputation that meets it (later budgets recompute more)
+        fitted = _fitted(found, options, found_costs, budget, plan_args)
+        if fitted is not None:  # un-hidden offloads on top: their stall is priced against more recompute
+            candidates.append(dataclasses.replace(candidates[-1], plan=fitted, peak=planned_memory(fitted).peak_bytes))
     meeting = [c for c in candidates if c.peak <= budget]
     if not meeting:
         low = min((c.peak for c in candidates), default=0)
@@ -105,6 +110,20 @@ def with_inductor_recompute(
     )  # fmt: skip
     fw, bw = chosen.pair
     return fw, bw, _with_recomputed(plan, lifetimes, costs, chosen, budget_bytes(options.memory_budget, costs.baseline))
+
+
+def _fitted(
+    lifetimes: GraphLifetimes, options: OffloadOptions, costs: PlanCosts, budget: int, plan_args: Mapping[str, Any]
+) -> OffloadPlan | None:
+    """The budget fit by offloading (un-hidden copies included, no recomputation of fxoffload's own)
+    on one partition, or None where it cannot be made (``strict=True`` and out of reach)."""
+    try:
+        plan, _ = attempt_quietly(
+            lambda: plan_offloads(lifetimes, options, costs=costs, fit=True, budget_target=budget, **plan_args)
+        )
+    except ValueError:
+        return None
+    return plan
 
 
 def _with_recomputed(
