@@ -15,8 +15,10 @@ $(STAMP): pyproject.toml constraints.txt
 demo: $(STAMP)
 	$(PY) -m fxoffload.tools.demo
 
+# Two workers (pytest-xdist, the `test` extra): a cold-cache run on two cores takes about 15 min
+# this way, 23 min in one process (docs/results.md, "Test runs").
 test: $(STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n 2
 
 # The other supported torch version, in its own environment (PyPI's 2.11 wheel is the CUDA build,
 # several GB, but runs on a CPU). Not part of CI for that download's sake.
@@ -25,7 +27,7 @@ test-torch211:
 	grep -v '^torch==' constraints.txt > .venv-211/constraints.txt
 	.venv-211/bin/python -m pip install -q torch==2.11.0
 	.venv-211/bin/python -m pip install -q -c .venv-211/constraints.txt -e '.[test]'
-	.venv-211/bin/python -m pytest -q
+	.venv-211/bin/python -m pytest -q -n 2
 
 bench-smoke: $(STAMP)
 	$(PY) -m bench --preset tiny --device cpu --steps 1 --warmup 0 --threads 1 --inner aot_eager --methods eager,fxoffload-all,fxoffload-budget=0.5,save_on_cpu,streamed,checkpoint

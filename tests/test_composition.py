@@ -291,7 +291,9 @@ def test_mode_is_passed_to_inductor(inductor_patches, mode):
     torch.compile(MLP(), backend=backend, mode=mode)(x).backward()
     torch._dynamo.reset()
     torch.compile(MLP(), backend="fxoffload", mode=mode, options=None)(x).backward()
-    assert inductor_patches == [list_mode_options(mode)] * 2
+    # Every Inductor compile of both backends (a plan that changes nothing compiles once more, as
+    # Inductor does) gets the mode's options.
+    assert len(inductor_patches) >= 2 and all(p == list_mode_options(mode) for p in inductor_patches), inductor_patches
     (report,) = backend.reports
     if list_mode_options(mode).get("triton.cudagraphs"):
         assert report.offloaded == () and "CUDA graphs are on" in report.note
