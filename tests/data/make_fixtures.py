@@ -86,45 +86,17 @@ def cut_trace(src: Path, dst: Path) -> None:
     out = []
     for e in gpu:
         a = e["args"]
-        out.append(
-            {
-                "ph": "X",
-                "cat": e["cat"],
-                "name": e["name"],
-                "pid": e["pid"],
-                "tid": e["tid"],
-                "ts": e["ts"],
-                "dur": e["dur"],
-                "args": {k: a[k] for k in ("stream", "correlation", "bytes") if k in a},
-            }
-        )
+        out.append(_complete(e, {k: a[k] for k in ("stream", "correlation", "bytes") if k in a}))
     for e in launches:
-        out.append(
-            {
-                "ph": "X",
-                "cat": e["cat"],
-                "name": e["name"],
-                "pid": e["pid"],
-                "tid": e["tid"],
-                "ts": e["ts"],
-                "dur": e["dur"],
-                "args": {"correlation": e["args"]["correlation"]},
-            }
-        )
-    for k in sorted(keep):
-        e = cpu[k]
-        out.append(
-            {
-                "ph": "X",
-                "cat": e["cat"],
-                "name": e["name"],
-                "pid": e["pid"],
-                "tid": e["tid"],
-                "ts": e["ts"],
-                "dur": e["dur"],
-            }
-        )
+        out.append(_complete(e, {"correlation": e["args"]["correlation"]}))
+    out.extend(_complete(cpu[k]) for k in sorted(keep))
     _write(dst, {"traceEvents": out, "source": f"{src.name}, cut by tests/data/make_fixtures.py"})
+
+
+def _complete(e: dict, args: dict | None = None) -> dict:
+    """A complete ("X") trace event with the fields the tests read, and ``args`` where given."""
+    event = {"ph": "X", **{k: e[k] for k in ("cat", "name", "pid", "tid", "ts", "dur")}}
+    return event if args is None else {**event, "args": args}
 
 
 def _call_only(code: str) -> str:
