@@ -114,8 +114,7 @@ class GraphCompiler:
         lowered at its first call, with donated buffers (lowered with the forward to be judged, the
         backward has none: under bf16 autocast its code peaked 4.7% above Inductor's on the GPT of
         ``bench.memory``). The report keeps the early code, which it was judged on."""
-        plain = opts.replace(policy="none", memory_budget=None, offload_modules=())
-        unchanged = self._partitioner(plain, pair.outside, pair.graph_id, judged_here=True)
+        unchanged = self._unchanged_partitioner(opts, pair)
         log.debug("fxoffload: graph %d: the plan changes nothing; compiled as Inductor does", pair.graph_id)
         return self._inductor(copy_graph_module(pristine), example_inputs, unchanged, patches)
 
@@ -127,6 +126,11 @@ class GraphCompiler:
         late = None if judged_here or opts.memory_budget is None else (lambda pair: check_budget(pair, opts.strict))
         measured = self._measured if opts.policy != "none" else None
         return OffloadPartitioner(self.register, opts, outside, graph_id, target, late, measured)
+
+    def _unchanged_partitioner(self, opts: OffloadOptions, pair: PlannedPair) -> OffloadPartitioner:
+        """A partitioner for ``pair``'s graph without offloading (what ``backend="inductor"`` compiles)."""
+        plain = opts.replace(policy="none", memory_budget=None, offload_modules=())
+        return self._partitioner(plain, pair.outside, pair.graph_id, judged_here=True)
 
     def _keep(self, pair: PlannedPair | None) -> PlannedPair | None:
         """Record ``pair`` as the one that runs, its report saying what compiling it took."""
@@ -238,8 +242,7 @@ class GraphCompiler:
                 pair.graph_id, fmt_bytes(timeline.peak_bytes), fmt_bytes(floor),
             )  # fmt: skip
             return compiled, pair
-        plain = opts.replace(policy="none", memory_budget=None, offload_modules=())
-        unchanged = self._partitioner(plain, pair.outside, pair.graph_id, judged_here=True)
+        unchanged = self._unchanged_partitioner(opts, pair)
         try:
             (other, _), _ = attempt_quietly(
                 lambda: self._lowered(copy_graph_module(pristine), example_inputs, unchanged, patches)
