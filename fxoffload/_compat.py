@@ -28,6 +28,7 @@ __all__ = [
     "call_partitioner",
     "compile_with_inductor",
     "detect_fake_mode",
+    "raised_from",
     "real_tensors",
     "inductor_mode_options",
     "must_save",
@@ -128,18 +129,32 @@ def _no_autograd_cache() -> Iterator[None]:
         yield
 
 
+class _CodeOnly(Exception):
+    """Raised once Inductor's wrapper code of a graph compiled ``code_only`` has been captured."""
+
+
+def _code_only_stub(*args: Any) -> Any:
+    raise RuntimeError("fxoffload: this graph was compiled for its code only (code_only=True); it cannot run")
+
+
+_code_only_stub._boxed_call = True  # type: ignore[attr-defined]
+
+
 def compile_with_inductor(
     gm: fx.GraphModule,
     example_inputs: list[Any],
     partitioner: CustomPartitionerFn,
     config_patches: dict[str, Any],
     on_output_code: Callable[[str, str], None] | None = None,
+    code_only: bool = False,
 ) -> Callable[..., Any]:
     """Inductor's ``compile_fx`` with our partitioner plugged in for the duration of this compile.
 
     ``on_output_code(kind, code)`` receives the wrapper code Inductor generates for each graph it
     compiles here ("forward", "backward" or "inference"), also when the code comes from its cache
-    and when the backward is compiled later, at the first backward call.
+    and when the backward is compiled later, at the first backward call. ``code_only``: each graph
+    stops once its wrapper code is generated, before the module is loaded (on a CPU, before its C++
+    kernels are compiled); what is returned cannot run, only the code is wanted (to judge it).
     """
     from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 
@@ -149,13 +164,35 @@ def compile_with_inductor(
         if on_output_code is None:
             return compile_fx_inner(graph, inputs, **kwargs)
         kind = "backward" if kwargs.get("is_backward") else "inference" if kwargs.get("is_inference") else "forward"
-        with capture_output_code(lambda code: on_output_code(kind, code)):
-            return compile_fx_inner(graph, inputs, **kwargs)
+
+        def sink(code: str) -> None:
+            on_output_code(kind, code)
+            if code_only:
+                raise _CodeOnly(kind)
+
+        with capture_output_code(sink):
+            try:
+                return compile_fx_inner(graph, inputs, **kwargs)
+            except Exception as e:
+                if not code_only or not raised_from(e, _CodeOnly):
+                    raise
+                return _code_only_stub
 
     patches = dict(config_patches)
     patches["custom_partitioner_fn"] = partitioner
     with _no_autograd_cache():
         return compile_fx(gm, example_inputs, inner_compile=inner_compile, config_patches=patches)
+
+
+def raised_from(e: BaseException | None, kind: type[BaseException]) -> bool:
+    """Whether ``e`` is a ``kind``, or was raised from one (torch wraps errors of its compile)."""
+    seen: set[int] = set()
+    while e is not None and id(e) not in seen:
+        if isinstance(e, kind):
+            return True
+        seen.add(id(e))
+        e = e.__cause__ or e.__context__
+    return False
 
 
 @contextlib.contextmanager

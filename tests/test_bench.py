@@ -270,3 +270,13 @@ def test_cli_cpu_link_is_parsed_and_passed_to_fxoffload(capsys):
     ctx = Context(torch.device("cpu"), 0, "aot_eager", None, cpu_link=2_000_000_000)
     assert ctx.fxoffload_options()["cpu_link_bandwidth"] == 2_000_000_000
     assert "cpu_link_bandwidth" not in Context(torch.device("cpu"), 0, "aot_eager", None).fxoffload_options()
+
+
+def test_compile_time_names_the_methods_it_knows(capsys):
+    """``bench.compile_time``: an unknown method is refused with the allowed ones, before any compile."""
+    from bench.compile_time import main as compile_time
+
+    with pytest.raises(SystemExit):
+        compile_time(["--methods", "inductor,fxoffload-sometimes"])
+    err = capsys.readouterr().err
+    assert "unknown methods ['fxoffload-sometimes']" in err and "fxoffload-auto" in err

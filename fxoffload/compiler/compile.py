@@ -25,7 +25,7 @@ from ..reasons import Reason, ReasonCode
 from ..sizes import fmt_bytes
 from .costs import read_outside
 from .pair import PairRegister, PlannedPair
-from .partitioner import OffloadPartitioner
+from .partitioner import OffloadPartitioner, PlanChangesNothing
 from .refine import Trial, attempt_quietly, lowest, refine, say
 from .verify import autos_own_picks, plan_kept, unchanged_floor, with_peak_not_lowered
 
@@ -43,16 +43,35 @@ class GraphCompiler:
     def __init__(self, register: PairRegister) -> None:
         self.register = register
         self._compiles: list[float] = []  # seconds of each inner compile of the graph being compiled
+        self._traced_s = 0.0  # seconds of compiles stopped before Inductor lowered anything
+        # By graph id: the pair compiled without offloading for verify_peak, and the outside it had.
+        self._unchanged_code: dict[int, tuple[OutsideMemory | None, PlannedPair]] = {}
         self._measured: Measured | None = None  # what the device measured of the graph's earlier plan
 
     def _inductor(
-        self, graph: fx.GraphModule, example_inputs: list[Any], partitioner: OffloadPartitioner, patches: dict[str, Any]
-    ) -> Compiled:
+        self,
+        graph: fx.GraphModule,
+        example_inputs: list[Any],
+        partitioner: OffloadPartitioner,
+        patches: dict[str, Any],
+        on_output_code: Callable[[str, str], None] | None = None,
+        code_only: bool = False,
+    ) -> Compiled | None:
+        """``graph`` compiled by Inductor; None where ``partitioner`` stopped it (``PlanChangesNothing``)
+        before anything was lowered (its seconds count in ``compile_s``, not as a compile).
+        ``code_only``: stopped once the code is generated (``_compat.compile_with_inductor``)."""
         start = time.perf_counter()
+        sink = on_output_code or partitioner.record_output_code
         try:
-            return _compat.compile_with_inductor(graph, example_inputs, partitioner, patches, partitioner.record_output_code)
-        finally:
-            self._compiles.append(time.perf_counter() - start)
+            compiled = _compat.compile_with_inductor(graph, example_inputs, partitioner, patches, sink, code_only)
+        except Exception as e:
+            if not _compat.raised_from(e, PlanChangesNothing):
+                self._compiles.append(time.perf_counter() - start)
+                raise
+            self._traced_s += time.perf_counter() - start
+            return None
+        self._compiles.append(time.perf_counter() - start)
+        return compiled
 
     def compile(
         self,
@@ -68,7 +87,7 @@ class GraphCompiler:
         code before it holds, where not read from ``example_inputs``; ``graph_id``: the id of a
         graph compiled again; ``pristine``: an unchanged copy of ``gm`` made already; ``measured``:
         what the device measured of its copies under its earlier plan."""
-        self._compiles = []
+        self._compiles, self._traced_s = [], 0.0
         self._measured = measured
         outside = outside if outside is not None else read_outside(example_inputs)
         partitioner = self._partitioner(opts, outside, graph_id)
@@ -92,11 +111,14 @@ class GraphCompiler:
         pristine = pristine if pristine is not None else copy_graph_module(gm)  # compile_fx may change gm
         best = self._to_budget(gm, pristine, example_inputs, opts, patches, partitioner)
         compiled, pair = best.value
-        if pair is not None and checked:
+        if pair is not None and checked and compiled is not None:
             compiled, pair = self._no_higher_than_unchanged(pristine, example_inputs, opts, patches, compiled, pair)
         say(best, drop=lambda w: "cannot be reached" in str(w.message) and opts.memory_budget is not None)
-        if pair is not None and not pair.plan.changes_graphs and _compat.can_lower_backward_at_compile():
+        # A plan that changes nothing (stopped before lowering, swapped by verify_peak, or judged).
+        unchanged = pair is not None and not pair.plan.changes_graphs and _compat.can_lower_backward_at_compile()
+        if pair is not None and (compiled is None or unchanged):
             compiled = self._as_inductor_does(pristine, example_inputs, opts, patches, pair)
+        assert compiled is not None
         pair = self._keep(pair)
         if pair is not None:
             check_budget(pair, strict=opts.strict)
@@ -113,10 +135,14 @@ class GraphCompiler:
         """A plan that changes nothing, compiled as ``backend="inductor"`` compiles it: its backward
         lowered at its first call, with donated buffers (lowered with the forward to be judged, the
         backward has none: under bf16 autocast its code peaked 4.7% above Inductor's on the GPT of
-        ``bench.memory``). The report keeps the early code, which it was judged on."""
+        ``bench.memory``). The report keeps the early code where it was judged on it; where the early
+        compile was stopped before lowering (no budget: nothing to judge), this code goes on it."""
         unchanged = self._unchanged_partitioner(opts, pair)
         log.debug("fxoffload: graph %d: the plan changes nothing; compiled as Inductor does", pair.graph_id)
-        return self._inductor(copy_graph_module(pristine), example_inputs, unchanged, patches)
+        sink = pair.output_code.__setitem__ if not pair.output_code else (lambda kind, code: None)
+        compiled = self._inductor(copy_graph_module(pristine), example_inputs, unchanged, patches, sink)
+        assert compiled is not None  # an unchanged partitioner is never told to stop
+        return compiled
 
     def _partitioner(
         self, opts: OffloadOptions, outside: OutsideMemory | None, graph_id: int | None, target: int | None = None,
@@ -137,7 +163,8 @@ class GraphCompiler:
         if pair is not None:
             timings = pair.report.timings
             if timings is not None:
-                spent = dataclasses.replace(timings, compiles=len(self._compiles), compile_s=sum(self._compiles))
+                seconds = sum(self._compiles) + self._traced_s
+                spent = dataclasses.replace(timings, compiles=len(self._compiles), compile_s=seconds)
                 pair = pair.with_report(timings=spent)
             self.register.record(pair)
         return pair
@@ -161,6 +188,8 @@ class GraphCompiler:
         first.options = plan_opts
         if early:  # judged by ``compile`` once both graphs are lowered, not when the backward's code comes
             first.on_backward_code = None
+            # Without a budget only a plan that changes something is judged: stop before lowering.
+            first.stop_if_unchanged = opts.memory_budget is None
         replans: list[str] = []
 
         tried: list[int | None] = []
@@ -178,6 +207,8 @@ class GraphCompiler:
                     raise
                 return None  # strict=True and a lower target out of the FX model's reach: keep what was tried
             pair = partitioner.pair
+            if compiled is None:  # stopped: the plan changes nothing (``compile`` compiles it as Inductor does)
+                return Trial((None, pair), None, target, said=said)
             timeline = pair.code_memory() if pair is not None and lowered else None
             if pair is None or timeline is None or not timeline.points or pair.memory_budget is None:
                 return Trial((compiled, pair if lowered else None), None, target, said=said)
@@ -209,11 +240,17 @@ class GraphCompiler:
         return best
 
     def _lowered(
-        self, graph: fx.GraphModule, example_inputs: list[Any], partitioner: OffloadPartitioner, patches: dict[str, Any]
-    ) -> tuple[Compiled, bool]:
-        """``graph`` compiled by Inductor with both graphs lowered now where this torch can."""
+        self,
+        graph: fx.GraphModule,
+        example_inputs: list[Any],
+        partitioner: OffloadPartitioner,
+        patches: dict[str, Any],
+        code_only: bool = False,
+    ) -> tuple[Compiled | None, bool]:
+        """``graph`` compiled by Inductor with both graphs lowered now where this torch can (None:
+        stopped, ``_inductor``; ``code_only``: for the code alone, which cannot run)."""
         with _compat.backward_lowered_at_compile() as lowered:
-            compiled = self._inductor(graph, example_inputs, partitioner, patches)
+            compiled = self._inductor(graph, example_inputs, partitioner, patches, code_only=code_only)
         return compiled, lowered
 
     def _no_higher_than_unchanged(
@@ -224,9 +261,9 @@ class GraphCompiler:
         patches: dict[str, Any],
         compiled: Compiled,
         pair: PlannedPair,
-    ) -> tuple[Compiled, PlannedPair]:
-        """``verify_peak`` (see ``verify``): the compiled pair, or the same pair compiled without
-        offloading where the code Inductor generated for the plan peaks higher."""
+    ) -> tuple[Compiled | None, PlannedPair]:
+        """``verify_peak`` (see ``verify``): the compiled pair, or the unchanged pair (not compiled to
+        run: None) where the code Inductor generated for the plan peaks higher."""
         timeline = pair.code_memory()
         if (
             not pair.plan.changes_graphs or timeline is None or not timeline.points
@@ -242,22 +279,12 @@ class GraphCompiler:
                 pair.graph_id, fmt_bytes(timeline.peak_bytes), fmt_bytes(floor),
             )  # fmt: skip
             return compiled, pair
-        unchanged = self._unchanged_partitioner(opts, pair)
-        try:
-            (other, _), _ = attempt_quietly(
-                lambda: self._lowered(copy_graph_module(pristine), example_inputs, unchanged, patches)
-            )
-        except Exception as e:  # never fail a compile over a check: keep the plan, unchecked
-            log.warning(
-                "fxoffload: graph %d: compiling it unchanged for verify_peak failed (%s); keeping the plan "
-                "unchecked", pair.graph_id, e,
-            )  # fmt: skip
-            return compiled, pair
-        base = unchanged.pair.code_memory() if unchanged.pair is not None else None
+        unchanged = self._judged_unchanged(pristine, example_inputs, opts, patches, pair)
+        base = unchanged.code_memory() if unchanged is not None else None
         if base is None or not base.points:
             return compiled, pair
         kept = lowest(
-            [Trial((compiled, pair), timeline.peak_bytes), Trial((other, unchanged.pair), base.peak_bytes)],
+            [Trial((compiled, pair), timeline.peak_bytes), Trial((None, unchanged), base.peak_bytes)],
             keep_first_on_tie=not mine,
         )
         if kept.value[1] is pair:
@@ -266,9 +293,39 @@ class GraphCompiler:
                 pair.graph_id, fmt_bytes(timeline.peak_bytes), fmt_bytes(base.peak_bytes),
             )  # fmt: skip
             return compiled, pair
-        swapped = with_peak_not_lowered(unchanged.pair, pair, timeline, base.peak_bytes)
+        swapped = with_peak_not_lowered(unchanged, pair, timeline, base.peak_bytes)
         log.info("fxoffload: graph %d: %s", pair.graph_id, swapped.plan.note)
-        return other, swapped
+        return None, swapped  # it changes nothing: ``compile`` compiles it as Inductor does
+
+    def _judged_unchanged(
+        self,
+        pristine: fx.GraphModule,
+        example_inputs: list[Any],
+        opts: OffloadOptions,
+        patches: dict[str, Any],
+        pair: PlannedPair,
+    ) -> PlannedPair | None:
+        """The pair of ``pair``'s graph without offloading, lowered for its code alone (no kernels
+        built: a plan swapped for it is compiled again as Inductor does), once per graph and what
+        code before it holds: a plan made again from measured times is judged against the same one.
+        None where it cannot be had."""
+        cached = self._unchanged_code.get(pair.graph_id)
+        if cached is not None and cached[0] == pair.outside:
+            return cached[1]
+        unchanged = self._unchanged_partitioner(opts, pair)
+        try:
+            attempt_quietly(
+                lambda: self._lowered(copy_graph_module(pristine), example_inputs, unchanged, patches, code_only=True)
+            )
+        except Exception as e:  # never fail a compile over a check: keep the plan, unchecked
+            log.warning(
+                "fxoffload: graph %d: compiling it unchanged for verify_peak failed (%s); keeping the plan "
+                "unchecked", pair.graph_id, e,
+            )  # fmt: skip
+            return None
+        if unchanged.pair is not None:
+            self._unchanged_code[pair.graph_id] = (pair.outside, unchanged.pair)
+        return unchanged.pair
 
 
 def check_budget(pair: PlannedPair, strict: bool = False) -> None:

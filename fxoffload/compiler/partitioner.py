@@ -23,7 +23,13 @@ from .pair import PairRegister, PlannedPair, new_graph_id
 
 log = logging.getLogger(__name__)
 
-__all__ = ["OffloadPartitioner"]
+__all__ = ["OffloadPartitioner", "PlanChangesNothing"]
+
+
+class PlanChangesNothing(Exception):
+    """Raised by a partitioner told to ``stop_if_unchanged`` once its plan changes neither graph:
+    the compile that would lower both graphs now (to judge the plan's code) is abandoned before
+    Inductor lowers anything, and the caller compiles the graph as ``backend="inductor"`` does."""
 
 
 class OffloadPartitioner(_compat.CustomPartitionerFn):
@@ -56,6 +62,8 @@ class OffloadPartitioner(_compat.CustomPartitionerFn):
         self.measured = measured
         self.disabled_reason: Reason | str = ""
         self.pair: PlannedPair | None = None
+        # Abandon the compile (``PlanChangesNothing``) where the plan changes nothing: nothing to judge.
+        self.stop_if_unchanged = False
 
     def record_output_code(self, kind: str, code: str) -> None:
         """Inductor's wrapper code for the graphs of this pair (``PlannedPair.output_code``)."""
@@ -143,4 +151,6 @@ class OffloadPartitioner(_compat.CustomPartitionerFn):
         log.debug("fxoffload plan for graph %d:\n%s", graph_id, report.table())
         _compat.trace_artifact("fxoffload_plan", report.to_json, encoding="json")
         _compat.trace_artifact("fxoffload_graphs", report.graph_code)
+        if self.stop_if_unchanged and not plan.changes_graphs:
+            raise PlanChangesNothing(f"fxoffload: graph {graph_id}: the plan changes nothing")
         return fw, bw

@@ -1,0 +1,108 @@
+"""The first steps' wall time, compile included, against Inductor's: each method in a process of its
+own with an empty Inductor cache (a warm cache hides the compiles, so times only compare cold).
+
+Steps 1-3 are timed apart: the first compiles (the plan, and whatever ``verify_peak`` compiles to
+judge it), the second times the copies on the device, and a plan made again from those times
+compiles at the third. fxoffload's own figures are from ``report.timings``: how many times the inner
+compiler ran per graph and the seconds they took.
+
+    python -m bench.compile_time                       # the 12-block GPT, returning its loss
+    python -m bench.compile_time --layers 4 --methods inductor,fxoffload-all,fxoffload-all-noverify
+
+CPU figures on a CPU (``offload_cpu=True``, the copy engine's link emulated at ``--cpu-link``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+from tabulate import tabulate
+
+_METHODS = {
+    "inductor": None,
+    "fxoffload-none": {"policy": "none"},
+    "fxoffload-all": {"policy": "all"},
+    "fxoffload-all-noverify": {"policy": "all", "verify_peak": False},
+    "fxoffload-auto": {"policy": "auto"},
+    "fxoffload-budget": {"memory_budget": 0.7},
+}
+
+
+def _one(method: str, layers: int, steps: int, link: str) -> dict:
+    """One method's step times (in this process: called in a fresh one by ``main``)."""
+    import time
+
+    import torch
+
+    import fxoffload
+    from fxoffload.testing.models import GPT, GPTConfig, gpt_batch
+
+    torch.manual_seed(0)
+    cfg = GPTConfig(layers=layers, dropout=0.0)
+    model, batch = GPT(cfg), gpt_batch(cfg, 8)
+    options = _METHODS[method]
+    if options is None:
+        compiled = torch.compile(model, backend="inductor")
+    else:
+        backend = fxoffload.backend(**options, offload_cpu=True, cpu_link_bandwidth=link, min_bytes=0)
+        compiled = torch.compile(model, backend=backend)
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        compiled(*batch).backward()
+        times.append(time.perf_counter() - start)
+    row = {"method": method, "steps_s": times}
+    if options is not None:
+        t = [r.timings for r in backend.reports if r.timings is not None]
+        row.update(compiles=sum(x.compiles for x in t), compile_s=sum(x.compile_s for x in t),
+                   pass_s=sum(x.pass_s + x.repartition_s + x.simulate_s for x in t),
+                   offloaded=sum(len(r.offloaded) for r in backend.reports), replans=sum(len(r.replans) for r in backend.reports))  # fmt: skip
+    return row
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--methods", default=",".join(_METHODS), help=f"comma-separated, of {', '.join(_METHODS)}")
+    parser.add_argument("--layers", type=int, default=12)
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--cpu-link", default="2GB", help="the emulated link's bytes/s (default 2GB)")
+    parser.add_argument("--one", help=argparse.SUPPRESS)  # a child process: this method's row as JSON
+    args = parser.parse_args(argv)
+    if args.one:
+        print(json.dumps(_one(args.one, args.layers, args.steps, args.cpu_link)))
+        return
+    methods = [m for m in args.methods.split(",") if m]
+    unknown = [m for m in methods if m not in _METHODS]
+    if unknown:
+        parser.error(f"unknown methods {unknown}; allowed: {', '.join(_METHODS)}")
+    rows = []
+    for method in methods:
+        with tempfile.TemporaryDirectory() as cache:
+            env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=cache)
+            cmd = [sys.executable, "-m", "bench.compile_time", "--one", method, "--layers", str(args.layers),
+                   "--steps", str(args.steps), "--cpu-link", args.cpu_link]  # fmt: skip
+            out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
+            if out.returncode != 0:
+                raise SystemExit(f"{method} failed:\n{out.stderr[-4000:]}")
+            rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
+    base = next((r for r in rows if r["method"] == "inductor"), None)
+    table = []
+    for r in rows:
+        first3 = sum(r["steps_s"][:3])
+        ratio = f"{first3 / sum(base['steps_s'][:3]):.2f}" if base else "-"
+        steps = " / ".join(f"{s:.2f}" for s in r["steps_s"][:3])
+        table.append([r["method"], steps, f"{first3:.2f}", ratio, r.get("compiles", "-"),
+                      f"{r['compile_s']:.2f}" if "compile_s" in r else "-", f"{r['pass_s']:.2f}" if "pass_s" in r else "-",
+                      r.get("offloaded", "-"), r.get("replans", "-")])  # fmt: skip
+    headers = ["method", "steps 1/2/3 s", "sum s", "x inductor", "compiles", "compile s", "pass s", "offloaded", "replans"]
+    print(f"GPT, {args.layers} blocks (dim 64, seq 64, batch 8), returning its loss; cold Inductor cache per method")
+    print(tabulate(table, headers=headers))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,118 @@
+"""What compiling costs (issue 23, part 5): Inductor lowers and builds each graph no more often than
+the plan needs. A graph lowered to judge it alone is stopped once its code exists (no kernels
+built); a plan that changes nothing is lowered once, as ``backend="inductor"`` lowers it.
+
+Counted, not timed: ``GraphLowering.codegen`` runs once per graph Inductor lowers, and
+``PyCodeCache.load_by_key_path`` once per module it loads (on a CPU, where its C++ kernels are
+compiled). Inductor's FX graph cache is off here, so a warm cache changes no count.
+"""
+
+import collections
+
+import pytest
+import torch
+from torch._inductor import codecache
+from torch._inductor.graph import GraphLowering
+
+import fxoffload
+from fxoffload import _compat
+from fxoffload.compiler.compile import GraphCompiler, copy_graph_module
+from fxoffload.compiler.pair import PairRegister
+from fxoffload.compiler.partitioner import OffloadPartitioner
+from fxoffload.options import OffloadOptions
+from fxoffload.testing.models import example
+
+pytestmark = pytest.mark.skipif(
+    not _compat.can_lower_backward_at_compile(), reason="needs functorch's force_non_lazy_backward_lowering"
+)
+
+
+@pytest.fixture
+def counted(monkeypatch):
+    """Counts of Inductor's lowerings ("codegen") and module loads ("load"), its FX graph cache off."""
+    counts = collections.Counter()
+    for owner, name, key in ((GraphLowering, "codegen", "codegen"), (codecache.PyCodeCache, "load_by_key_path", "load")):
+        original = getattr(owner, name)
+
+        def counting(*args, _original=original, _key=key, **kwargs):
+            counts[_key] += 1
+            return _original(*args, **kwargs)
+
+        monkeypatch.setattr(owner, name, counting)
+    torch._dynamo.reset()
+    with torch._inductor.config.patch(fx_graph_cache=False):
+        yield counts
+
+
+def _one_step(backend, name="mlp"):
+    torch.manual_seed(0)
+    model, batch = example(name)
+    torch.compile(model, backend=backend)(*batch).backward()
+    return model
+
+
+def test_a_graph_compiled_for_its_code_builds_no_kernels(counted):
+    """``code_only``: both graphs' wrapper code arrives, no module is loaded, and what is returned
+    refuses to run rather than run nothing."""
+    torch.manual_seed(0)
+    model, (x,) = example("mlp")
+    gm = torch.fx.symbolic_trace(model)  # not Dynamo's graph: its inputs are not static, no matter here
+    partitioner = OffloadPartitioner(PairRegister(), OffloadOptions(policy="none"))
+    code = {}
+    with _compat.backward_lowered_at_compile():
+        compiled = _compat.compile_with_inductor(gm, [x], partitioner, {}, code.__setitem__, code_only=True)
+    assert set(code) == {"forward", "backward"} and all("def call(" in c for c in code.values())
+    assert counted == {"codegen": 2}, counted
+    with pytest.raises(RuntimeError, match="compiled for its code only"):
+        compiled(x)
+
+
+def test_a_plan_that_changes_nothing_is_lowered_once(counted):
+    """Nothing worth offloading (``min_bytes`` above every tensor): the compile that would lower both
+    graphs to judge the plan stops before Inductor lowers anything, and the graph is compiled as
+    Inductor compiles it: forward now, backward at its first call, each lowered and built once.
+    (Judged first, it was lowered twice: four lowerings, four loads.)"""
+    backend = fxoffload.backend(offload_cpu=True, policy="auto", min_bytes="1GiB")
+    _one_step(backend)
+    (report,) = backend.reports
+    assert not report.offloaded
+    assert counted == {"codegen": 2, "load": 2}, counted
+    assert report.timings.compiles == 1
+    assert set(report.output_code) == {"forward", "backward"}  # Inductor's code is on the report all the same
+
+
+def test_verify_peak_builds_the_unchanged_pairs_kernels_once(counted):
+    """The MLP with policy "all", whose plan's code peaks higher than the unchanged code
+    (``test_no_cost``): the plan is lowered and built (two graphs), the unchanged pair lowered for
+    its code alone to judge it, then compiled as Inductor does. Six lowerings, four loads (built
+    twice, the judged unchanged pair loaded six)."""
+    backend = fxoffload.backend(offload_cpu=True, policy="all", min_bytes=0)
+    _one_step(backend)
+    (report,) = backend.reports
+    assert not report.offloaded and "verify_peak" in report.note, report.note
+    assert counted == {"codegen": 6, "load": 4}, counted
+
+
+def test_a_graph_planned_again_is_judged_against_the_same_unchanged_code(counted):
+    """verify_peak lowers the graph without offloading once: a plan made again for the same graph
+    and the same outside memory (``auto`` from measured copy times) is judged against that code."""
+    graphs = []
+
+    def capture(gm, example_inputs):
+        graphs.append((copy_graph_module(gm), list(example_inputs)))
+        return gm.forward
+
+    torch.manual_seed(0)
+    model, batch = example("mlp")
+    torch.compile(model, backend=capture)(*batch)
+    (gm, inputs), = graphs
+    compiler = GraphCompiler(PairRegister())
+    opts = OffloadOptions(policy="all", min_bytes=0, offload_cpu=True)
+    _, first = compiler.compile(copy_graph_module(gm), inputs, opts)
+    assert "verify_peak" in first.plan.note  # judged against the unchanged code, and swapped for it
+    # The plan (2 graphs), the unchanged pair for its code (2), Inductor's own forward (the backward
+    # waits for its first call).
+    assert counted["codegen"] == 5, counted
+    _, again = compiler.compile(copy_graph_module(gm), inputs, opts, graph_id=first.graph_id)
+    assert "verify_peak" in again.plan.note
+    assert counted["codegen"] == 5 + 3, counted  # the unchanged pair's code was not made again
