@@ -20,6 +20,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 
 from tabulate import tabulate
 
@@ -34,9 +35,8 @@ _METHODS = {
 
 
 def _one(method: str, layers: int, steps: int, link: str) -> dict:
-    """One method's step times (in this process: called in a fresh one by ``main``)."""
-    import time
-
+    """One method's step times (in this process: called in a fresh one by ``main``, which imports
+    no torch itself)."""
     import torch
 
     import fxoffload

@@ -158,6 +158,9 @@ def compile_with_inductor(
     """
     from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 
+    if code_only and on_output_code is None:
+        raise ValueError("fxoffload: compile_with_inductor(code_only=True) needs on_output_code, where the code goes")
+
     def inner_compile(graph: fx.GraphModule, inputs: Any, **kwargs: Any) -> Any:
         if kwargs.get("is_backward"):
             _backward_without_donated_buffers()

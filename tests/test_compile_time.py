@@ -65,6 +65,8 @@ def test_a_graph_compiled_for_its_code_builds_no_kernels(counted):
     assert counted == {"codegen": 2}, counted
     with pytest.raises(RuntimeError, match="compiled for its code only"):
         compiled(x)
+    with pytest.raises(ValueError, match="code_only=True.*needs on_output_code"):  # the code would go nowhere
+        _compat.compile_with_inductor(gm, [x], partitioner, {}, code_only=True)
 
 
 def test_a_plan_that_changes_nothing_is_lowered_once(counted):

@@ -115,8 +115,9 @@ class GraphCompiler:
             compiled, pair = self._no_higher_than_unchanged(pristine, example_inputs, opts, patches, compiled, pair)
         say(best, drop=lambda w: "cannot be reached" in str(w.message) and opts.memory_budget is not None)
         # A plan that changes nothing (stopped before lowering, swapped by verify_peak, or judged).
-        unchanged = pair is not None and not pair.plan.changes_graphs and _compat.can_lower_backward_at_compile()
-        if pair is not None and (compiled is None or unchanged):
+        early = _compat.can_lower_backward_at_compile()
+        changes_nothing = pair is not None and not pair.plan.changes_graphs and early
+        if pair is not None and (compiled is None or changes_nothing):
             compiled = self._as_inductor_does(pristine, example_inputs, opts, patches, pair)
         assert compiled is not None
         pair = self._keep(pair)
@@ -139,7 +140,7 @@ class GraphCompiler:
         compile was stopped before lowering (no budget: nothing to judge), this code goes on it."""
         unchanged = self._unchanged_partitioner(opts, pair)
         log.debug("fxoffload: graph %d: the plan changes nothing; compiled as Inductor does", pair.graph_id)
-        sink = pair.output_code.__setitem__ if not pair.output_code else (lambda kind, code: None)
+        sink = pair.output_code.__setitem__ if not pair.output_code else None
         compiled = self._inductor(copy_graph_module(pristine), example_inputs, unchanged, patches, sink)
         assert compiled is not None  # an unchanged partitioner is never told to stop
         return compiled
