@@ -20,6 +20,10 @@ transfer's ``wait`` (its ``keepalive`` argument), and ``wait`` makes the compute
 transfer before that edge ends. The ``after`` lists are data edges that pin a copy behind the nodes
 it must follow, so schedulers that reorder (Inductor's ``reorder_for_peak_memory``) cannot break it.
 
+A copy can be switched off at run time (``runtime.transfers.switch_copies_off``, by its ``name``):
+the same four ops run, the offload keeps a copy of ``x`` on the device, held by the host tensor it
+returns, and the reload gives that copy back; the graph and its ordering are unchanged.
+
 This module defines the ops and what they look like to a tracer (their fake functions); it runs
 nothing. ``fxoffload.runtime.transfers`` registers what they do on real tensors.
 """

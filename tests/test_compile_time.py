@@ -118,3 +118,23 @@ def test_a_graph_planned_again_is_judged_against_the_same_unchanged_code(counted
     _, again = compiler.compile(copy_graph_module(gm), inputs, opts, graph_id=first.graph_id)
     assert "verify_peak" in again.plan.note
     assert counted["codegen"] == 5 + 3, counted  # the unchanged pair's code was not made again
+
+
+def test_auto_switches_copies_off_without_lowering_again(counted):
+    """``auto`` on a model priced 1000x slow, its copies waited on at once on a 50 MB/s link: the copies
+    stall, are measured at the second step and switched off at run time. Nothing is lowered or
+    loaded after the first step (planned again and compiled, it lowered and loaded twice more)."""
+    backend = fxoffload.backend(
+        offload_cpu=True, policy="auto", min_bytes="16KiB", cpu_link_bandwidth=50e6, prefetch=0,
+        compute_rates={"flops": 1e9, "memory_bandwidth": 1e8},
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model, batch = example("gpt")
+    step = torch.compile(model, backend=backend)
+    step(*batch).backward()
+    first, compiles = dict(counted), backend.reports[0].timings.compiles
+    for _ in range(4):
+        step(*batch).backward()
+    (report,) = backend.reports
+    assert report.replans and all("without compiling again" in r for r in report.replans), report.replans
+    assert counted == first and report.timings.compiles == compiles, (counted, first)

@@ -8,6 +8,7 @@ slow, ``tests/test_kernel_times.py``): it sees windows the device does not have,
 offloads what cannot hide until the measurement says so.
 """
 
+import copy
 import time
 
 import pytest
@@ -15,7 +16,12 @@ import torch
 
 import fxoffload
 from fxoffload import ir
+from fxoffload.compiler import watch
+from fxoffload._compat import storage_expired, storage_weak_ref
+from fxoffload.runtime import copy_stats, reset_copy_stats, transfers
+from fxoffload.runtime.host_pool import host_buffer_ranges, keep_on_device
 from fxoffload.runtime.timing import Recording
+from fxoffload.runtime.transfers import copies_switched_off, switch_copies_off, switch_copies_on
 from fxoffload.testing.models import GPT, GPTConfig, gpt_batch
 
 from .conftest import assert_same, train_step
@@ -105,18 +111,104 @@ def test_each_copy_is_measured_and_shown_beside_the_plan(link, bf16):
 
 
 @pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16-autocast"])
-def test_auto_keeps_what_stalled_and_plans_again_once(bf16):
+def test_auto_switches_off_what_stalled_without_compiling_again(bf16):
     """The mispriced plan's copies stall the step (waited on at once, on a 50 MB/s link): once
-    measured, the graph is planned again with the measured times, every tensor whose copy stalled
-    kept on the device (``measured_stall``, its measured figures on its row), and it is not planned
-    again after."""
+    measured, the copies that stalled are switched off in the compiled code (no second compile),
+    their tensors kept on the device (``measured_stall``, their measured figures on their rows), and
+    measured again, ``max_replans`` (2) times at most. The next step copies only what is left."""
     backend = _backend("50MB", **STALLS)
-    report = _train(backend, steps=6, bf16=bf16)
-    measured = [r for r in report.replans if r.startswith("measured in the first steps")]
-    assert len(measured) == 1, report.replans
+    model, batch = _gpt()
+    compiled = torch.compile(model, backend=backend)
+
+    def step():
+        model.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            loss = compiled(*batch)
+        loss.backward()
+
+    for _ in range(6):
+        step()
+    (report,) = backend.reports
+    rounds = [r for r in report.replans if r.startswith("measured in the first steps")]
+    assert 1 <= len(rounds) <= 2 and all("without compiling again" in r for r in rounds), report.replans
+    assert report.timings.compiles == 1  # the first compile only
     kept = [r for r in report.saved if r.reason_code == "measured_stall"]
     assert kept and all(r.decision == "keep" and r.measured_stall_ms > 0 for r in kept), kept
-    assert not [r for r in report.offloaded if r.name in {k.name for k in kept}]
+    assert all("switched off at run time" in r.reason for r in kept)
+    prefix = ir.transfer_name(report.graph_id, "")
+    assert copies_switched_off(prefix) == {prefix + r.name for r in kept}
+    reset_copy_stats()
+    step()
+    stats = copy_stats()
+    assert stats.copies == {"d2h": len(report.offloaded), "h2d": len(report.offloaded)}, (stats, report.table())
+
+
+def test_a_switched_off_copy_gives_its_tensor_back_after_the_code_reuses_its_memory():
+    """A switched-off offload keeps a copy of its source on the device: the compiled code reuses the
+    source's memory after the wait, and the reload (and a second one, ``retain_graph``) gives the
+    values back all the same. No host bytes, no copy on the link. The copy lives as long as the host
+    tensor autograd saves. The rule broken on purpose (the source itself kept, no copy of it): the
+    reload gives what the code wrote there since."""
+    name = ir.transfer_name(991, "x")
+
+    def offload_reuse_reload():
+        src = torch.randn(4096)
+        want = src.clone()
+        reset_copy_stats()
+        host = ir.WAIT(ir.OFFLOAD(src, [], 50e6, name), src, [])
+        src.fill_(float("nan"))  # what the compiled code does with a buffer whose last use has passed
+        backs = [ir.WAIT(ir.RELOAD(host, src.device, [], 50e6, name), host, []) for _ in range(2)]
+        return want, host, backs
+
+    switch_copies_off([name])
+    try:
+        ranges = len(host_buffer_ranges())
+        want, host, backs = offload_reuse_reload()
+        for back in backs:
+            torch.testing.assert_close(back, want)
+        assert copy_stats().copies == {"d2h": 0, "h2d": 0}
+        assert len(host_buffer_ranges()) == ranges + 1  # the handle, no host bytes touched
+        kept = storage_weak_ref(backs[0].untyped_storage())
+        del host, backs, back
+        assert storage_expired(kept) and len(host_buffer_ranges()) == ranges
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(transfers, "_kept_copy", lambda src: _kept_as_is(src))
+            want, _, backs = offload_reuse_reload()
+            assert backs[0].isnan().all()
+    finally:
+        switch_copies_on(ir.transfer_name(991, ""))
+    assert name not in copies_switched_off()
+
+
+def _kept_as_is(src):
+    host = keep_on_device(src)
+    transfers._register(host, transfers._Pending(None, src.device))
+    return host
+
+
+def test_a_graph_with_copies_switched_off_trains_like_eager_with_retain_graph():
+    """Every copy stalls (``STALLS``) and is switched off at the third step; each step runs two
+    backwards through the same graph (``retain_graph``): the kept copies are read twice, and the
+    gradients are eager's."""
+    model, batch = _gpt()
+
+    def twice(fn, m):
+        m.zero_grad(set_to_none=True)
+        loss = fn(*batch)
+        loss.backward(retain_graph=True)  # two losses, a GAN step
+        loss.backward()
+        return {n: p.grad.clone() for n, p in m.named_parameters()}
+
+    eager, compiled = copy.deepcopy(model), copy.deepcopy(model)
+    want = twice(eager, eager)
+    backend = _backend("50MB", **STALLS)
+    fn = torch.compile(compiled, backend=backend)
+    for _ in range(4):
+        got = twice(fn, compiled)
+    (report,) = backend.reports
+    assert copies_switched_off(ir.transfer_name(report.graph_id, "")), report.replans
+    for n in want:
+        torch.testing.assert_close(got[n], want[n], rtol=1e-4, atol=1e-5, msg=n)
 
 
 def test_the_plan_made_again_trains_like_eager():
@@ -146,3 +238,19 @@ def test_the_offloads_on_top_of_torchs_recompute_are_measured_too():
     assert [r for r in report.replans if r.startswith("measured in the first steps")], report.replans
     kept = {r.name for r in report.saved if r.reason_code == "measured_stall"}
     assert kept and not kept & {r.name for r in report.offloaded}, report.table()
+
+
+def test_a_copy_whose_reload_the_code_reuses_stays_on(monkeypatch):
+    """The copies that stalled are not switched off where the backward's code hands the memory of
+    their reloads on to another buffer (``output_code.reused_reloads``): a second backward would get
+    what was written there. The rule's input forced: every reload reused."""
+
+    class Every:
+        def __contains__(self, name):
+            return True
+
+    monkeypatch.setattr(watch, "reused_reloads", lambda code: Every())
+    report = _train(_backend("50MB", **STALLS), steps=4)
+    assert report.offloaded and not report.replans
+    assert not copies_switched_off(ir.transfer_name(report.graph_id, ""))
+    assert report.measured_stall_ms > 0

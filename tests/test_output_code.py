@@ -135,6 +135,28 @@ def test_codecheck_reads_a_copy_freed_before_its_wait():
     assert t.source_released_early and not t.same_buffer and t.kernels_between == 1 and t.returned_at == 0
 
 
+def test_a_reload_whose_memory_the_code_reuses_is_found():
+    """``reused_reloads``: the reloads whose result (through its wait, ``buf9 = buf8[0]`` or a view)
+    Inductor hands on to another buffer, as a buffer reuse or an in-place update: a copy switched off
+    at run time could not give its tensor back intact to a second backward there (``watch``)."""
+    code = (
+        "def call(self, args):\n"
+        "    buf1 = torch.ops.fxoffload.reload.default(x_host, device(type='cpu'), [], 0.0, '3:x')\n"
+        "    buf2 = buf1\n"
+        "    buf3 = torch.ops.fxoffload.reload.default(y_host, device(type='cpu'), [], 0.0, '3:y')\n"
+        "    buf4 = torch.ops.fxoffload.wait.default(buf2, x_host, [])\n"
+        "    buf5 = torch.ops.fxoffload.wait.default(buf3, y_host, [])\n"
+        "    buf6 = reinterpret_tensor(buf4, (16, 16), (16, 1), 0)\n"
+        "    cpp_fused_0(buf6, buf5)\n"
+        "    buf7 = reinterpret_tensor(buf6, (256, ), (1, ), 0); del buf6  # reuse\n"
+        "    buf8 = torch.ops.fxoffload.reload.default(z_host, device(type='cpu'), [], 0.0, '3:z')\n"
+        "    del buf5\n"
+        "    return (buf7, )\n"
+    )
+    assert codecheck.reused_reloads(code) == {"3:x"}
+    assert codecheck.reused_reloads(code.replace("; del buf6  # reuse", "")) == set()
+
+
 def test_lines_are_read_for_the_op_they_run_and_the_buffers_they_pass():
     """What ``measure.kernel_times`` lines a trace up with: the op a line names, whether it may launch
     anything, and which lines pass a buffer (or an alias of it) to an op."""

@@ -33,7 +33,7 @@ from ..sizes import span_bytes
 __all__ = [
     "Statement", "Transfer", "arg_names", "asserted_layouts", "base_name", "call_body", "eval_ints", "is_kernel",
     "is_materialised_call", "may_launch", "module_args", "op_name", "parse_dtype", "readers",
-    "returned_names", "split_args", "statements", "transfers", "triton_kernel",
+    "returned_names", "reused_reloads", "split_args", "statements", "transfers", "triton_kernel",
 ]  # fmt: skip
 
 _KERNEL = re.compile(
@@ -403,6 +403,31 @@ def transfers(code: str, kernel=is_kernel) -> list[Transfer]:
                      name in ordered, at)
         )  # fmt: skip
     return sorted(result, key=lambda t: t.copy_line)
+
+
+_NAME_ARG = re.compile(r"""['"](-?\d+:[^'"]*)['"]""")
+
+
+def reused_reloads(code: str) -> frozenset[str]:
+    """The transfer ``name`` of every reload in Inductor's wrapper ``code`` whose result's memory the
+    code hands on to another buffer (a ``# reuse`` line: Inductor's buffer reuse and its in-place
+    updates alike), through the result, its wait or an alias of either."""
+    names: dict[str, str] = {}  # a reload's result, or a name aliasing it -> the reload's transfer name
+    reused: set[str] = set()
+    for line in call_body(code):
+        stmt = line.split(";")[0]
+        if (m := _COPY.match(stmt)) and m.group(2) == "reload":
+            if found := _NAME_ARG.search(m.group(3)):
+                names[m.group(1)] = found.group(1)
+        elif "# reuse" in line:
+            reused.update(names[n] for n in _DEL.findall(line) if n in names)
+        elif m := _WAIT.match(stmt):
+            first = base_name(split_args(m.group(2))[0])
+            if first in names:
+                names[m.group(1)] = names[first]
+        elif (m := _VIEW_ALIAS.match(line)) and m.group(2) in names:
+            names[m.group(1)] = names[m.group(2)]
+    return frozenset(reused)
 
 
 def _reads(line: str, names: re.Pattern[str]) -> bool:

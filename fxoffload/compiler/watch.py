@@ -27,10 +27,12 @@ Reading costs about 20 us per autograd node, at most ``SECONDS`` per graph, and 
 
 The same wrapper times the plan's copies on the device (``_CopyTimer``, ``runtime.timing``): at the
 second call after each compile, one call's offloads and a reload of each. The measured windows, copy
-times and stalls go on the report's rows; and where a copy of ``auto``'s stalled the compute stream,
-the graph is planned again once with the model corrected by what was measured (``planning.measured``:
-compute scaled to the device, the link at its measured speed, the stalled tensors kept) and compiled
-again, through the same path and the same ``max_replans`` as above.
+times and stalls go on the report's rows. Where a copy of ``auto``'s stalled the compute stream, it
+is switched off in the compiled code (``switch_off``: no compile; its tensor stays on the device)
+and the next calls are measured again, within the same ``max_replans``. With a memory_budget
+(``recompute="inductor"``), whose peak is the code's to judge, the graph is planned again once with
+the model corrected by what was measured (``planning.measured``: compute scaled to the device, the
+link at its measured speed, the stalled tensors kept) and compiled again, through the same path.
 """
 
 from __future__ import annotations
@@ -51,9 +53,12 @@ from ..analysis.outside import OutsideMemory, graph_device, mark_call, read_outs
 from ..ir import TransferTime, transfer_name
 from ..options import OffloadOptions
 from ..planning.budget import BUDGET_TOLERANCE
-from ..planning.measured import Measured, measured_plan, stalled
+from ..analysis.output_code import reused_reloads
+from ..planning.measured import Measured, measured_plan, stalled, switched_off
 from ..reporting.report import carry_measured, with_measured
+from ..reporting.rows import saved_rows
 from ..runtime.host_pool import host_buffer_ranges
+from ..runtime.transfers import switch_copies_off, switch_copies_on
 from ..runtime.timing import Recording
 from ..sizes import fmt_bytes
 from .compile import GraphCompiler, copy_graph_module
@@ -296,6 +301,7 @@ class CallWatch:
             self.compiler.register.record(old)
             self.pristine, self.why_not = None, f"planning it again failed ({e})"
             return False
+        switch_copies_on(transfer_name(old.graph_id, ""))  # the new code's copies run, every one
         new = dataclasses.replace(new, report=carry_measured(new.report, old.report))
         new = new.with_report(replans=(*old.report.replans, why, *new.report.replans))
         self.compiler.register.record(new)
@@ -320,9 +326,12 @@ class CallWatch:
         # "auto"'s own choices: alone, or the offloads on top of torch's recomputation for a budget.
         options = self.options
         auto = options.base_policy == "auto" and (options.memory_budget is None or options.recompute == "inductor")
-        # One plan made again from measurements (a second measurement is reported, not acted on: the
-        # plans would take turns); and within ``max_replans``, with the re-plans for outside memory.
         stalled_now = any(stalled(t) for t in times)
+        if auto and stalled_now and options.memory_budget is None:
+            return self.switch_off(measured, predicted)
+        # With a budget, one plan made again from measurements (a second measurement is reported, not
+        # acted on: the plans would take turns), compiled: the peak it reaches is the code's; and
+        # within ``max_replans``, with the re-plans for outside memory.
         if not (
             auto and stalled_now and self.measured is None and self.pristine is not None
             and self.replans < self.options.max_replans
@@ -338,6 +347,50 @@ class CallWatch:
         log.info("fxoffload: graph %d: %s", old.graph_id, why)
         self.measured = measured
         return self.compile_again(args, why, outside=old.outside, measured=measured)
+
+
+    def switch_off(self, measured: Measured, predicted_ms: float) -> bool:
+        """``auto``'s plan made again from what was measured, without compiling again: the copies that
+        stalled are switched off in the compiled code (``runtime.transfers.switch_copies_off``), their
+        tensors kept on the device, and the next calls measured again; at most ``max_replans`` times
+        (taking copies away frees the link for the others: it converges). A copy whose reload result
+        Inductor's backward hands on to another buffer stays on: the copy a switched-off reload
+        gives back must be intact for a second backward (``retain_graph``)."""
+        old = self.pair
+        if self.replans >= self.options.max_replans:
+            return False
+        reused = reused_reloads(old.output_code.get("backward", ""))
+        offloaded = {d.saved.name for d in old.plan.offloaded}
+        stalls = {t: s for t, s in measured.stalls.items() if t in offloaded}
+        stuck = sorted(t for t in stalls if transfer_name(old.graph_id, t) in reused)
+        if stuck:
+            log.info(
+                "fxoffload: graph %d: the copies of %s stalled but stay on: Inductor's backward reuses the memory "
+                "of their reloads", old.graph_id, ", ".join(stuck),
+            )  # fmt: skip
+        off = {t: s for t, s in stalls.items() if t not in stuck}
+        if not off:
+            return False
+        self.replans += 1
+        self.measured = measured
+        plan = switched_off(old.plan, dataclasses.replace(measured, stalls=off))
+        why = (
+            f"measured in the first steps: the copies of {', '.join(sorted(off))} stalled the compute stream "
+            f"{sum(off.values()) * 1e3:.3g} ms a step (the plan predicted {predicted_ms:.3g} ms); switched off at "
+            "run time, those tensors kept on the device, without compiling again"
+        )
+        log.info("fxoffload: graph %d: %s", old.graph_id, why)
+        switch_copies_off([transfer_name(old.graph_id, t) for t in off])
+        report = dataclasses.replace(
+            old.report, saved=saved_rows(plan), predicted_stall_ms=plan.stall * 1e3, replans=(*old.report.replans, why)
+        )  # fmt: skip
+        kept = sum(d.saved.nbytes for d in old.plan.offloaded if d.saved.name in off)
+        self.pair = dataclasses.replace(
+            old, plan=plan, kept_bytes=old.kept_bytes + kept, report=carry_measured(report, old.report)
+        )  # fmt: skip
+        self.compiler.register.record(self.pair)
+        self.timer.restart()
+        return True
 
 
 class _CopyTimer:

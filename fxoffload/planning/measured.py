@@ -10,7 +10,10 @@ copy's window (the compute between its issue and its wait), its duration and the
 - the bytes the copies moved over the time they took give the link's speed per direction;
 - every tensor whose copy stalled the compute stream is kept on the device, with that reason.
 
-A plan made again from these is what ``auto`` offloads knowing the device: only what hides.
+A plan made again from these is what ``auto`` offloads knowing the device: only what hides. Without
+compiling again: ``switched_off`` is the compiled plan less the copies that stalled, which the
+runtime switches off (``runtime.transfers.switch_copies_off``); taking copies away only frees the link for
+the others, so what hid still hides.
 """
 
 from __future__ import annotations
@@ -20,11 +23,11 @@ import statistics
 from collections.abc import Mapping, Sequence
 
 from ..ir import TransferTime
-from ..reasons import Reason, ReasonCode
+from ..reasons import Action, Reason, ReasonCode
 from .decisions import OffloadPlan, PlanCosts
 from .schedule import copy_windows
 
-__all__ = ["Measured", "STALL_FLOOR_S", "measured_plan"]
+__all__ = ["Measured", "STALL_FLOOR_S", "measured_plan", "switched_off"]
 
 # A copy stalled when the compute stream waited for it longer than this and than a tenth of the
 # copy: below, a wait's own cost (an event, a Python call) and the clocks' noise.
@@ -137,3 +140,19 @@ def _predicted_window(d, costs: PlanCosts, direction: str) -> float:
     """The compute the model priced between the copy's issue and its wait, as the rewrite placed them."""
     fw, bw = copy_windows(d.saved, d.timing, costs)
     return fw if direction == "d2h" else bw
+
+
+def switched_off(plan: OffloadPlan, measured: Measured) -> OffloadPlan:
+    """``plan`` with every offloaded tensor whose copies stalled (``measured.stalls``) kept on the
+    device instead: what runs once the runtime switches their copies off in the compiled code."""
+    keep = measured.keep()
+    decisions = tuple(
+        dataclasses.replace(
+            d, decision=Action.KEEP, timing=None,
+            reason=Reason(keep[d.saved.name].code, f"{keep[d.saved.name].text}; switched off at run time, the "
+                          "compiled code unchanged (the tensor stays on the device, in a copy of its own)"),
+        ) if d.decision == Action.OFFLOAD and d.saved.name in keep else d
+        for d in plan.decisions
+    )  # fmt: skip
+    stall = sum(d.timing.stall for d in decisions if d.decision == Action.OFFLOAD and d.timing is not None)
+    return dataclasses.replace(plan, decisions=decisions, stall=stall)

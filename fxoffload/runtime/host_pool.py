@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
+import mmap
 import threading
 import warnings
+import weakref
 
 import torch
 
@@ -13,7 +15,7 @@ from ..sizes import host_bytes
 
 __all__ = [
     "HOST_POOL", "STAGING_POOL", "HostBufferPool", "HostPoolStats", "host_buffer_ranges", "host_pool_stats",
-    "release_host_memory",
+    "kept_on_device", "keep_on_device", "release_host_memory",
 ]  # fmt: skip
 
 
@@ -197,4 +199,36 @@ def host_buffer_ranges() -> list[tuple[int, int]]:
     and the CPU copy engine's staging buffers. ``fxoffload.measure_memory`` and the reading of what
     code before a graph holds leave them out of a CPU's figures: on a GPU machine they are host
     memory, not the device's."""
-    return HOST_POOL.buffer_ranges() + STAGING_POOL.buffer_ranges()
+    kept = [(address, len(handle)) for address, handle in list(_KEPT.items())]
+    return HOST_POOL.buffer_ranges() + STAGING_POOL.buffer_ranges() + kept
+
+
+class _KeptOnDevice(mmap.mmap):
+    """The host handle of a copy switched off at run time (``keep_on_device``): an anonymous mapping
+    that is never written, so it takes no host memory, holding the device copy of its tensor."""
+
+    kept: torch.Tensor
+
+
+# By the handle's address: unique while the handle is alive, and an entry goes when it does.
+_KEPT: weakref.WeakValueDictionary[int, _KeptOnDevice] = weakref.WeakValueDictionary()
+
+
+def keep_on_device(kept: torch.Tensor) -> torch.Tensor:
+    """A host tensor of ``kept``'s size, stride and dtype whose storage holds ``kept`` (a device
+    tensor): the host handle an offload switched off at run time returns, so that its device copy
+    lives exactly as long as the host tensor autograd saves, and no longer. ``kept_on_device`` of
+    the handle gives ``kept`` back."""
+    nbytes = max(1, kept.untyped_storage().nbytes())
+    handle = _KeptOnDevice(-1, nbytes)
+    handle.kept = kept
+    storage = torch.frombuffer(handle, dtype=torch.uint8).untyped_storage()  # holds a reference to ``handle``
+    host = torch.empty(0, dtype=kept.dtype).set_(storage, kept.storage_offset(), kept.size(), kept.stride())
+    _KEPT[storage.data_ptr()] = handle
+    return host
+
+
+def kept_on_device(host: torch.Tensor) -> torch.Tensor | None:
+    """The device tensor ``host`` holds, if ``host`` is a handle made by ``keep_on_device``; else None."""
+    handle = _KEPT.get(host.untyped_storage().data_ptr())
+    return handle.kept if handle is not None else None

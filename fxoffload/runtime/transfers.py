@@ -24,12 +24,12 @@ import torch
 from .._compat import storage_expired, storage_weak_ref
 from ..ir import LIBRARY
 from .copy_engine import D2H, H2D, CopyJob, finish_cpu_copy, layout_like, span, span_nbytes, start_cpu_copy
-from .host_pool import HOST_POOL
+from .host_pool import HOST_POOL, keep_on_device, kept_on_device
 from .timing import Stamps, recording
 
 log = logging.getLogger(__name__)
 
-__all__ = ["track_releases"]
+__all__ = ["copies_switched_off", "switch_copies_off", "switch_copies_on", "track_releases"]
 
 _transfer_streams: dict[torch.device, torch.Stream] = {}
 
@@ -56,6 +56,12 @@ _pending: dict[int, _Pending] = {}
 # The device each host copy's source lived on at run time, by the host buffer's data pointer (set
 # by the offload, read by the reload). Bounded by the host pool: its buffers are reused every step.
 _origin: dict[int, torch.device] = {}
+
+# Copies switched off at run time (``switch_copies_off``), by transfer name: their offload keeps the source
+# on its device, in a copy of its own held by the host handle it returns; their reload gives that
+# copy back. No transfer, no stream, no copy engine: what the code does without offloading, plus one
+# copy on the device, since the compiled code reuses the source's memory after the wait.
+_off: set[str] = set()
 
 # Opt-in record of released source storages, read by tests to prove the release really happened.
 _release_log: list[tuple[int, object]] | None = None
@@ -87,6 +93,33 @@ class track_releases:
 
     def released(self) -> int:
         return self.count() - self.alive()
+
+
+def switch_copies_off(names: Sequence[str]) -> None:
+    """Switch the copies of these transfer names (``ir.transfer_name``) off from their next offload:
+    the tensor stays on its device (a copy of it, held by the host tensor its offload returns), with
+    no transfer. Their reloads of host copies made before still copy them back."""
+    _off.update(names)
+
+
+def switch_copies_on(prefix: str) -> None:
+    """Switch every copy whose transfer name starts with ``prefix`` (one graph's) back on."""
+    _off.difference_update([n for n in _off if n.startswith(prefix)])
+
+
+def copies_switched_off(prefix: str = "") -> frozenset[str]:
+    return frozenset(n for n in _off if n.startswith(prefix))
+
+
+def _kept_copy(src: torch.Tensor) -> torch.Tensor:
+    """A switched-off offload: the host handle of a copy of ``src`` on its own device (the compute
+    stream's order: after ``src`` is made, before its memory is reused)."""
+    kept = torch.empty_strided(src.size(), src.stride(), dtype=src.dtype, device=src.device)
+    with torch.no_grad():
+        span(kept).copy_(span(src))
+    host = keep_on_device(kept)
+    _register(host, _Pending(None, src.device))
+    return host
 
 
 def _register(dest: torch.Tensor, pending: _Pending) -> None:
@@ -125,6 +158,8 @@ def _device_copy(src: torch.Tensor, dest: torch.Tensor, device: torch.device, st
 def _offload_impl(
     src: torch.Tensor, after: Sequence[torch.Tensor], bandwidth: float = 0.0, name: str = ""
 ) -> torch.Tensor:
+    if name in _off:
+        return _kept_copy(src)
     # The host buffer gets the source's size and stride; the span between its first and last element
     # is copied as one run of bytes, so reload restores the very layout, padding included.
     claim = HOST_POOL.acquire(span_nbytes(src), pin=src.device.type != "cpu", device=src.device)
@@ -150,6 +185,10 @@ def _reload_impl(
             "fxoffload.reload: the host buffer it reads is still being written by its offload (the offload "
             "was not waited on); the reload would copy unwritten bytes"
         )
+    kept = kept_on_device(host)
+    if kept is not None:  # its offload was switched off: the copy on the device, every time it is asked
+        _register(kept, _Pending(None, kept.device))  # (a second backward: retain_graph)
+        return kept
     # Back where the source lived when it was offloaded; ``device`` (the traced one) only for a host
     # tensor this process did not offload.
     origin = _origin.get(host.data_ptr(), device)
