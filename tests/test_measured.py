@@ -136,7 +136,9 @@ def test_auto_switches_off_what_stalled_without_compiling_again(bf16):
     assert kept and all(r.decision == "keep" and r.measured_stall_ms > 0 for r in kept), kept
     assert all("switched off at run time" in r.reason for r in kept)
     prefix = ir.transfer_name(report.graph_id, "")
-    assert copies_switched_off(prefix) == {prefix + r.name for r in kept}
+    assert copies_switched_off(prefix) == {prefix + r.name for r in kept} == {prefix + n for n in report.switched_off}
+    assert f"switched off at run time: the copies of {len(kept)} tensors" in report.summary(), report.summary()
+    assert fxoffload.OffloadReport.from_json(report.to_json()).switched_off == report.switched_off
     reset_copy_stats()
     step()
     stats = copy_stats()

@@ -382,7 +382,8 @@ class CallWatch:
         log.info("fxoffload: graph %d: %s", old.graph_id, why)
         switch_copies_off([transfer_name(old.graph_id, t) for t in off])
         report = dataclasses.replace(
-            old.report, saved=saved_rows(plan), predicted_stall_ms=plan.stall * 1e3, replans=(*old.report.replans, why)
+            old.report, saved=saved_rows(plan), predicted_stall_ms=plan.stall * 1e3, replans=(*old.report.replans, why),
+            switched_off=(*old.report.switched_off, *sorted(off)),
         )  # fmt: skip
         kept = sum(d.saved.nbytes for d in old.plan.offloaded if d.saved.name in off)
         self.pair = dataclasses.replace(

@@ -171,6 +171,12 @@ def summary(report: OffloadReport) -> str:
         lines.append(
             f"  predicted peak {label}: {fmt_bytes(peak.total)} at {peak.phase} node {peak.node} ({peak.kinds()})"
         )
+    if report.switched_off:
+        kept = sum(r.nbytes for r in report.saved if r.name in set(report.switched_off))
+        lines.append(
+            f"  switched off at run time: the copies of {len(report.switched_off)} tensors ({fmt_bytes(kept)}), "
+            "which stalled; they stay on the device, and the peak with fxoffload above counts them copied"
+        )
     if report.outside is not None and report.outside.held_bytes:
         lines.append(f"  held through it: {report.outside.summary()}")
     compiled = report.compiled_memory()
@@ -183,7 +189,7 @@ def summary(report: OffloadReport) -> str:
         reached = expected.peak_bytes if expected is not None else 0
         fits = "met" if reached <= report.memory_budget * (1 + BUDGET_TOLERANCE) else "NOT met"
         lines.append(f"  memory_budget: {fmt_bytes(report.memory_budget)} ({fits})")
-        lines.extend(f"  planned again: {r}" for r in report.replans)
+    lines.extend(f"  planned again: {r}" for r in report.replans)
     if report.device and report.offloaded:  # no stall to predict where nothing is copied
         lines.append(f"  predicted stall: {report.predicted_stall_ms:.3f} ms per step ({report.device})")
     if report.measured_stall_ms is not None:

@@ -144,6 +144,10 @@ class OffloadReport:
     measured_forward_ms: float | None = None
     measured_stall_ms: float | None = None
     offload_bound_bytes: int | None = None
+    # Saved tensors whose copies were switched off at run time after they stalled (``auto``): kept on
+    # the device by the compiled code that still has their copies; the predicted timelines are that
+    # code's, with the copies.
+    switched_off: tuple[str, ...] = ()
 
     @property
     def outside_bytes(self) -> int:
@@ -338,6 +342,7 @@ class OffloadReport:
             data["timings"] = PassTimings(**data["timings"])
         data["host_copies"] = tuple(HostCopy(**c) for c in data.get("host_copies", ()))
         data["replans"] = tuple(data.get("replans", ()))
+        data["switched_off"] = tuple(data.get("switched_off", ()))
         if "upstream" in data:  # written before the field was renamed
             data["outside"] = data.pop("upstream")
         if data.get("outside") is not None:
