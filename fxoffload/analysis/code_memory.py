@@ -64,12 +64,12 @@ import dataclasses
 import functools
 import logging
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 
 import torch
 
 from ..sizes import cuda_block_bytes, span_bytes
-from .memory import CATEGORIES, MemoryPoint, MemoryTimeline
+from .memory import CATEGORIES, MemoryPoint, MemoryTimeline, bytes_over_points
 from .output_code import (
     ASSIGN, NAME, Statement, arg_names, asserted_layouts, base_name, call_body, eval_ints, module_args,
     parse_dtype, returned_names, split_args, statements,
@@ -77,7 +77,7 @@ from .output_code import (
 
 log = logging.getLogger(__name__)
 
-__all__ = ["CUBLAS_WORKSPACE_BYTES", "host_in_flight", "replay_pair", "simulate_output_code"]
+__all__ = ["CUBLAS_WORKSPACE_BYTES", "host_in_flight", "kept_in_replay", "replay_pair", "simulate_output_code"]
 
 # cuBLAS's workspace on sm90 and later (CublasHandlePool.cpp: 4096 * 8 * 1024 when major >= 9), one
 # per (handle, stream): the calling thread and autograd's each have a handle. Live before a steady step
@@ -420,21 +420,53 @@ def replay_pair(
 
 
 _OFFLOAD_CALL = "torch.ops.fxoffload.offload.default("
+_RELOAD_CALL = "torch.ops.fxoffload.reload.default("
 
 
-def host_in_flight(timeline: MemoryTimeline, copies: Sequence[tuple[str, int, int]]) -> list[int] | None:
+def host_in_flight(
+    timeline: MemoryTimeline, copies: Sequence[tuple[str, int, int]], skip: Collection[str] = ()
+) -> list[int] | None:
     """Host copies in flight at every point of a replay (its points are labelled with their
     statements). ``copies``: ``(host placeholder name, forward position, bytes)`` of the plan's
     offloads. They are taken, in forward order, at the forward's ``fxoffload.offload`` statements, in
     their order (Inductor may reorder offloads of different sizes: then the forward figures between
     them are off, the backward's are not), and released after the last backward statement naming the
     placeholder that holds them (its ``del``). None when the code has another number of offloads than
-    the plan, or never names a copy's placeholder."""
+    the plan, or never names a copy's placeholder. ``skip``: host placeholders of copies left out (switched
+    off at run time: no host bytes)."""
+    spans = _copy_spans(timeline, copies)
+    if spans is None:
+        return None
+    return bytes_over_points(
+        len(timeline.points), [(start, last + 1, nbytes) for host, nbytes, start, _, last in spans if host not in skip]
+    )  # fmt: skip
+
+
+def kept_in_replay(
+    timeline: MemoryTimeline, copies: Sequence[tuple[str, int, int]], kept: Collection[str]
+) -> list[int] | None:
+    """Device bytes at every point of a replay that the copies switched off at run time keep (their
+    host placeholders' names in ``kept``; ``copies`` as for ``host_in_flight``, all of the plan's): the
+    offload keeps a copy on the device from its statement until the reload, which gives that copy
+    back (the replay counts the reload's result from there)."""
+    spans = _copy_spans(timeline, copies)
+    if spans is None:
+        return None
+    return bytes_over_points(
+        len(timeline.points), [(start, reload, nbytes) for host, nbytes, start, reload, _ in spans if host in kept]
+    )  # fmt: skip
+
+
+def _copy_spans(
+    timeline: MemoryTimeline, copies: Sequence[tuple[str, int, int]]
+) -> list[tuple[str, int, int, int, int]] | None:
+    """Per copy: its host placeholder, bytes, the forward point of its offload, the backward point of
+    its reload, and the last backward point naming the placeholder. None where the code does not match."""
     points = timeline.points
     starts = [i for i, p in enumerate(points) if p.phase == "forward" and _OFFLOAD_CALL in p.node]
     if len(starts) != len(copies):
         return None
-    delta = [0] * (len(points) + 1)
+    spans = []
     for start, (host_name, _, nbytes) in zip(starts, sorted(copies, key=lambda c: c[1])):
         word = re.compile(rf"\b{re.escape(host_name)}\b")
         named = [
@@ -442,10 +474,6 @@ def host_in_flight(timeline: MemoryTimeline, copies: Sequence[tuple[str, int, in
         ]
         if not named:
             return None
-        delta[start] += nbytes
-        delta[named[-1] + 1] -= nbytes
-    out, running = [], 0
-    for d in delta[:-1]:
-        running += d
-        out.append(running)
-    return out
+        reload = next((i for i in named if _RELOAD_CALL in points[i].node), named[0])
+        spans.append((host_name, nbytes, start, reload, named[-1]))
+    return spans

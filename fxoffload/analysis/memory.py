@@ -67,6 +67,30 @@ class MemoryTimeline:
         return self.peak.total if self.points else 0
 
 
+def bytes_over_points(n: int, spans: Sequence[tuple[int, int, int]]) -> list[int]:
+    """At each of ``n`` points, the sum of ``nbytes`` of the ``(start, stop, nbytes)`` spans that
+    cover it (``start <= i < stop``)."""
+    delta = [0] * (n + 1)
+    for start, stop, nbytes in spans:
+        start = min(n, max(0, start))
+        delta[start] += nbytes
+        delta[min(n, max(start, stop))] -= nbytes
+    out, running = [], 0
+    for d in delta[:n]:
+        running += d
+        out.append(running)
+    return out
+
+
+def with_held(timeline: MemoryTimeline, held: Sequence[int], kind: str = "saved") -> MemoryTimeline:
+    """``timeline`` with ``held[i]`` more bytes of ``kind`` at its point ``i``: what a timeline of the
+    compiled code leaves out (copies switched off at run time, kept on the device)."""
+    return MemoryTimeline(tuple(
+        dataclasses.replace(p, live={**p.live, kind: p.live.get(kind, 0) + h}) if h else p
+        for p, h in zip(timeline.points, held)
+    ))  # fmt: skip
+
+
 def _is_host(node: fx.Node) -> bool:
     """A host tensor: an offload's result (through its wait), or a backward placeholder a reload reads."""
     if is_transfer(node, OFFLOAD):

@@ -68,6 +68,8 @@ class PlannedPair:
     def code_memory(self) -> MemoryTimeline | None:
         """The replay of the code Inductor generated for the pair (None until both graphs are
         compiled, and with ``inner="aot_eager"``)."""
+        if self.report.switched_off:  # the copies switched off at run time, kept on the device, counted
+            return self.report.compiled_memory()
         return replay_pair(self.output_code, self.num_fwd_outputs, self.outside_bytes, self.outside_backward)
 
     def expected_memory(self) -> MemoryTimeline | None:

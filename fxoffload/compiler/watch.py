@@ -48,7 +48,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from ..analysis.memory import CallOutside
+from ..analysis.memory import CallOutside, with_held
 from ..analysis.outside import OutsideMemory, graph_device, mark_call, read_outside_memory
 from ..ir import TransferTime, transfer_name
 from ..options import OffloadOptions
@@ -381,13 +381,18 @@ class CallWatch:
         )
         log.info("fxoffload: graph %d: %s", old.graph_id, why)
         switch_copies_off([transfer_name(old.graph_id, t) for t in off])
+        # The FX model's timeline with those tensors on the device from their offload to their reload;
+        # the replay of Inductor's code counts them where it is read (``report.compiled_memory``).
+        after = old.memory_after
+        if after is not None:
+            after = with_held(after, old.report.switched_off_held(off))
+        kept = old.kept_bytes + sum(d.saved.nbytes for d in old.plan.offloaded if d.saved.name in off)
         report = dataclasses.replace(
             old.report, saved=saved_rows(plan), predicted_stall_ms=plan.stall * 1e3, replans=(*old.report.replans, why),
-            switched_off=(*old.report.switched_off, *sorted(off)),
+            switched_off=(*old.report.switched_off, *sorted(off)), memory_after=after, kept_bytes=kept,
         )  # fmt: skip
-        kept = sum(d.saved.nbytes for d in old.plan.offloaded if d.saved.name in off)
         self.pair = dataclasses.replace(
-            old, plan=plan, kept_bytes=old.kept_bytes + kept, report=carry_measured(report, old.report)
+            old, plan=plan, kept_bytes=kept, memory_after=after, report=carry_measured(report, old.report)
         )  # fmt: skip
         self.compiler.register.record(self.pair)
         self.timer.restart()

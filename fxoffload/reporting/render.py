@@ -175,7 +175,8 @@ def summary(report: OffloadReport) -> str:
         kept = sum(r.nbytes for r in report.saved if r.name in set(report.switched_off))
         lines.append(
             f"  switched off at run time: the copies of {len(report.switched_off)} tensors ({fmt_bytes(kept)}), "
-            "which stalled; they stay on the device, and the peak with fxoffload above counts them copied"
+            "which stalled; they stay on the device, from their offload to their reload, as the peak with "
+            "fxoffload above counts them"
         )
     if report.outside is not None and report.outside.held_bytes:
         lines.append(f"  held through it: {report.outside.summary()}")

@@ -10,14 +10,16 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+from collections.abc import Collection
 from typing import Any
 
 import torch.fx as fx
 
 from ..analysis.code_memory import host_in_flight as code_host_in_flight
+from ..analysis.code_memory import kept_in_replay as code_kept
 from ..analysis.code_memory import replay_pair
 from ..analysis.graph import storage_users
-from ..analysis.memory import CATEGORIES, CallOutside, MemoryPoint, MemoryTimeline
+from ..analysis.memory import CATEGORIES, CallOutside, MemoryPoint, MemoryTimeline, bytes_over_points, with_held
 from ..analysis.outside import OutsideMemory
 from ..ir import OFFLOAD, RELOAD, WAIT, is_transfer
 from ..planning.decisions import OffloadPlan, PlanCosts
@@ -145,8 +147,8 @@ class OffloadReport:
     measured_stall_ms: float | None = None
     offload_bound_bytes: int | None = None
     # Saved tensors whose copies were switched off at run time after they stalled (``auto``): kept on
-    # the device by the compiled code that still has their copies; the predicted timelines are that
-    # code's, with the copies.
+    # the device by the compiled code that still has their copies. ``memory_after`` and the replay
+    # (``compiled_memory``) count them there, from their offload to their reload.
     switched_off: tuple[str, ...] = ()
 
     @property
@@ -241,7 +243,28 @@ class OffloadReport:
         them. None until both graphs are compiled, and with ``inner="aot_eager"``, which runs the FX
         graphs themselves (``memory_after`` is the prediction then)."""
         later = self.outside.outside_backward(self.kept_bytes) if self.outside is not None else 0
-        return replay_pair(self.output_code, self.num_fwd_outputs, self.outside_bytes, later)
+        replay = replay_pair(self.output_code, self.num_fwd_outputs, self.outside_bytes, later)
+        if replay is None or not self.switched_off:
+            return replay
+        held = code_kept(replay, self._copies(), self._switched_hosts())
+        return with_held(replay, held) if held is not None else replay
+
+    def switched_off_held(self, names: Collection[str] | None = None) -> list[int]:
+        """Device bytes the copies switched off at run time (``names``, default ``switched_off``) keep
+        at every point of ``memory_after`` as it was compiled: each from its offload to its reload,
+        which gives the copy kept on the device back (the model counts the reload's result from there)."""
+        names = self.switched_off if names is None else names
+        n = len(self.memory_after.points) if self.memory_after is not None else 0
+        return bytes_over_points(n, [
+            (c.first, c.reload_first if c.reload_first >= 0 else c.last + 1, c.nbytes)
+            for c in self.host_copies if c.name in names
+        ])  # fmt: skip
+
+    def _copies(self) -> list[tuple[str, int, int]]:
+        return [(c.host_name, c.first, c.nbytes) for c in self.host_copies]
+
+    def _switched_hosts(self) -> set[str]:
+        return {c.host_name for c in self.host_copies if c.name in self.switched_off}
 
     def timeline(self) -> list[dict[str, object]]:
         """Predicted live device bytes after every node, without and with fxoffload, as data; "host" is
@@ -276,16 +299,11 @@ class OffloadReport:
         if which == "before" or not self.host_copies:
             return [0] * n
         if which == "compiled":
-            return code_host_in_flight(timeline, [(c.host_name, c.first, c.nbytes) for c in self.host_copies])
-        delta = [0] * (n + 1)
-        for c in self.host_copies:
-            delta[max(0, c.first)] += c.nbytes
-            delta[min(n, c.last + 1)] -= c.nbytes
-        out, running = [], 0
-        for d in delta[:n]:
-            running += d
-            out.append(running)
-        return out
+            return code_host_in_flight(timeline, self._copies(), skip=self._switched_hosts())
+        # A copy switched off at run time is kept on the device: no host bytes.
+        return bytes_over_points(
+            n, [(c.first, c.last + 1, c.nbytes) for c in self.host_copies if c.name not in self.switched_off]
+        )  # fmt: skip
 
     def device_kinds(self, which: str = "after") -> list[dict[str, int]] | None:
         """Device bytes per kind at every point of a timeline: the memory model's categories, except
