@@ -69,7 +69,7 @@ from collections.abc import Collection, Mapping, Sequence
 import torch
 
 from ..sizes import cuda_block_bytes, span_bytes
-from .memory import CATEGORIES, MemoryPoint, MemoryTimeline, bytes_over_points
+from .memory import CATEGORIES, MemoryPoint, MemoryTimeline, bytes_over_points, with_held
 from .output_code import (
     ASSIGN, NAME, Statement, arg_names, asserted_layouts, base_name, call_body, eval_ints, module_args,
     parse_dtype, returned_names, split_args, statements,
@@ -403,17 +403,33 @@ def _replay_cached(
     )
 
 
+@functools.lru_cache(maxsize=32)
+def _replay_kept_cached(*args: object, copies: tuple[tuple[str, int, int], ...], kept: frozenset[str]) -> MemoryTimeline:
+    replay = _replay_cached(*args)
+    held = kept_in_replay(replay, copies, kept)
+    return with_held(replay, held) if held is not None else replay
+
+
 def replay_pair(
-    output_code: Mapping[str, str], num_fwd_outputs: int | None, outside: int = 0, outside_backward: int = 0
+    output_code: Mapping[str, str],
+    num_fwd_outputs: int | None,
+    outside: int = 0,
+    outside_backward: int = 0,
+    copies: Sequence[tuple[str, int, int]] = (),
+    kept: Collection[str] = (),
 ) -> MemoryTimeline | None:
     """``simulate_output_code`` of a pair's wrapper codes (``{"forward": ..., "backward": ...}``), once
     per distinct codes and arguments. None until both graphs are compiled, and for code this reader
-    does not know (a new Inductor): no figure then, never a failure."""
+    does not know (a new Inductor): no figure then, never a failure. ``kept``: host placeholders of
+    copies switched off at run time, counted on the device (``kept_in_replay``; ``copies`` as there)."""
     forward, backward = output_code.get("forward"), output_code.get("backward")
     if not forward or not backward:
         return None
     try:
-        return _replay_cached(forward, backward, num_fwd_outputs, outside, outside_backward)
+        args = (forward, backward, num_fwd_outputs, outside, outside_backward)
+        if kept:
+            return _replay_kept_cached(*args, copies=tuple(copies), kept=frozenset(kept))
+        return _replay_cached(*args)
     except ValueError as e:
         log.debug("fxoffload: cannot replay the generated code: %s", e)
         return None
@@ -421,6 +437,7 @@ def replay_pair(
 
 _OFFLOAD_CALL = "torch.ops.fxoffload.offload.default("
 _RELOAD_CALL = "torch.ops.fxoffload.reload.default("
+_WORD = re.compile(r"\b\w+\b")
 
 
 def host_in_flight(
@@ -466,12 +483,14 @@ def _copy_spans(
     starts = [i for i, p in enumerate(points) if p.phase == "forward" and _OFFLOAD_CALL in p.node]
     if len(starts) != len(copies):
         return None
+    naming: dict[str, list[int]] = {}  # word -> backward points whose statement names it
+    for i, p in enumerate(points):
+        if p.phase == "backward":
+            for word in set(_WORD.findall(p.node.split(": ", 1)[-1])):
+                naming.setdefault(word, []).append(i)
     spans = []
     for start, (host_name, _, nbytes) in zip(starts, sorted(copies, key=lambda c: c[1])):
-        word = re.compile(rf"\b{re.escape(host_name)}\b")
-        named = [
-            i for i, p in enumerate(points) if p.phase == "backward" and word.search(p.node.split(": ", 1)[-1])
-        ]
+        named = naming.get(host_name)
         if not named:
             return None
         reload = next((i for i in named if _RELOAD_CALL in points[i].node), named[0])

@@ -16,10 +16,9 @@ from typing import Any
 import torch.fx as fx
 
 from ..analysis.code_memory import host_in_flight as code_host_in_flight
-from ..analysis.code_memory import kept_in_replay as code_kept
 from ..analysis.code_memory import replay_pair
 from ..analysis.graph import storage_users
-from ..analysis.memory import CATEGORIES, CallOutside, MemoryPoint, MemoryTimeline, bytes_over_points, with_held
+from ..analysis.memory import CATEGORIES, CallOutside, MemoryPoint, MemoryTimeline, bytes_over_points
 from ..analysis.outside import OutsideMemory
 from ..ir import OFFLOAD, RELOAD, WAIT, is_transfer
 from ..planning.decisions import OffloadPlan, PlanCosts
@@ -243,11 +242,9 @@ class OffloadReport:
         them. None until both graphs are compiled, and with ``inner="aot_eager"``, which runs the FX
         graphs themselves (``memory_after`` is the prediction then)."""
         later = self.outside.outside_backward(self.kept_bytes) if self.outside is not None else 0
-        replay = replay_pair(self.output_code, self.num_fwd_outputs, self.outside_bytes, later)
-        if replay is None or not self.switched_off:
-            return replay
-        held = code_kept(replay, self._copies(), self._switched_hosts())
-        return with_held(replay, held) if held is not None else replay
+        return replay_pair(
+            self.output_code, self.num_fwd_outputs, self.outside_bytes, later, self._copies(), self._switched_hosts()
+        )  # fmt: skip
 
     def switched_off_held(self, names: Collection[str] | None = None) -> list[int]:
         """Device bytes the copies switched off at run time (``names``, default ``switched_off``) keep
