@@ -74,7 +74,9 @@ def test_a_recording_times_one_copy_each_way_on_the_link():
         assert (t.name, t.graph_id, t.tensor, t.nbytes) == ("7:x", 7, "x", nbytes)
         assert t.copy_s >= nbytes / 100e6 * 0.999, t
     assert d2h.direction == "d2h" and d2h.window_s >= 0.002 and d2h.stall_s >= d2h.copy_s - d2h.window_s - 1e-3
-    assert h2d.window_s < 0.002 and h2d.stall_s > 0.005, h2d  # waited on at once: the whole copy stalls
+    # Waited on at once: the copy stalls for most of its time (not "window < 2 ms": on a loaded
+    # machine the Python between the reload and its wait took 2.4 ms in one CI run).
+    assert h2d.window_s < h2d.copy_s / 2 < h2d.stall_s, h2d
 
 
 def test_copies_of_other_graphs_and_calls_are_not_taken():
