@@ -9,7 +9,9 @@ everywhere; on torch 2.11's CUDA wheel without a GPU the lowering says it is una
 """
 
 import ast
+import collections
 import inspect
+import re
 
 import pytest
 import torch
@@ -100,3 +102,54 @@ def test_a_missing_torch_piece_says_which_and_undoes_the_others(monkeypatch):
     # The pieces patched before it (the fake device among them) were undone, the model is untouched.
     assert (torch.cuda.is_available, torch.cuda.get_device_properties) == real
     assert {p.device.type for p in model.parameters()} == {"cpu"}
+
+
+class _Block(nn.Module):
+    """A pre-norm transformer block: layer norms, attention, GELU and residual adds for Inductor to fuse."""
+
+    def __init__(self, dim: int, heads: int = 4) -> None:
+        super().__init__()
+        self.heads = heads
+        self.ln1, self.ln2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
+        self.qkv, self.proj = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
+        self.fc, self.out = nn.Linear(dim, 4 * dim), nn.Linear(4 * dim, dim)
+
+    def forward(self, x):
+        b, t, c = x.shape
+        q, k, v = (z.view(b, t, self.heads, -1).transpose(1, 2) for z in self.qkv(self.ln1(x)).split(c, -1))
+        y = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(y.transpose(1, 2).reshape(b, t, c))
+        return x + self.out(nn.functional.gelu(self.fc(self.ln2(x))))
+
+
+def _triton_kernels(code: str) -> collections.Counter:
+    """The Triton kernels a wrapper launches, by what they compute: Inductor's name less its index,
+    and less "addmm" (Inductor moves a matmul's bias add into the pointwise kernel after it only when
+    every reader of the matmul is pointwise; a copy reading it keeps the bias in the matmul)."""
+    names = re.findall(r"(triton_\w+)\.run\(", code)
+    return collections.Counter(re.sub(r"_\d+$", "", k).replace("_addmm", "") for k in names)
+
+
+@pytest.mark.parametrize("broken_rule", [None, "order_edges_on_pointwise"])
+def test_transfer_ops_cost_no_triton_kernel(broken_rule):
+    """The copies' ops and their ordering edges touch only buffers Inductor materialises anyway, so
+    on CUDA the forward and the backward launch the same Triton kernels as without fxoffload: the
+    offloads split no fusion and cost no compile. (Inductor's C++ backend does build more kernels:
+    it packs consecutive nodes into one C++ function and starts a new one at every extern call.)"""
+    if torch.cuda.is_available():
+        pytest.skip("a real CUDA device is loaded: the fake CUDA lowering is for machines without one")
+    cuda_codegen = pytest.importorskip("fxoffload.testing.cuda_codegen")
+    torch.manual_seed(0)
+    model, x = nn.Sequential(_Block(64), _Block(64)), torch.randn(4, 64, 64, requires_grad=True)
+    try:
+        plain = cuda_codegen.cuda_wrapper_code(model, (x,))
+        backend = fxoffload.backend(**OPTIONS, broken_rule=broken_rule)
+        offloaded = cuda_codegen.cuda_wrapper_code(model, (x,), backend)
+    except NotImplementedError as e:
+        pytest.skip(str(e))
+    (report,) = backend.reports
+    assert len(report.offloaded) >= 10 and len(plain) == len(offloaded) == 2
+    same = [_triton_kernels(a) == _triton_kernels(b) for a, b in zip(plain, offloaded)]
+    assert same == ([True, True] if broken_rule is None else [False, True]), [
+        (_triton_kernels(a), _triton_kernels(b)) for a, b in zip(plain, offloaded)
+    ]

@@ -242,7 +242,9 @@ def _rewrite_backward(
     # Issued before ``c``, the first materialised node after the anchor that comes before the first
     # use, and waited on after it: the compiler cannot slide the reload down to its use.
     start = index[anchor] + 1 if anchor is not None else 0
-    c = _issue_before(graph, order, index, start, index[first], copy, broken)
+    # (``order_edges_on_pointwise`` is broken for the offloads only: a reload's position is its own.)
+    reload_broken = None if broken == "order_edges_on_pointwise" else broken
+    c = _issue_before(graph, order, index, start, index[first], copy, reload_broken)
     if broken == "no_wait_before_use":  # the first use reads the reload's result; its wait comes last
         placeholder.replace_all_uses_with(copy)
         results = [o for o in graph.output_node().all_input_nodes if isinstance(o.meta.get("val"), torch.Tensor)]
@@ -332,11 +334,12 @@ def _descends_from(n: fx.Node, ancestor: fx.Node, index: dict[fx.Node, int]) -> 
     return False
 
 
-def _first_materialised(order: list[fx.Node], start: int, stop: int) -> int:
-    """Index of the node ``_issue_before`` would pick in ``order[start:stop]``; ``stop`` if none."""
+def _first_materialised(order: list[fx.Node], start: int, stop: int, any_node: bool = False) -> int:
+    """Index of the node ``_issue_before`` would pick in ``order[start:stop]``; ``stop`` if none.
+    ``any_node``: any compute node, materialised or not (the rule broken on purpose)."""
     for i in range(start, min(stop, len(order))):
         c = order[i]
-        if materialised(c) and c.target not in TRANSFER_OPS and any(
+        if (any_node and c.op == "call_function" or materialised(c)) and c.target not in TRANSFER_OPS and any(
             isinstance(a.meta.get("val"), torch.Tensor) for a in c.all_input_nodes
         ):
             return i
@@ -361,7 +364,9 @@ def _issue_before(
     """
     if broken == "no_order_edges":
         return None
-    i = _first_materialised(order, start, stop)
+    # Broken on purpose: an edge into a pointwise node makes the compiler realise its input, which
+    # splits the fusion it was part of (tests/test_cuda_lowering.py counts Inductor's kernels).
+    i = _first_materialised(order, start, stop, any_node=broken == "order_edges_on_pointwise")
     if i < min(stop, len(order)):
         c = order[i]
         inputs = [a for a in c.all_input_nodes if isinstance(a.meta.get("val"), torch.Tensor)]
