@@ -121,9 +121,12 @@ def main(argv: list[str] | None = None) -> None:
 def _closing(args: argparse.Namespace, backend: Any, device: str) -> None:
     """What to try next, how the figures were taken, and each graph's table."""
     replanned = [why for report in backend.reports for why in report.replans if why.startswith("measured")]
+    switched = sum(len(report.switched_off) for report in backend.reports)
     if args.policy == "auto":
         print("policy 'auto' offloads what hides behind compute; "
-              + ("its copies measured stalling in the first steps\n  were kept: planned again once"
+              + (f"the copies of {switched} tensors measured stalling in\n  the first steps were switched off "
+                 "(those tensors stay on the device)" if switched
+                 else "its copies measured stalling in the first steps\n  were kept: planned again once"
                  if replanned else "its copies measured hiding in the first steps"))  # fmt: skip
         print("more memory: policy='all' offloads every eligible tensor (slower where copies cannot hide);")
         print("  memory_budget='12GiB' (or 0.7) fits the peak you need, offloading or recomputing only that far")
