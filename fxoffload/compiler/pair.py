@@ -10,11 +10,13 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import threading
+from collections.abc import Callable
+from typing import Any
 
 import torch.fx as fx
 
 from ..analysis.code_memory import replay_pair
-from ..analysis.memory import MemoryTimeline
+from ..analysis.memory import MemoryPoint, MemoryTimeline
 from ..analysis.outside import OutsideMemory
 from ..planning.decisions import OffloadPlan
 from ..reporting.report import OffloadReport
@@ -50,6 +52,11 @@ class PlannedPair:
     # Inductor's wrapper code by graph ("forward", "backward"), filled in as each graph is compiled
     # (the backward may come at the first backward call); the report shares this dict.
     output_code: dict[str, str] = dataclasses.field(default_factory=dict)
+    # What ``_read`` read, by the timeline it was read from: the watch asks at every call it reads,
+    # and the timeline (a cached replay, or the FX model) rarely changes.
+    _memo: dict[str, tuple[MemoryTimeline | None, Any]] = dataclasses.field(
+        default_factory=dict, init=False, repr=False, compare=False
+    )
 
     @property
     def memory_budget(self) -> int | None:
@@ -80,16 +87,32 @@ class PlannedPair:
 
     def phase_peaks(self) -> tuple[int, int]:
         """The expected peak in the forward and in the backward."""
-        timeline = self.expected_memory()
-        points = timeline.points if timeline is not None else ()
-        fw = max((p.total for p in points if p.phase == "forward"), default=0)
-        return fw, max((p.total for p in points if p.phase == "backward"), default=fw)
+
+        def peaks(points: tuple[MemoryPoint, ...]) -> tuple[int, int]:
+            fw = max((p.total for p in points if p.phase == "forward"), default=0)
+            return fw, max((p.total for p in points if p.phase == "backward"), default=fw)
+
+        return self._read("phase_peaks", self.expected_memory(), peaks)
 
     def parameter_bytes(self) -> int:
         """The pair's parameters (static inputs) on the device, as its timelines count them."""
-        timeline = self.memory_before or self.memory_after
-        points = timeline.points if timeline is not None else ()
-        return max((p.live.get("parameters", 0) for p in points), default=0)
+        return self._read(
+            "parameter_bytes", self.memory_before or self.memory_after,
+            lambda points: max((p.live.get("parameters", 0) for p in points), default=0),
+        )  # fmt: skip
+
+    def planned_peak_bytes(self) -> int:
+        """``memory_after``'s peak: the FX model's peak of the rewritten pair."""
+        return self._read("peak", self.memory_after, lambda pts: max((p.total for p in pts), default=0))
+
+    def _read(
+        self, key: str, timeline: MemoryTimeline | None, read: Callable[[tuple[MemoryPoint, ...]], Any]
+    ) -> Any:
+        """``read(timeline.points)``, once per timeline object (the watch asks at every call it reads)."""
+        memo = self._memo.get(key)
+        if memo is None or memo[0] is not timeline:
+            memo = self._memo[key] = (timeline, read(timeline.points if timeline is not None else ()))
+        return memo[1]
 
     def with_report(self, **changes: object) -> PlannedPair:
         """The same pair, its report changed (``replans``, ``note``, ...)."""

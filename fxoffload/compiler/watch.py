@@ -200,7 +200,7 @@ class CallWatch:
             return
         pair, run = self.pair, self.run
         measured = self.measure()
-        more = measured.beyond > BUDGET_TOLERANCE * (pair.memory_after.peak_bytes if pair.memory_after else 0)
+        more = measured.beyond > BUDGET_TOLERANCE * pair.planned_peak_bytes()
         if more:
             most = max(u.held_bytes for u in run)
             self.seen[pair.graph_id] = max(most, self.seen.get(pair.graph_id, 0))
