@@ -280,3 +280,20 @@ def test_compile_time_names_the_methods_it_knows(capsys):
         compile_time(["--methods", "inductor,fxoffload-sometimes"])
     err = capsys.readouterr().err
     assert "unknown methods ['fxoffload-sometimes']" in err and "fxoffload-auto" in err
+
+
+def test_op_overhead_times_each_transfer_op_call(capsys):
+    """``bench.op_overhead`` on the CPU engine: a figure for each call, a switched-off copy timed and
+    switched on again after, and bad arguments refused."""
+    from bench.op_overhead import _NAME, main
+    from fxoffload.runtime.transfers import copies_switched_off
+
+    assert main(["--device", "cpu", "--calls", "20"]) == 0
+    out = capsys.readouterr().out
+    for call in ("offload", "wait (d2h)", "reload", "wait (h2d)", "order", "offload, switched off"):
+        assert re.search(rf"\| {re.escape(call)} +\| +\d+\.\d \|", out), (call, out)
+    assert "one offloaded tensor, its four calls:" in out
+    assert _NAME not in copies_switched_off()
+    with pytest.raises(SystemExit):
+        main(["--calls", "0"])
+    assert "--calls must be >= 1" in capsys.readouterr().err

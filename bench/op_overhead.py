@@ -1,0 +1,117 @@
+"""Host time of each transfer op call: what the compute thread spends in fxoffload's ops per tensor.
+
+A GPU step is on time only while the host issues its kernels ahead of the device; every offloaded
+tensor adds four op calls (offload, its wait, reload, its wait) and a copy switched off at run time
+adds the same four. This times each call on a small tensor (64 B by default, so that the figure is
+the op's own cost, not the copy's), median of many calls:
+
+    python -m bench.op_overhead                  # the accelerator if there is one, else the CPU engine
+    python -m bench.op_overhead --device cpu --calls 2000
+
+On a CPU the copies run on the copy engine's threads (``offload_cpu=True``); a wait is timed after
+its copy has finished (a sleep between issue and wait), so it is the cost of a wait that does not
+stall. "switched off" is an offload whose copy was switched off at run time
+(``runtime.transfers.switch_copies_off``): it keeps a copy on the device instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+
+import torch
+from tabulate import tabulate
+
+import fxoffload  # noqa: F401  (registers the ops' implementations)
+from fxoffload import ir
+from fxoffload.runtime.transfers import switch_copies_off, switch_copies_on
+
+_NAME = ir.transfer_name(999_999, "x")  # a graph id no compile uses
+
+
+def _sync(device: torch.device) -> None:
+    if device.type != "cpu":
+        torch.accelerator.synchronize(device)
+
+
+def measure(
+    device: torch.device, nbytes: int = 64, calls: int = 1000, settle_s: float = 0.0005
+) -> dict[str, float]:
+    """Median host microseconds of each op call on ``device`` (``calls`` cycles after 10% warm-up)."""
+    x = torch.randn(max(1, nbytes // 4), device=device)
+    times: dict[str, list[float]] = {
+        k: [] for k in ("offload", "wait (d2h)", "reload", "wait (h2d)", "order")
+    }
+
+    def timed(key: str, fn, *args):
+        start = time.perf_counter()
+        out = fn(*args)
+        times[key].append(time.perf_counter() - start)
+        return out
+
+    def cycle() -> None:
+        host = timed("offload", ir.OFFLOAD, x, [], 0.0, _NAME)
+        _sync(device)
+        time.sleep(settle_s)  # the copy is done: the wait below does not stall
+        host = timed("wait (d2h)", ir.WAIT, host, x, [])
+        back = timed("reload", ir.RELOAD, host, x.device, [], 0.0, _NAME)
+        _sync(device)
+        time.sleep(settle_s)
+        timed("wait (h2d)", ir.WAIT, back, host, [])
+        timed("order", ir.ORDER, x, [])
+
+    for _ in range(max(1, calls // 10)):
+        cycle()
+    for v in times.values():
+        v.clear()
+    for _ in range(calls):
+        cycle()
+    out = {k: statistics.median(v) * 1e6 for k, v in times.items()}
+    switch_copies_off([_NAME])
+    try:
+        off: list[float] = []
+        for _ in range(calls):
+            start = time.perf_counter()
+            host = ir.OFFLOAD(x, [], 0.0, _NAME)
+            off.append(time.perf_counter() - start)
+            ir.WAIT(host, x, [])
+        out["offload, switched off"] = statistics.median(off) * 1e6
+    finally:
+        switch_copies_on(_NAME)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    accelerator = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
+    parser.add_argument(
+        "--device", default=str(accelerator or "cpu"), help="cpu, cuda, ... (default: %(default)s)"
+    )
+    parser.add_argument("--bytes", type=int, default=64, help="tensor size (default: %(default)s)")
+    parser.add_argument("--calls", type=int, default=1000, help="timed cycles (default: %(default)s)")
+    args = parser.parse_args(argv)
+    if args.calls < 1 or args.bytes < 4:
+        parser.error("--calls must be >= 1 and --bytes >= 4")
+    device = torch.device(args.device)
+    if device.type != "cpu" and (accelerator is None or accelerator.type != device.type):
+        print(f"no {device.type} device here", file=sys.stderr)
+        return 2
+    us = measure(device, args.bytes, args.calls)
+    print(
+        f"device: {device} (torch {torch.__version__}), {args.bytes} B tensor, median of {args.calls} calls"
+    )
+    print(
+        tabulate(
+            [(k, f"{v:.1f}") for k, v in us.items()], headers=("op call", "host us"), tablefmt="github",
+            disable_numparse=True, colalign=("left", "right"),
+        )  # fmt: skip
+    )
+    per_tensor = us["offload"] + us["wait (d2h)"] + us["reload"] + us["wait (h2d)"]
+    print(f"one offloaded tensor, its four calls: {per_tensor:.1f} us of host time a step")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
