@@ -278,3 +278,30 @@ def test_the_prediction_counts_the_copies_switched_off(inner):
     assert abs(predicted / measured - 1) < 0.05, (predicted, measured)
     held = max(report.switched_off_held())
     assert held > 0.1 * measured and "switched off at run time" in report.summary()
+
+
+def test_the_watch_reads_a_pairs_peaks_again_when_its_timeline_changes():
+    """The watch asks a pair for its phase peaks, parameters and planned peak at every call it reads;
+    they are read once per timeline object, and again from a timeline that replaced it."""
+    import dataclasses
+
+    from fxoffload.analysis.memory import MemoryTimeline
+    from fxoffload.testing.models import MLP
+
+    backend = fxoffload.backend(offload_cpu=True, inner="aot_eager", policy="all", min_bytes=0)
+    torch.manual_seed(0)
+    model = MLP(layers=2)
+    torch.compile(model, backend=backend)(torch.randn(64, 64)).sum().backward()
+    (pair,) = backend._register.pairs()
+    points = pair.memory_after.points
+    fw = max(p.total for p in points if p.phase == "forward")
+    bw = max(p.total for p in points if p.phase == "backward")
+    assert pair.phase_peaks() == (fw, bw) and pair.planned_peak_bytes() == pair.memory_after.peak_bytes
+    params = pair.parameter_bytes()
+    assert params > 0
+    pair.memory_after = MemoryTimeline(tuple(
+        dataclasses.replace(p, live={**p.live, "transient": p.live.get("transient", 0) + 1}) for p in points
+    ))  # fmt: skip
+    assert pair.phase_peaks() == (fw + 1, bw + 1)
+    assert pair.planned_peak_bytes() == pair.memory_after.peak_bytes == max(fw, bw) + 1
+    assert pair.parameter_bytes() == params  # read from memory_before, which did not change
