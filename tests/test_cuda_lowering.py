@@ -10,6 +10,7 @@ everywhere; on torch 2.11's CUDA wheel without a GPU the lowering says it is una
 
 import ast
 import collections
+import functools
 import inspect
 import re
 
@@ -130,6 +131,20 @@ def _triton_kernels(code: str) -> collections.Counter:
     return collections.Counter(re.sub(r"_\d+$", "", k).replace("_addmm", "") for k in names)
 
 
+def _blocks():
+    torch.manual_seed(0)
+    return nn.Sequential(_Block(64), _Block(64)), torch.randn(4, 64, 64, requires_grad=True)
+
+
+@functools.cache
+def _plain_blocks_code() -> tuple[str, ...]:
+    """Plain Inductor's CUDA code of ``_blocks()`` (lowered once a worker: both cases compare with it)."""
+    from fxoffload.testing import cuda_codegen
+
+    model, x = _blocks()
+    return tuple(cuda_codegen.cuda_wrapper_code(model, (x,)))
+
+
 @pytest.mark.parametrize("broken_rule", [None, "order_edges_on_pointwise"])
 def test_transfer_ops_cost_no_triton_kernel(broken_rule):
     """The copies' ops and their ordering edges touch only buffers Inductor materialises anyway, so
@@ -139,10 +154,9 @@ def test_transfer_ops_cost_no_triton_kernel(broken_rule):
     if torch.cuda.is_available():
         pytest.skip("a real CUDA device is loaded: the fake CUDA lowering is for machines without one")
     cuda_codegen = pytest.importorskip("fxoffload.testing.cuda_codegen")
-    torch.manual_seed(0)
-    model, x = nn.Sequential(_Block(64), _Block(64)), torch.randn(4, 64, 64, requires_grad=True)
+    model, x = _blocks()
     try:
-        plain = cuda_codegen.cuda_wrapper_code(model, (x,))
+        plain = _plain_blocks_code()
         backend = fxoffload.backend(**OPTIONS, broken_rule=broken_rule)
         offloaded = cuda_codegen.cuda_wrapper_code(model, (x,), backend)
     except NotImplementedError as e:
