@@ -172,7 +172,8 @@ def summary(report: OffloadReport) -> str:
             f"  predicted peak {label}: {fmt_bytes(peak.total)} at {peak.phase} node {peak.node} ({peak.kinds()})"
         )
     if report.switched_off:
-        kept = sum(r.nbytes for r in report.saved if r.name in set(report.switched_off))
+        off = set(report.switched_off)
+        kept = sum(r.nbytes for r in report.saved if r.name in off)
         lines.append(
             f"  switched off at run time: the copies of {len(report.switched_off)} tensors ({fmt_bytes(kept)}), "
             "which stalled; they stay on the device, from their offload to their reload, as the peak with "
