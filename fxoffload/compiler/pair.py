@@ -15,11 +15,11 @@ from typing import Any
 
 import torch.fx as fx
 
-from ..analysis.code_memory import replay_pair
 from ..analysis.memory import MemoryPoint, MemoryTimeline
 from ..analysis.outside import OutsideMemory
 from ..planning.decisions import OffloadPlan
 from ..reporting.report import OffloadReport
+from ..rewrite.host_copies import HostCopy, replay_switched_off
 
 __all__ = ["PairRegister", "PlannedPair", "new_graph_id"]
 
@@ -52,6 +52,11 @@ class PlannedPair:
     # Inductor's wrapper code by graph ("forward", "backward"), filled in as each graph is compiled
     # (the backward may come at the first backward call); the report shares this dict.
     output_code: dict[str, str] = dataclasses.field(default_factory=dict)
+    # Where the rewrite put each offloaded tensor's host copy, over ``memory_after``'s points.
+    host_copies: tuple[HostCopy, ...] = ()
+    # Saved tensors whose copies were switched off at run time (``CallWatch.switch_off``): the compiled
+    # code keeps them on the device, from their offload to their reload. The report copies these.
+    switched_off: tuple[str, ...] = ()
     # What ``_read`` read, by the timeline it was read from: the watch asks at every call it reads,
     # and the timeline (a cached replay, or the FX model) rarely changes.
     _memo: dict[str, tuple[MemoryTimeline | None, Any]] = dataclasses.field(
@@ -73,11 +78,12 @@ class PlannedPair:
         return self.outside.outside_backward(self.kept_bytes) if self.outside is not None else 0
 
     def code_memory(self) -> MemoryTimeline | None:
-        """The replay of the code Inductor generated for the pair (None until both graphs are
-        compiled, and with ``inner="aot_eager"``)."""
-        if self.report.switched_off:  # the copies switched off at run time, kept on the device, counted
-            return self.report.compiled_memory()
-        return replay_pair(self.output_code, self.num_fwd_outputs, self.outside_bytes, self.outside_backward)
+        """The replay of the code Inductor generated for the pair, the copies switched off at run time
+        counted on the device (None until both graphs are compiled, and with ``inner="aot_eager"``)."""
+        return replay_switched_off(
+            self.output_code, self.num_fwd_outputs, self.outside_bytes, self.outside_backward, self.host_copies,
+            self.switched_off,
+        )  # fmt: skip
 
     def expected_memory(self) -> MemoryTimeline | None:
         """The prediction the code that runs is held to: Inductor's code replayed where there is

@@ -16,6 +16,7 @@ from ..options import OffloadOptions
 from ..planning.measured import Measured
 from ..reasons import Reason
 from ..reporting.report import OffloadReport, PassTimings
+from ..rewrite.host_copies import find_host_copies
 from ..rewrite.mutated_reads import protect_mutated_reads
 from ..rewrite.random_ops import keep_random_ops_saved
 from .offload_pass import offload_pass
@@ -139,14 +140,15 @@ class OffloadPartitioner(_compat.CustomPartitionerFn):
         timings = PassTimings(pass_s, repartition_s[0], time.perf_counter() - start, *nodes_in)
         output_code: dict[str, str] = {}
         grads = param_grad_bytes(fw, bw, static)
+        copies = find_host_copies(fw, bw, memory_after)
         report = OffloadReport.from_plan(
             graph_id, plan, fw, bw, self.options.host_budget, host_before, memory_before, memory_after,
             timings=timings, num_fwd_outputs=num_fwd_outputs, outside=self.outside, kept_bytes=kept,
-            param_grad_bytes=grads, output_code=output_code,
+            param_grad_bytes=grads, output_code=output_code, host_copies=copies,
         )  # fmt: skip
         self.pair = PlannedPair(
             graph_id, plan, fw, bw, num_fwd_outputs, static, memory_before, memory_after, self.outside, kept, grads,
-            report, output_code,
+            report, output_code, host_copies=copies,
         )  # fmt: skip
         log.debug("fxoffload plan for graph %d:\n%s", graph_id, report.table())
         _compat.trace_artifact("fxoffload_plan", report.to_json, encoding="json")

@@ -49,17 +49,18 @@ import torch
 import torch.fx as fx
 
 from ..analysis.memory import CallOutside, with_held
+from ..analysis.output_code import reused_reloads
 from ..analysis.outside import OutsideMemory, graph_device, mark_call, read_outside_memory
 from ..ir import TransferTime, transfer_name
 from ..options import OffloadOptions
 from ..planning.budget import BUDGET_TOLERANCE
-from ..analysis.output_code import reused_reloads
 from ..planning.measured import Measured, measured_plan, stalled, switched_off
 from ..reporting.report import carry_measured, with_measured
 from ..reporting.rows import saved_rows
+from ..rewrite.host_copies import switched_off_held
 from ..runtime.host_pool import host_buffer_ranges
-from ..runtime.transfers import switch_copies_off, switch_copies_on
 from ..runtime.timing import Recording
+from ..runtime.transfers import switch_copies_off, switch_copies_on
 from ..sizes import fmt_bytes
 from .compile import GraphCompiler, copy_graph_module
 from .pair import PlannedPair
@@ -382,17 +383,19 @@ class CallWatch:
         log.info("fxoffload: graph %d: %s", old.graph_id, why)
         switch_copies_off([transfer_name(old.graph_id, t) for t in off])
         # The FX model's timeline with those tensors on the device from their offload to their reload;
-        # the replay of Inductor's code counts them where it is read (``report.compiled_memory``).
+        # the replay of Inductor's code counts them where it is read (``PlannedPair.code_memory``).
         after = old.memory_after
         if after is not None:
-            after = with_held(after, old.report.switched_off_held(off))
+            after = with_held(after, switched_off_held(old.host_copies, off, len(after.points)))
         kept = old.kept_bytes + sum(d.saved.nbytes for d in old.plan.offloaded if d.saved.name in off)
+        switched = (*old.switched_off, *sorted(off))
         report = dataclasses.replace(
             old.report, saved=saved_rows(plan), predicted_stall_ms=plan.stall * 1e3, replans=(*old.report.replans, why),
-            switched_off=(*old.report.switched_off, *sorted(off)), memory_after=after, kept_bytes=kept,
+            switched_off=switched, memory_after=after, kept_bytes=kept,
         )  # fmt: skip
         self.pair = dataclasses.replace(
-            old, plan=plan, kept_bytes=kept, memory_after=after, report=carry_measured(report, old.report)
+            old, plan=plan, kept_bytes=kept, memory_after=after, switched_off=switched,
+            report=carry_measured(report, old.report),
         )  # fmt: skip
         self.compiler.register.record(self.pair)
         self.timer.restart()

@@ -16,15 +16,11 @@ from typing import Any
 import torch.fx as fx
 
 from ..analysis.code_memory import host_in_flight as code_host_in_flight
-from ..analysis.code_memory import replay_pair
-from ..analysis.graph import storage_users
 from ..analysis.memory import CATEGORIES, CallOutside, MemoryPoint, MemoryTimeline, bytes_over_points
 from ..analysis.outside import OutsideMemory
-from ..ir import OFFLOAD, RELOAD, WAIT, is_transfer
 from ..planning.decisions import OffloadPlan, PlanCosts
 from ..reasons import Action
-from ..rewrite.transfers import host_placeholder_name
-from ..sizes import tensor_bytes
+from ..rewrite.host_copies import HostCopy, replay_switched_off, switched_off_held
 from . import plot as plotting
 from . import render
 from .rows import SavedRow, carry_measured, saved_rows, with_measured
@@ -35,23 +31,6 @@ __all__ = [
     "HostCopy", "OffloadReport", "PassTimings", "PeakBreakdown", "SavedRow", "load_reports", "save_reports", "saved_rows",
     "carry_measured", "with_measured",
 ]  # fmt: skip
-
-
-@dataclasses.dataclass(frozen=True)
-class HostCopy:
-    """The host copy of one offloaded tensor, over the points of ``OffloadReport.memory_after``.
-
-    Host memory, not device memory: the memory model leaves it out of every device figure."""
-
-    name: str  # the saved tensor it copies (forward node)
-    host_name: str  # the backward placeholder that holds it
-    nbytes: int  # bytes of the host copy (the tensor's bytes, as ``host_bytes_total`` counts them)
-    first: int  # point of ``memory_after`` where ``fxoffload.offload`` takes it (forward)
-    last: int  # point after which it is released: its placeholder's last backward reader
-    # Points over which its reload's device destination is live (-1: no reload). The memory model counts
-    # that destination as "transient"; breakdowns and the plot count it with the saved activations.
-    reload_first: int = -1
-    reload_last: int = -1
 
 
 TIMELINES = ("before", "after", "compiled")
@@ -147,7 +126,8 @@ class OffloadReport:
     offload_bound_bytes: int | None = None
     # Saved tensors whose copies were switched off at run time after they stalled (``auto``): kept on
     # the device by the compiled code that still has their copies. ``memory_after`` and the replay
-    # (``compiled_memory``) count them there, from their offload to their reload.
+    # (``compiled_memory``) count them there, from their offload to their reload. Copied, with
+    # ``host_copies``, from the compiler's ``PlannedPair``, which decides on its own.
     switched_off: tuple[str, ...] = ()
 
     @property
@@ -170,7 +150,7 @@ class OffloadReport:
         **fields: Any,
     ) -> OffloadReport:
         """The report of ``plan`` applied to the rewritten pair ``fw``, ``bw``; ``fields``: the
-        report's other fields (``timings``, ``outside``, ``output_code``, ...)."""
+        report's other fields (``timings``, ``outside``, ``output_code``, ``host_copies``, ...)."""
         costs = plan.costs
         rows = saved_rows(plan)
         return cls(
@@ -178,7 +158,7 @@ class OffloadReport:
             len(fw.graph.nodes), len(bw.graph.nodes),
             host_budget, host_bytes_before + plan.host_bytes, memory_before, memory_after,
             plan.stall * 1e3, plan.memory_budget, _device_line(costs), plan.recompute_seconds * 1e3,
-            host_copies=_host_copies(fw, bw, memory_after), graphs=(fw, bw), **fields,
+            graphs=(fw, bw), **fields,
         )  # fmt: skip
 
     @property
@@ -242,20 +222,16 @@ class OffloadReport:
         them. None until both graphs are compiled, and with ``inner="aot_eager"``, which runs the FX
         graphs themselves (``memory_after`` is the prediction then)."""
         later = self.outside.outside_backward(self.kept_bytes) if self.outside is not None else 0
-        return replay_pair(
-            self.output_code, self.num_fwd_outputs, self.outside_bytes, later, self._copies(), self._switched_hosts()
-        )  # fmt: skip
+        return replay_switched_off(
+            self.output_code, self.num_fwd_outputs, self.outside_bytes, later, self.host_copies, self.switched_off
+        )
 
     def switched_off_held(self, names: Collection[str] | None = None) -> list[int]:
         """Device bytes the copies switched off at run time (``names``, default ``switched_off``) keep
         at every point of ``memory_after`` as it was compiled: each from its offload to its reload,
         which gives the copy kept on the device back (the model counts the reload's result from there)."""
-        names = self.switched_off if names is None else names
         n = len(self.memory_after.points) if self.memory_after is not None else 0
-        return bytes_over_points(n, [
-            (c.first, c.reload_first if c.reload_first >= 0 else c.last + 1, c.nbytes)
-            for c in self.host_copies if c.name in names
-        ])  # fmt: skip
+        return switched_off_held(self.host_copies, self.switched_off if names is None else names, n)
 
     def _copies(self) -> list[tuple[str, int, int]]:
         return [(c.host_name, c.first, c.nbytes) for c in self.host_copies]
@@ -384,43 +360,6 @@ def _device_line(costs: PlanCosts | None) -> str:
     if costs.calibrated:
         line += f"; {costs.calibrated} compute nodes timed (calibrate=True)"
     return line
-
-
-def _host_copies(fw: fx.GraphModule, bw: fx.GraphModule, after: MemoryTimeline | None) -> tuple[HostCopy, ...]:
-    """Every offloaded tensor's host copy over the points of ``after`` (the memory model on the rewritten
-    ``fw``, ``bw``: one point per node but the outputs). The forward returns the host copy (an
-    ``offload``, through its ``wait``) among its saved values; the backward receives it in the
-    placeholder the rewrite named after the saved tensor (``rewrite.host_placeholder_name``, as
-    ``apply_plan`` finds the saved tensor's placeholder by its forward name)."""
-    fw_nodes = [n for n in fw.graph.nodes if n.op != "output"]
-    bw_nodes = [n for n in bw.graph.nodes if n.op != "output"]
-    names = [(p.phase, p.node) for p in after.points] if after is not None else []
-    if names != [("forward", n.name) for n in fw_nodes] + [("backward", n.name) for n in bw_nodes]:
-        return ()  # not the timeline of these graphs (the graphs were left unchanged)
-    placeholders = {n.name: n for n in bw_nodes if n.op == "placeholder"}
-    fw_index = {n: i for i, n in enumerate(fw_nodes)}
-    bw_index = {n: len(fw_nodes) + i for i, n in enumerate(bw_nodes)}
-    copies = []
-    for out in fw.graph.output_node().args[0]:
-        copy = out
-        while isinstance(copy, fx.Node) and is_transfer(copy, WAIT):
-            copy = copy.args[0]
-        if not (isinstance(copy, fx.Node) and is_transfer(copy, OFFLOAD)):
-            continue
-        source = copy.args[0]
-        held = placeholders.get(host_placeholder_name(source.name)) if isinstance(source, fx.Node) else None
-        if held is None:
-            continue
-        last = max((bw_index[u] for u in held.users if u in bw_index), default=len(fw_nodes))
-        reloads = [u for u in held.users if is_transfer(u, RELOAD)]
-        # The reload's destination lives from the reload to its last reader through any alias (its wait).
-        reload_first = bw_index[reloads[0]] if reloads else -1
-        reload_users = storage_users(reloads[0]) if reloads else []
-        reload_last = max((bw_index[u] for u in reload_users if u in bw_index), default=reload_first)
-        copies.append(HostCopy(source.name, held.name,
-                               tensor_bytes(copy.meta["val"]), fw_index[copy], last,
-                               reload_first, reload_last if reloads else -1))  # fmt: skip
-    return tuple(copies)
 
 
 def save_reports(reports: list[OffloadReport], path: str) -> None:
