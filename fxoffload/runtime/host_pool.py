@@ -55,13 +55,17 @@ class HostBufferPool:
         self._lock = threading.Lock()
         # (size class, pinned, device the buffer serves) -> buffers
         self._buckets: dict[tuple[int, bool, str], list[_PooledBuffer]] = {}
+        self._sorted: dict[tuple[bool, str], list[int]] = {}  # ``_classes``
         self._pin_failed = False
         self._tick = 0  # acquisitions so far: the clock of least-recently-used eviction
         self._peak_in_use = 0
 
-    def acquire(self, nbytes: int, pin: bool, device: torch.device | str | None = None) -> torch.Tensor:
+    def acquire(
+        self, nbytes: int, pin: bool, device: torch.device | str | None = None, like: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """``nbytes`` uint8 bytes at the start of a buffer (pinned if asked and possible) that no
-        tensor used; the buffer may be larger. The buffer stays taken while the returned tensor, or
+        tensor used, or ``like``'s dtype, size and stride there (``nbytes`` its span); the buffer may
+        be larger. The buffer stays taken while the returned tensor, or
         any tensor made on its storage, is alive.
 
         The claim is made under the lock: handing out the pool's own storage handle would leave the
@@ -78,16 +82,31 @@ class HostBufferPool:
         dev = str(device) if device is not None else ""
         with self._lock:
             self._tick += 1
-            for cls in sorted(c for c, p, d in self._buckets if p == pin and d == dev and size <= c <= 2 * size):
-                for buffer in self._buckets[(cls, pin, dev)]:
+            for cls in self._classes(pin, dev):
+                if not size <= cls <= 2 * size:
+                    continue
+                bucket = self._buckets[(cls, pin, dev)]
+                for i, buffer in enumerate(bucket):  # least recently handed out first: the likely free ones
                     if _use_count(buffer.storage) == 1:
                         buffer.last_used = self._tick
-                        return _claim(buffer.storage, nbytes)
+                        bucket.append(bucket.pop(i))
+                        return _claim(buffer.storage, nbytes, like)
             self._make_room(size)
             storage, pinned = self._allocate(nbytes, pin)
             key = (storage.nbytes(), pinned, dev)
-            self._buckets.setdefault(key, []).append(_PooledBuffer(storage, self._tick))
-            return _claim(storage, nbytes)
+            if key not in self._buckets:
+                self._buckets[key] = []
+                self._sorted.clear()
+            self._buckets[key].append(_PooledBuffer(storage, self._tick))
+            return _claim(storage, nbytes, like)
+
+    def _classes(self, pin: bool, dev: str) -> list[int]:
+        """The size classes of ``pin``, ``dev``'s buckets, smallest first (kept until buckets change)."""
+        key = (pin, dev)
+        classes = self._sorted.get(key)
+        if classes is None:
+            classes = self._sorted[key] = sorted(c for c, p, d in self._buckets if p == pin and d == dev)
+        return classes
 
     def _make_room(self, size: int) -> None:
         """Before allocating ``size`` bytes: drop free buffers beyond the pool's bound."""
@@ -109,6 +128,7 @@ class HostBufferPool:
             self._buckets[key].remove(buffer)
             if not self._buckets[key]:
                 del self._buckets[key]
+                self._sorted.clear()
 
     def _allocate(self, nbytes: int, pin: bool) -> tuple[torch.UntypedStorage, bool]:
         """A buffer of ``host_bytes(nbytes, pinned)`` bytes: its storage's size is what it really takes.
@@ -158,6 +178,7 @@ class HostBufferPool:
         tensors only (``stats`` no longer counts them) and are freed, not reused, when those go."""
         with self._lock:
             self._buckets.clear()
+            self._sorted.clear()
             self._peak_in_use = 0
 
 
@@ -167,8 +188,10 @@ class _PooledBuffer:
     last_used: int  # the pool's acquisition count when it was last handed out
 
 
-def _claim(storage: torch.UntypedStorage, nbytes: int) -> torch.Tensor:
-    return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage, 0, (nbytes,))
+def _claim(storage: torch.UntypedStorage, nbytes: int, like: torch.Tensor | None) -> torch.Tensor:
+    if like is None:
+        return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage, 0, (nbytes,))
+    return torch.empty(0, dtype=like.dtype, device=storage.device).set_(storage, 0, like.size(), like.stride())
 
 
 def _use_count(storage: torch.UntypedStorage) -> int:

@@ -23,7 +23,7 @@ import torch
 
 from .._compat import storage_expired, storage_weak_ref
 from ..ir import LIBRARY
-from .copy_engine import D2H, H2D, CopyJob, finish_cpu_copy, layout_like, span, span_nbytes, start_cpu_copy
+from .copy_engine import D2H, H2D, CopyJob, finish_cpu_copy, span, span_nbytes, start_cpu_copy
 from .host_pool import HOST_POOL, keep_on_device, kept_on_device
 from .timing import Stamps, recording
 
@@ -162,8 +162,8 @@ def _offload_impl(
         return _kept_copy(src)
     # The host buffer gets the source's size and stride; the span between its first and last element
     # is copied as one run of bytes, so reload restores the very layout, padding included.
-    claim = HOST_POOL.acquire(span_nbytes(src), pin=src.device.type != "cpu", device=src.device)
-    host = layout_like(claim.untyped_storage(), src)  # the first bytes of a buffer maybe larger
+    # The first bytes of a buffer maybe larger, in the source's layout.
+    host = HOST_POOL.acquire(span_nbytes(src), pin=src.device.type != "cpu", device=src.device, like=src)
     _origin[host.data_ptr()] = src.device
     if _release_log is not None:
         _release_log.append((id(src), storage_weak_ref(src.untyped_storage())))
