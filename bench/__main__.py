@@ -70,6 +70,8 @@ COLUMNS = (  # (row key, header, format); columns with no value in any row are l
     ("dtoh_MiB", "D2H MiB (trace)", "{:,.1f}"),
     ("dtoh_GBps", "D2H GB/s", "{:.1f}"),
     ("htod_GBps", "H2D GB/s", "{:.1f}"),
+    ("dtoh_overlap", "D2H overlapped", "{:.0%}"),
+    ("htod_overlap", "H2D overlapped", "{:.0%}"),
     ("note", "note", "{}"),
 )
 
@@ -153,6 +155,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cpu-link", default=None, help="on a CPU: the speed of fxoffload's emulated host "
                         "link (offload_cpu's copy threads), e.g. 2GB for 2 GB/s; default: as fast as memory allows")
     parser.add_argument("--png", default=None, help="draw peak memory against step time to this file")
+    parser.add_argument("--trace", default=None, metavar="DIR", help="on a GPU: write the profiled step of "
+                        "each fxoffload method to DIR/<method>.json.gz (measure.kernel_times reads them)")
     args = parser.parse_args(argv)
     if args.steps < 1 or args.warmup < 0:
         parser.error(f"--steps must be >= 1 and --warmup >= 0, got {args.steps} and {args.warmup}")
@@ -181,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.amp == "bf16" and not cuda:
         print("note: --amp bf16 is for GPU runs; this CPU run is fp32", flush=True)
     ctx = Context(device, min_bytes, args.inner, torch.bfloat16 if args.amp == "bf16" and cuda else None,
-                  cpu_link=cpu_link)  # fmt: skip
+                  cpu_link=cpu_link, trace_dir=args.trace)  # fmt: skip
 
     conditions = {
         "date": datetime.date.today().isoformat(),

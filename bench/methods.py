@@ -118,6 +118,7 @@ class Context:
     amp: torch.dtype | None  # autocast dtype on the GPU, or None for fp32
     auto_reports: list | None = None  # fxoffload policy="auto"'s reports with inner="inductor" (for intree)
     cpu_link: int | None = None  # on a CPU: bytes/s of fxoffload's emulated host link (cpu_link_bandwidth)
+    trace_dir: str | None = None  # on a GPU: where fxoffload methods' profiled steps are written (.json.gz)
 
     @property
     def cuda(self) -> bool:

@@ -14,8 +14,10 @@ from __future__ import annotations
 
 import copy
 import gc
+import gzip
 import json
 import os
+import re
 import statistics
 import tempfile
 import time
@@ -26,6 +28,7 @@ from typing import Any
 import torch
 
 import fxoffload
+from fxoffload.measure.trace import Trace, overlap_share
 from fxoffload.planning.budget import BUDGET_TOLERANCE
 
 from .methods import Context, Method, Skip, prepare
@@ -143,34 +146,46 @@ def _measure(row, prepared, workload: Workload, ctx: Context, steps, warmup, see
     measured = fxoffload.measure_memory(prepared.step)[ctx.device]
     row["measured_peak_MiB"] = measured.peak_bytes / MiB
     if ctx.cuda:
-        row.update(measure_copies(prepared.step))
+        keep = None
+        if ctx.trace_dir is not None and row["method"].startswith("fxoffload"):
+            keep = os.path.join(ctx.trace_dir, re.sub(r"[^\w.-]", "_", row["method"]) + ".json.gz")
+        row.update(measure_copies(prepared.step, keep))
     progress(
         f"    first step {row['first_step_s']:.2f} s, median step {row['step_ms']:.2f} ms, "
         f"loss {row['loss']:.6f}, measured peak {row['measured_peak_MiB']:.2f} MiB above the start"
     )
 
 
-def measure_copies(step: Callable[[], Any]) -> dict[str, float]:
-    """Bytes and device time of every host<->device copy in one step, from a profiler trace."""
+def measure_copies(step: Callable[[], Any], keep: str | None = None) -> dict[str, float]:
+    """Bytes, device time and overlap of every host<->device copy in one step, from a profiler
+    trace; ``keep``: write that trace there too (gzipped Chrome trace)."""
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         step()
         torch.cuda.synchronize()
     fd, path = tempfile.mkstemp(suffix=".json")
     os.close(fd)
     try:
         prof.export_chrome_trace(path)
-        with open(path) as f:
-            return copies_from_trace(json.load(f))
+        with open(path, "rb") as f:
+            raw = f.read()
+        if keep is not None:
+            os.makedirs(os.path.dirname(keep) or ".", exist_ok=True)
+            with gzip.open(keep, "wb") as out:
+                out.write(raw)
+        return copies_from_trace(json.loads(raw))
     finally:
         os.unlink(path)
 
 
 def copies_from_trace(trace: dict[str, Any]) -> dict[str, float]:
-    """Per direction: MiB moved, ms the copies took on the device, and their ratio in GB/s (10^9
-    bytes/s), from the ``gpu_memcpy`` events of a Chrome trace (Kineto's "Memcpy DtoH (Device ->
-    Pinned)" with ``args.bytes`` and ``dur`` in microseconds). Device-to-device copies are left out."""
+    """Per direction: MiB moved, ms the copies took on the device, their ratio in GB/s (10^9
+    bytes/s), and the share of that time a kernel ran beside them (``measure.trace.overlap_share``:
+    issue 23 asks 90%), from the ``gpu_memcpy`` events of a Chrome trace (Kineto's "Memcpy DtoH
+    (Device -> Pinned)" with ``args.bytes``, ``ts`` and ``dur`` in microseconds). Device-to-device
+    copies are left out."""
+    gpu = Trace(trace).gpu
     out: dict[str, float] = {}
     for direction in ("DtoH", "HtoD"):
         events = [
@@ -184,6 +199,8 @@ def copies_from_trace(trace: dict[str, Any]) -> dict[str, float]:
         out[f"{key}_MiB"] = nbytes / MiB
         out[f"{key}_ms"] = seconds * 1e3
         out[f"{key}_GBps"] = nbytes / seconds / 1e9 if seconds > 0 else 0.0
+        if seconds > 0:
+            out[f"{key}_overlap"] = overlap_share(gpu, direction)[2]
     return out
 
 
