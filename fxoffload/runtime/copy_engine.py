@@ -114,6 +114,10 @@ class CopyEngine:
     slept through the link time, and a wait that waited for a copy thread to be scheduled, put the
     operating system's scheduling on the critical path: on two busy cores that was milliseconds a
     copy, time the link model (and a GPU's copy engine) does not have (docs/results.md, "Overlap").
+
+    The threads need the GIL to start a copy (the copy itself releases it), and Inductor's C++
+    kernels on a CPU run holding it: a copy queued before one starts after it, or in its wait (whose
+    stall then has the memcpy in it, beyond the link's time).
     """
 
     def __init__(self) -> None:
