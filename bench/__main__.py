@@ -156,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
                         "link (offload_cpu's copy threads), e.g. 2GB for 2 GB/s; default: as fast as memory allows")
     parser.add_argument("--png", default=None, help="draw peak memory against step time to this file")
     parser.add_argument("--trace", default=None, metavar="DIR", help="on a GPU: write the profiled step of "
-                        "each fxoffload method to DIR/<method>.json.gz (measure.kernel_times reads them)")
+                        "each fxoffload method to DIR/<method>.json.gz (device activity; measure.trace reads them)")
     args = parser.parse_args(argv)
     if args.steps < 1 or args.warmup < 0:
         parser.error(f"--steps must be >= 1 and --warmup >= 0, got {args.steps} and {args.warmup}")
@@ -221,6 +221,8 @@ def main(argv: list[str] | None = None) -> int:
         if row["status"] != "ok":
             print(f"    {row['status']}: {row['note']}", flush=True)
         rows.append(row)
+        if args.json:  # the rows so far: a run stopped by a time limit keeps the methods it finished
+            _write_json(args.json, conditions, rows)
     check_losses(rows, rtol=2e-2 if ctx.amp else 1e-3)
     against_baseline(rows)
     print(table(rows, workload.unit))

@@ -8,7 +8,7 @@ Each part runs in a process of its own under its own time limit, in the order gi
 not started when the time left (``--budget-s``) is less than its limit: a lease of 15 minutes, one
 command at most 10, leaves no room for a run that is cut off. Everything a part prints goes to
 ``OUT/device_check.log``; the bench parts write ``OUT/<part>.json`` and the profiled step of each
-fxoffload method to ``OUT/traces/<part>/`` (``measure.kernel_times`` reads them). ``OUT/summary.md`` gets
+fxoffload method to ``OUT/traces/<part>/`` (the device's activity: ``measure.trace`` reads them). ``OUT/summary.md`` gets
 the date, device, torch and, per part, its status, its seconds and the bench rows that the issues
 judge (step time against Inductor's, peak, bytes off the peak against the bound, copy overlap),
 ready for ``docs/results.md``.
@@ -180,6 +180,7 @@ def main(argv: list[str] | None = None) -> int:
         for name in names:
             part = PARTS[name]
             left = args.budget_s - (time.perf_counter() - started)
+            begin = log.tell()
             if not args.smoke and part.limit_s > left:
                 status, seconds = f"not started: its limit {part.limit_s} s is over the {left:.0f} s left", 0.0
             else:
@@ -189,18 +190,19 @@ def main(argv: list[str] | None = None) -> int:
             if part.bench:
                 summary.append(bench_rows(os.path.join(args.out, f"{name}.json")))
             if name == "ops":
-                summary.append(_ops_lines(os.path.join(args.out, "device_check.log")))
+                summary.append(_ops_lines(os.path.join(args.out, "device_check.log"), begin))
     with open(os.path.join(args.out, "summary.md"), "w") as f:
         f.write("\n".join(summary).rstrip() + "\n")
     print(f"wrote {os.path.join(args.out, 'summary.md')}")
     return 0
 
 
-def _ops_lines(log_path: str) -> str:
-    """The last op_overhead table of the log, as it printed it."""
+def _ops_lines(log_path: str, begin: int) -> str:
+    """The op_overhead table this run's part printed (from ``begin`` in the log), as it printed it."""
     with open(log_path) as f:
+        f.seek(begin)
         text = f.read()
-    start = text.rfind("device: ")
+    start = text.find("device: ")
     end = text.find("=====", start)
     return "```\n" + text[start:end].strip() + "\n```\n" if start >= 0 else ""
 

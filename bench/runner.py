@@ -158,10 +158,11 @@ def _measure(row, prepared, workload: Workload, ctx: Context, steps, warmup, see
 
 def measure_copies(step: Callable[[], Any], keep: str | None = None) -> dict[str, float]:
     """Bytes, device time and overlap of every host<->device copy in one step, from a profiler
-    trace; ``keep``: write that trace there too (gzipped Chrome trace)."""
+    trace of the device's activity only (profiling the host too would slow a host-bound step and
+    lower the overlap it measures); ``keep``: write that trace there too (gzipped Chrome trace)."""
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
         step()
         torch.cuda.synchronize()
     fd, path = tempfile.mkstemp(suffix=".json")

@@ -346,3 +346,35 @@ def test_device_check_summary_rows(tmp_path):
     text = device_check.bench_rows(str(path))
     assert "| fxoffload-auto | 49.0 | 1.03 | 9,000 | 955.0 | 61% | 93% | 97% | ok |" in text, text
     assert "`python -m bench x`" in text and device_check.bench_rows(str(tmp_path / "none.json")) == ""
+
+
+def test_device_check_reads_only_this_runs_op_table(tmp_path):
+    """A log kept from an earlier run: the summary takes the op table printed after this part began."""
+    from bench import device_check
+
+    log = tmp_path / "device_check.log"
+    log.write_text("device: an earlier run\n| offload | 1.0 |\n===== ops: ok\n")
+    begin = log.stat().st_size
+    with open(log, "a") as f:
+        f.write("===== ops: failed (rc 1)\n")
+    assert device_check._ops_lines(str(log), begin) == ""
+    assert "an earlier run" in device_check._ops_lines(str(log), 0)
+
+
+def test_bench_json_keeps_the_rows_of_methods_that_finished(tmp_path, monkeypatch):
+    """``--json`` is written after every method: a run stopped by a time limit keeps what it measured."""
+    import bench.__main__ as cli
+
+    calls = []
+
+    def run_method(method, *args, **kwargs):
+        calls.append(method.name)
+        if len(calls) == 2:
+            raise KeyboardInterrupt  # stands for the time limit's kill
+        return {"method": method.name, "status": "ok", "note": "", "step_ms": 1.0}
+
+    monkeypatch.setattr(cli, "run_method", run_method)
+    path = tmp_path / "rows.json"
+    with pytest.raises(KeyboardInterrupt):
+        cli.main(["--device", "cpu", "--methods", "eager,inductor", "--json", str(path)])
+    assert [r["method"] for r in json.loads(path.read_text())["rows"]] == ["eager"]

@@ -93,9 +93,9 @@ class _Done:
     def set(self) -> None:
         self._lock.release()
 
-    def wait(self, timeout: float = -1) -> bool:
-        """True once set (at once if it was); False after ``timeout`` seconds without."""
-        if not self._lock.acquire(timeout=timeout):
+    def wait(self, timeout: float | None = None) -> bool:
+        """True once set (at once if it was); False after ``timeout`` seconds without (None: no limit)."""
+        if not self._lock.acquire(timeout=-1 if timeout is None else timeout):
             return False
         self._lock.release()
         return True
