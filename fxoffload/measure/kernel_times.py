@@ -38,6 +38,7 @@ from ..analysis.output_code import (
     statements,
     transfers,
 )
+from ..ir import TransferTime, transfer_name
 from .line_times import PhaseTimes, best_call, kernel_pattern, match_phase, split_phases
 from .trace import GpuEvent, Step, Trace, find_steps, kernel_spans, load_trace, overlap_us
 
@@ -83,6 +84,27 @@ class CopyTime:
     def hides(self) -> bool:
         """The simple rule: the copy takes no longer than the compute between its issue and its wait."""
         return bool(self.memcpys) and self.copy_ms <= self.compute_between_ms
+
+    @property
+    def stall_ms(self) -> float:
+        """How long the compute stream waited for this copy at its wait, as ``runtime.timing`` measures
+        it: from the wait's start (the end of the last kernel before the wait line) to the later of
+        that and the copy's end, within the stream's idle span there (waits with no kernel between
+        them share the span; each waits for its own copy)."""
+        if not self.memcpys or self.transfer.wait_line < 0:
+            return 0.0
+        start, resumed = self.gap_at_wait_us
+        end = max(g.end_us for g in self.memcpys)
+        return max(0.0, min(end, resumed) - start) / 1e3
+
+    def transfer_time(self, graph_id: int) -> TransferTime:
+        """This copy as the first steps measure it for the planner (``planning.measured``): the kernel
+        time between its issue and its wait for a window, its memcpys' time, ``stall_ms``."""
+        direction = "d2h" if self.kind == "offload" else "h2d"
+        return TransferTime(
+            transfer_name(graph_id, self.name), direction, self.nbytes, self.compute_between_ms / 1e3,
+            self.copy_ms / 1e3, self.stall_ms / 1e3,
+        )  # fmt: skip
 
 
 def saved_names(fw_code: str, bw_code: str, host_copies: Iterable[Mapping[str, Any]] = ()) -> dict[str, str]:
