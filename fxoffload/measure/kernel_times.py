@@ -62,6 +62,9 @@ class CopyTime:
     # before it, start of the first after it); waits with no kernel between them share one gap
     predicted_copy_ms: float | None = None  # the report's d2h_ms / h2d_ms
     predicted_window_ms: float | None = None  # the report's fw_window_ms / bw_window_ms
+    # How long the compute stream waited for this copy at its wait, as ``runtime.timing``'s events
+    # measure it (``_with_stalls``).
+    stall_ms: float = 0.0
 
     @property
     def kind(self) -> str:
@@ -84,18 +87,6 @@ class CopyTime:
     def hides(self) -> bool:
         """The simple rule: the copy takes no longer than the compute between its issue and its wait."""
         return bool(self.memcpys) and self.copy_ms <= self.compute_between_ms
-
-    @property
-    def stall_ms(self) -> float:
-        """How long the compute stream waited for this copy at its wait, as ``runtime.timing`` measures
-        it: from the wait's start (the end of the last kernel before the wait line) to the later of
-        that and the copy's end, within the stream's idle span there (waits with no kernel between
-        them share the span; each waits for its own copy)."""
-        if not self.memcpys or self.transfer.wait_line < 0:
-            return 0.0
-        start, resumed = self.gap_at_wait_us
-        end = max(g.end_us for g in self.memcpys)
-        return max(0.0, min(end, resumed) - start) / 1e3
 
     def transfer_time(self, graph_id: int) -> TransferTime:
         """This copy as the first steps measure it for the planner (``planning.measured``): the kernel
@@ -300,6 +291,25 @@ def step_times(
         )
         saved = {r["name"]: r for r in report.get("saved", ())}
     spans = kernel_spans(s.events)
-    copies = _copy_times(fw_code, fw, spans, names, saved, fw_copies)
-    copies += _copy_times(bw_code, bw, spans, names, saved, bw_copies)
+    copies = _with_stalls(_copy_times(fw_code, fw, spans, names, saved, fw_copies))
+    copies += _with_stalls(_copy_times(bw_code, bw, spans, names, saved, bw_copies))
     return StepTimes(s, fw, bw, tuple(copies))
+
+
+def _with_stalls(copies: list[CopyTime]) -> list[CopyTime]:
+    """Each copy's ``stall_ms``, as the events around its wait measure it: the wait starts when the
+    compute stream gets there (the end of the last kernel before its line, or the end of the wait
+    before it where no kernel ran between the two) and ends at the later of that and the copy's end,
+    within the stream's idle span across the line. Waits sharing a span each count their own part."""
+    resumed: dict[tuple[float, float], float] = {}  # by idle span: where the last wait in it ended
+    stalls: dict[int, float] = {}
+    for i in sorted(range(len(copies)), key=lambda i: copies[i].transfer.wait_line):
+        c = copies[i]
+        if not c.memcpys or c.transfer.wait_line < 0:
+            continue
+        span = c.gap_at_wait_us
+        start = max(span[0], resumed.get(span, span[0]))
+        end = max(start, min(max(g.end_us for g in c.memcpys), span[1]))
+        resumed[span] = end
+        stalls[i] = (end - start) / 1e3
+    return [dataclasses.replace(c, stall_ms=stalls.get(i, 0.0)) for i, c in enumerate(copies)]
