@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import queue
 import threading
 import time
@@ -76,7 +77,8 @@ class CopyJob:
         self.seconds = 0.0
         self.claim = threading.Lock()  # taken by whichever thread copies the bytes: the copy thread or the wait
         # The link's clock (perf_counter seconds), set at submit: when the copy starts on the link and
-        # when the link is done with it; ``copied_at`` is when its bytes were really copied.
+        # when the link is done with it; ``copied_at`` is when its bytes were really copied (by a copy
+        # thread, or by the wait).
         self.start = self.ready_at = self.copied_at = 0.0
 
 
@@ -104,20 +106,19 @@ class _Done:
 class CopyEngine:
     """Two copy threads (device-to-host and host-to-device), each a FIFO link like a copy engine.
 
-    With ``bandwidth`` > 0 (bytes/s) a copy takes at least ``nbytes / bandwidth`` seconds from when
-    the link is free: the link's speed is chosen, so overlap is measured with a known link.
+    With ``bandwidth`` > 0 (bytes/s) a copy takes ``nbytes / bandwidth`` seconds from when the link
+    is free: the link's speed is chosen, so overlap is measured with a known link. Without one, the
+    link runs at this machine's memcpy speed (``memcpy_rate``, measured once).
 
     The link keeps its own clock, as a DMA engine would: a copy starts when it is issued or when the
-    copy before it ends, and is done ``nbytes / bandwidth`` later (or once its bytes are copied, if
-    that is later). The thread only copies the bytes, and a wait that finds them not yet taken copies
-    them itself; the wait then holds the compute thread until the link is done. Copy threads that
-    slept through the link time, and a wait that waited for a copy thread to be scheduled, put the
-    operating system's scheduling on the critical path: on two busy cores that was milliseconds a
-    copy, time the link model (and a GPU's copy engine) does not have (docs/results.md, "Overlap").
-
-    The threads need the GIL to start a copy (the copy itself releases it), and Inductor's C++
-    kernels on a CPU run holding it: a copy queued before one starts after it, or in its wait (whose
-    stall then has the memcpy in it, beyond the link's time).
+    copy before it ends, and is done ``nbytes / bandwidth`` later. The thread only copies the bytes,
+    and a wait that finds them not yet taken copies them itself; the wait then holds the compute
+    thread until the link is done. That clock, not the threads, says when a copy is done and what
+    its wait stalls: copy threads that slept through the link time, and a wait that waited for a copy
+    thread to be scheduled, put the operating system's scheduling on the critical path (on two busy
+    cores, milliseconds a copy: docs/results.md, "Overlap"), and the threads need the GIL to copy,
+    which Inductor's C++ kernels on a CPU hold while they run. A device's copy engine has neither:
+    the bytes a thread did not get to are copied in the wait, at the emulation's cost, not the link's.
     """
 
     def __init__(self) -> None:
@@ -139,7 +140,7 @@ class CopyEngine:
             self._stats.copies[job.direction] += 1
             self._stats.bytes[job.direction] += job.nbytes
             job.start = max(time.perf_counter(), self._link_free[job.direction])
-            job.ready_at = job.start + (job.nbytes / job.bandwidth if job.bandwidth > 0 else 0.0)
+            job.ready_at = job.start + job.nbytes / (job.bandwidth if job.bandwidth > 0 else memcpy_rate())
             self._link_free[job.direction] = job.ready_at
         q.put(job)
 
@@ -166,12 +167,10 @@ class CopyEngine:
         if job.claim.acquire(blocking=False):  # its copy thread has not got to it yet
             self._copy(job)
         job.done.wait()
-        ready = max(job.ready_at, job.copied_at)
-        delay = ready - time.perf_counter()
+        delay = job.ready_at - time.perf_counter()
         if delay > 0:  # the link is still busy with it
             time.sleep(delay)
-        # The link's time: a throttled copy whose bytes were copied late (no one waited) took no longer.
-        job.seconds = (job.ready_at if job.bandwidth > 0 else job.copied_at) - job.start
+        job.seconds = job.ready_at - job.start  # the link's time
         waited = time.perf_counter() - t0
         with self._lock:
             self._stats.wait_seconds[job.direction] += waited
@@ -187,6 +186,19 @@ class CopyEngine:
 
 
 COPY_ENGINE = CopyEngine()
+
+
+@functools.cache
+def memcpy_rate() -> float:
+    """Bytes/s of one large host-to-host copy on this machine (the best of five 8 MiB copies): the
+    link's speed where none is set. Measured once per process."""
+    src, dst = torch.ones(1 << 21), torch.empty(1 << 21)
+    seconds = []
+    for _ in range(5):
+        start = time.perf_counter()
+        dst.copy_(src)
+        seconds.append(time.perf_counter() - start)
+    return src.nbytes / max(min(seconds), 1e-9)
 
 
 def copy_stats() -> CopyEngineStats:
