@@ -204,3 +204,32 @@ def test_a_wait_does_not_wait_for_a_busy_copy_thread():
     assert waited_small >= small.numel() * 4 / SLOW * 0.9  # the link's time is kept
     assert waited_small < 0.5 * (waited_small + waited_big), (waited_small, waited_big)
     assert stats.copy_seconds["d2h"] < 0.5 * (waited_small + waited_big)  # link time, not memcpy time
+
+
+def test_a_copy_its_thread_never_got_to_stalls_by_the_link_clock_alone(monkeypatch):
+    """What the first steps measure of a copy (``runtime.timing``) is the link's: its time is its bytes
+    over the link's speed (without ``cpu_link_bandwidth``, one large memcpy's, ``memcpy_rate``) and its
+    wait stalls only where the link is still busy. A copy thread that never got to the bytes (it
+    needs the GIL, which Inductor's C++ kernels hold) makes the wait copy them at the emulation's
+    cost, not a stall: with the end taken from when the bytes were copied, this wait measured a
+    stall of the 32 MiB memcpy."""
+    from fxoffload.runtime import timing
+
+    monkeypatch.setattr(copy_engine.CopyEngine, "_run", lambda self, q: None)  # new threads copy nothing
+    monkeypatch.setattr(copy_engine.COPY_ENGINE, "_queues", {})  # so a fresh (idle) thread takes the queue
+    name = ir.transfer_name(999_998, "x")
+    src = torch.randn(8 << 20)  # 32 MiB
+    recording = timing.Recording(ir.transfer_name(999_998, "")).start()
+    host = ir.OFFLOAD(src, [], 0.0, name)
+    recording.close()
+    time.sleep(0.05)  # the link is done long before the wait; no thread has copied the bytes
+    assert torch.isnan(host).all()
+    assert torch.equal(ir.WAIT(host, src, []), src)  # the wait copied them itself
+    back = ir.RELOAD(host, src.device, [], 0.0, name)
+    time.sleep(0.05)
+    assert torch.equal(ir.WAIT(back, host, []), src)
+    offload, reload = recording.stop()
+    link = src.nbytes / copy_engine.memcpy_rate()
+    for t in (offload, reload):
+        assert t.copy_s == pytest.approx(link, rel=1e-6) and t.stall_s == 0.0, t
+        assert t.window_s >= 0.04
