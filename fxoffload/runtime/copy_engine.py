@@ -35,6 +35,15 @@ def span(t: torch.Tensor) -> torch.Tensor:
     return t.as_strided((span_elements(t.shape, t.stride()),), (1,), t.storage_offset())
 
 
+def copy_span(dest: torch.Tensor, src: torch.Tensor, non_blocking: bool = False) -> None:
+    """``span(dest) <- span(src)``: the bytes ``src`` addresses into ``dest`` of the same layout (two
+    dense tensors copy as they are: no views made)."""
+    if dest.is_contiguous() and src.is_contiguous():
+        dest.copy_(src, non_blocking=non_blocking)
+    else:
+        span(dest).copy_(span(src), non_blocking=non_blocking)
+
+
 def span_nbytes(t: torch.Tensor) -> int:
     if t.is_contiguous():
         return t.numel() * t.element_size()
@@ -155,7 +164,7 @@ class CopyEngine:
     def _copy(job: CopyJob) -> None:
         try:
             with torch.no_grad():
-                span(job.staging).copy_(span(job.src))  # type: ignore[arg-type]
+                copy_span(job.staging, job.src)  # type: ignore[arg-type]
         except BaseException as e:  # reported at the wait, on the compute thread
             job.error = e
         job.src = None  # from here on only the graph keeps the source alive
@@ -219,7 +228,7 @@ def _poison(t: torch.Tensor) -> None:
     else:
         value = torch.iinfo(t.dtype).min
     with torch.no_grad():
-        span(t).fill_(value)
+        (t if t.is_contiguous() else span(t)).fill_(value)
 
 
 def start_cpu_copy(direction: str, src: torch.Tensor, dest: torch.Tensor, bandwidth: float) -> CopyJob:
@@ -249,7 +258,7 @@ def finish_cpu_copy(job: CopyJob, dest: torch.Tensor, keepalive: torch.Tensor) -
             "(a copy of it was passed to one of the two ops); the source can be freed mid-copy"
         )
     with torch.no_grad():
-        span(dest).copy_(span(job.staging))  # the real bytes appear when the copy is waited on
+        copy_span(dest, job.staging)  # the real bytes appear when the copy is waited on
     job.staging = None  # back to the staging pool
     free_storage_weak_ref(job.src_ref)
 

@@ -23,7 +23,7 @@ import torch
 
 from .._compat import storage_expired, storage_weak_ref
 from ..ir import LIBRARY
-from .copy_engine import D2H, H2D, CopyJob, finish_cpu_copy, span, span_nbytes, start_cpu_copy
+from .copy_engine import D2H, H2D, CopyJob, copy_span, finish_cpu_copy, span_nbytes, start_cpu_copy
 from .host_pool import HOST_POOL, keep_on_device, kept_on_device
 from .timing import Stamps, recording
 
@@ -116,7 +116,7 @@ def _kept_copy(src: torch.Tensor) -> torch.Tensor:
     stream's order: after ``src`` is made, before its memory is reused)."""
     kept = torch.empty_strided(src.size(), src.stride(), dtype=src.dtype, device=src.device)
     with torch.no_grad():
-        span(kept).copy_(span(src))
+        copy_span(kept, src)
     host = keep_on_device(kept)
     _register(host, _Pending(None, src.device))
     return host
@@ -148,7 +148,7 @@ def _device_copy(src: torch.Tensor, dest: torch.Tensor, device: torch.device, st
     with transfer:  # restores the previous stream and current device on exit
         if stamps is not None:
             stamps.around_copy(transfer, start=True)
-        span(dest).copy_(span(src), non_blocking=True)  # pinned pool buffer, or pageable: then it syncs
+        copy_span(dest, src, non_blocking=True)  # pinned pool buffer, or pageable: then it syncs
         transfer.record_event(event)
         if stamps is not None:
             stamps.around_copy(transfer, start=False)
