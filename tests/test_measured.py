@@ -105,7 +105,8 @@ def test_each_copy_is_measured_and_shown_beside_the_plan(link, bf16):
     assert report.measured_forward_ms > 0 and report.measured_stall_ms >= 0
     stall_fw = sum(r.measured_stall_ms for r in report.offloaded)
     assert report.measured_stall_ms == pytest.approx(stall_fw)
-    assert 0 < report.offload_bound_bytes <= LINKS[link] * report.measured_forward_ms / 1e3
+    # the link measured at its own speed (the engine's clock), to float rounding
+    assert 0 < report.offload_bound_bytes <= LINKS[link] * report.measured_forward_ms / 1e3 * (1 + 1e-9)
     summary = report.summary()
     assert "measured in a step: forward" in summary and "that can leave without a stall" in summary
     assert "measured copy ms out/in, stall pred/meas" in report.table(width=250)
