@@ -235,7 +235,8 @@ class OffloadOptions:
         return cls(**merged)
 
     def cpu_link(self) -> tuple[float, float]:
-        """(device-to-host, host-to-device) bytes/s of the CPU copy engine; 0 is unthrottled."""
+        """(device-to-host, host-to-device) bytes/s of the CPU copy engine; 0: the machine's memcpy
+        speed (``runtime.copy_engine.memcpy_rate``)."""
         rates = dict(self.cpu_link_bandwidth or ())
         return rates.get("d2h", 0.0), rates.get("h2d", 0.0)
 
