@@ -189,19 +189,14 @@ def copies_from_trace(trace: dict[str, Any]) -> dict[str, float]:
     gpu = Trace(trace).gpu
     out: dict[str, float] = {}
     for direction in ("DtoH", "HtoD"):
-        events = [
-            e
-            for e in trace.get("traceEvents", [])
-            if e.get("cat") == "gpu_memcpy" and direction in e.get("name", "") and e.get("ph") == "X"
-        ]
-        nbytes = sum(int(e.get("args", {}).get("bytes", 0)) for e in events)
-        seconds = sum(float(e.get("dur", 0)) for e in events) / 1e6
+        nbytes = sum(g.nbytes for g in gpu if g.direction == direction)
+        ms, _, share = overlap_share(gpu, direction)
         key = direction.lower()
         out[f"{key}_MiB"] = nbytes / MiB
-        out[f"{key}_ms"] = seconds * 1e3
-        out[f"{key}_GBps"] = nbytes / seconds / 1e9 if seconds > 0 else 0.0
-        if seconds > 0:
-            out[f"{key}_overlap"] = overlap_share(gpu, direction)[2]
+        out[f"{key}_ms"] = ms
+        out[f"{key}_GBps"] = nbytes / ms / 1e6 if ms > 0 else 0.0
+        if ms > 0:
+            out[f"{key}_overlap"] = share
     return out
 
 

@@ -20,7 +20,7 @@ from ..analysis.memory import CATEGORIES, CallOutside, MemoryPoint, MemoryTimeli
 from ..analysis.outside import OutsideMemory
 from ..planning.decisions import OffloadPlan, PlanCosts
 from ..reasons import Action
-from ..rewrite.host_copies import HostCopy, replay_switched_off, switched_off_held
+from ..rewrite.host_copies import HostCopy, replay_switched_off, switched_off_held, switched_off_hosts
 from . import plot as plotting
 from . import render
 from .rows import SavedRow, carry_measured, saved_rows, with_measured
@@ -236,9 +236,6 @@ class OffloadReport:
     def _copies(self) -> list[tuple[str, int, int]]:
         return [(c.host_name, c.first, c.nbytes) for c in self.host_copies]
 
-    def _switched_hosts(self) -> set[str]:
-        return {c.host_name for c in self.host_copies if c.name in self.switched_off}
-
     def timeline(self) -> list[dict[str, object]]:
         """Predicted live device bytes after every node, without and with fxoffload, as data; "host" is
         the bytes of offloaded tensors held on the host at that node (not in "total")."""
@@ -272,7 +269,9 @@ class OffloadReport:
         if which == "before" or not self.host_copies:
             return [0] * n
         if which == "compiled":
-            return code_host_in_flight(timeline, self._copies(), skip=self._switched_hosts())
+            return code_host_in_flight(
+                timeline, self._copies(), skip=switched_off_hosts(self.host_copies, self.switched_off)
+            )
         # A copy switched off at run time is kept on the device: no host bytes.
         return bytes_over_points(
             n, [(c.first, c.last + 1, c.nbytes) for c in self.host_copies if c.name not in self.switched_off]

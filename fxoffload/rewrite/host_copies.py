@@ -20,7 +20,7 @@ from ..ir import OFFLOAD, RELOAD, WAIT, is_transfer
 from ..sizes import tensor_bytes
 from .transfers import host_placeholder_name
 
-__all__ = ["HostCopy", "find_host_copies", "replay_switched_off", "switched_off_held"]
+__all__ = ["HostCopy", "find_host_copies", "replay_switched_off", "switched_off_held", "switched_off_hosts"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,6 +89,12 @@ def switched_off_held(copies: Sequence[HostCopy], names: Collection[str], points
     ])  # fmt: skip
 
 
+def switched_off_hosts(copies: Sequence[HostCopy], switched_off: Collection[str]) -> set[str]:
+    """The backward placeholders that hold the host copies of ``switched_off`` (each a handle of a
+    copy kept on the device)."""
+    return {c.host_name for c in copies if c.name in switched_off}
+
+
 def replay_switched_off(
     output_code: Mapping[str, str],
     num_fwd_outputs: int | None,
@@ -100,6 +106,6 @@ def replay_switched_off(
     """The replay of the code Inductor generated (``analysis.code_memory.replay_pair``), the host copies
     of ``switched_off`` counted on the device (their offloads keep a copy there). None until both
     graphs are compiled, and with ``inner="aot_eager"``."""
-    kept = {c.host_name for c in copies if c.name in switched_off}
+    kept = switched_off_hosts(copies, switched_off)
     listed = [(c.host_name, c.first, c.nbytes) for c in copies] if kept else ()
     return replay_pair(output_code, num_fwd_outputs, outside, outside_backward, listed, kept)
