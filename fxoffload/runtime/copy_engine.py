@@ -151,7 +151,8 @@ class CopyEngine:
             self._stats.copies[job.direction] += 1
             self._stats.bytes[job.direction] += job.nbytes
             job.start = max(time.perf_counter(), self._link_free[job.direction])
-            job.ready_at = job.start + job.nbytes / rate
+            job.seconds = job.nbytes / rate  # the link's time, kept as it is (not a difference of clocks)
+            job.ready_at = job.start + job.seconds
             self._link_free[job.direction] = job.ready_at
         q.put(job)
 
@@ -183,7 +184,6 @@ class CopyEngine:
             time.sleep(delay)
         while time.perf_counter() < job.ready_at:  # a sleep this short would take ~0.1 ms: spin
             pass
-        job.seconds = job.ready_at - job.start  # the link's time
         waited = time.perf_counter() - t0
         with self._lock:
             self._stats.wait_seconds[job.direction] += waited

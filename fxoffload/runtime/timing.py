@@ -98,6 +98,7 @@ class Stamps:
     issue: Any = None  # compute-stream event, or perf_counter seconds
     copy_start: Any = None
     copy_end: Any = None
+    copy_s: float = 0.0  # on a CPU: the link's time for the copy (``link_times``)
     wait_start: Any = None
     wait_end: Any = None
     waited: bool = False
@@ -127,9 +128,10 @@ class Stamps:
         if stream is not None:
             setattr(self, "copy_start" if start else "copy_end", _event(stream))
 
-    def link_times(self, start: float, end: float) -> None:
-        """On a CPU: the copy engine's link clock for the copy."""
-        self.copy_start, self.copy_end = start, end
+    def link_times(self, start: float, seconds: float) -> None:
+        """On a CPU: the copy engine's link clock for the copy: when it starts on the link, and how long
+        it takes there (kept as it is: a difference of clocks near 1e5 s loses digits of a microsecond)."""
+        self.copy_start, self.copy_end, self.copy_s = start, start + seconds, seconds
 
     def before_wait(self) -> None:
         if self.device.type == "cpu":
@@ -147,7 +149,7 @@ class Stamps:
     def resolve(self) -> TransferTime:
         if self.device.type == "cpu":
             window = self.wait_start - self.issue
-            copy = self.copy_end - self.copy_start
+            copy = self.copy_s
             # As a copy engine would stall a compute stream: until the copy is done on the link; the
             # wait's own work of publishing the bytes (an emulation's, see ``copy_engine``) is not it.
             stall = self.copy_end - self.wait_start

@@ -215,7 +215,7 @@ def _wait_impl(dest: torch.Tensor, keepalive: torch.Tensor, after: Sequence[torc
     if pending.job is not None:
         finish_cpu_copy(pending.job, dest, keepalive)
         if stamps is not None:
-            stamps.link_times(pending.job.start, pending.job.ready_at)
+            stamps.link_times(pending.job.start, pending.job.seconds)
     elif pending.event is not None:
         torch.accelerator.current_stream(pending.device).wait_event(pending.event)
     if stamps is not None:
