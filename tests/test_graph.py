@@ -157,24 +157,3 @@ def test_the_report_times_the_pass_and_keeps_graphs_out_of_json():
     assert '"timings"' in text and '"graphs"' not in text and "GraphModule" not in repr(report)
     back = OffloadReport.from_json(text)
     assert back == report and back.timings == t and back.graphs is None
-
-
-def test_run_ends_put_an_op_at_the_end_of_its_run():
-    """``analysis.runs``: an op due after a node inside a run of fusible nodes goes to the run's end;
-    after a matmul, or after the last node of a run, it stays where it is."""
-    from torch.fx.experimental.proxy_tensor import make_fx
-
-    from fxoffload.analysis.runs import run_ends
-
-    def f(x, w):
-        a = x.relu()
-        b = a * 2
-        c = torch.mm(b, w)
-        d = c.sin()
-        e = d + 1
-        return torch.mm(e, w)
-
-    gm = make_fx(f)(torch.randn(4, 4), torch.randn(4, 4))
-    names = [n.name for n in gm.graph.nodes if n.op != "output"]
-    assert names == ["x_1", "w_1", "relu", "mul", "mm", "sin", "add", "mm_1"]
-    assert run_ends(gm) == (0, 1, 3, 3, 4, 6, 6, 7)

@@ -6,8 +6,6 @@ Each check reads ``report.output_code`` (Inductor's wrapper code, kept by the ba
 backward placeholder they read.
 """
 
-import copy
-
 import pytest
 import torch
 
@@ -213,33 +211,3 @@ def test_the_second_pass_of_a_mix_order_reduction_launches_a_kernel():
     )
     (t,) = codecheck.transfers(code)
     assert t.kernels_between == 2
-
-
-def _cpp_functions(report) -> tuple[int, int]:
-    """The C++ kernel functions each phase's wrapper code calls."""
-    return tuple(
-        sum(codecheck.is_kernel(line) and "cpp_fused_" in line for line in codecheck.call_body(report.output_code[p]))
-        for p in ("forward", "backward")
-    )  # fmt: skip
-
-
-def test_an_offload_is_issued_at_the_end_of_its_run_of_cpp_code():
-    """Inductor's C++ backend packs the nodes between two extern kernels into one function, and a
-    transfer op is an extern kernel (``analysis.runs``). Offloads are issued at the end of their
-    last reader's run, so the 1-layer GPT with every tensor offloaded calls 8 C++ functions in its
-    forward against 5 unchanged; with each offload right after its last reader, 11. Same loss."""
-    cfg = GPTConfig(layers=1, dropout=0.0)
-    torch.manual_seed(0)
-    model, args = GPT(cfg), gpt_batch(cfg, 8)
-    counts, losses = {}, {}
-    for policy in ("none", "all"):
-        torch._dynamo.reset()
-        backend = cpu_backend(inner="inductor", policy=policy)
-        loss = torch.compile(copy.deepcopy(model), backend=backend)(*args)
-        loss.backward()
-        (report,) = backend.reports
-        counts[policy], losses[policy] = _cpp_functions(report), loss.item()
-        if policy == "all":
-            assert len(report.offloaded) > 15
-    assert losses["all"] == losses["none"]
-    assert counts["all"][0] - counts["none"][0] <= 3, counts

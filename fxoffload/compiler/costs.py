@@ -15,7 +15,6 @@ from ..analysis.cost import device_rates, node_start_times
 from ..analysis.lifetimes import GraphLifetimes
 from ..analysis.memory import kept_saved_bytes, simulate
 from ..analysis.outside import OutsideMemory, graph_device, read_outside_memory
-from ..analysis.runs import run_ends
 from ..measure.link import measure_link
 from ..measure.standalone import calibrate, op_temporaries
 from ..options import OffloadOptions
@@ -71,8 +70,6 @@ def plan_costs(
         outside=held,
         calls=outside.calls if outside is not None else (),
         kept=kept,
-        # Inductor's C++ backend packs each run of fusible nodes into one function (``analysis.runs``).
-        fw_run_ends=run_ends(fw) if device.type == "cpu" else (),
     )
 
 

@@ -171,7 +171,7 @@ class _Fit:
         tensors = [*self.chosen, *self.extra]
         schedule = schedule_transfers(
             tensors, self.costs.fw_starts, self.costs.bw_starts, self.costs.rates, max_inflight,
-            wait_at_once=frozenset(t.name for t in self.extra), run_ends=self.costs.fw_run_ends,
+            wait_at_once=frozenset(t.name for t in self.extra),
         )  # fmt: skip
         applied = recompute_ends(self.recomputes, self.saved, self.fw_points)
         off = [offload_interval(t, timing, self.fw_points) for timing, t in zip(schedule.timings, tensors)]

@@ -47,9 +47,6 @@ class PlanCosts:
     # the same pair keep what it keeps (``kept``, before any change): ``memory.with_plan``.
     calls: tuple[CallOutside, ...] = ()
     kept: int = 0
-    # Where the compiler packs runs of fusible nodes into one function (Inductor on a CPU): per forward
-    # node, the last node of its run, where the schedule issues an offload due after it (``analysis.runs``).
-    fw_run_ends: tuple[int, ...] = dataclasses.field(default=(), compare=False, repr=False)
 
 
 @dataclasses.dataclass(frozen=True)

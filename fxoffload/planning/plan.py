@@ -480,7 +480,7 @@ def _schedule(
         return {}, 0.0
     schedule = schedule_transfers(
         chosen, costs.fw_starts, costs.bw_starts, costs.rates, options.max_inflight_reloads,
-        wait_at_once=wait_at_once, run_ends=costs.fw_run_ends,
+        wait_at_once=wait_at_once,
     )  # fmt: skip
     return schedule.by_name(), schedule.stall
 

@@ -41,9 +41,6 @@ class TransferTiming:
     stall: float  # compute-stream time lost waiting for this tensor's copies
     fw_wait_after: int  # forward node index after which its wait goes
     bw_issue_after: int  # backward node index after which its reload is issued; -1: at the start
-    # Where the copy is issued when not right after its last forward reader: at the end of that
-    # reader's run of fusible nodes (``analysis.runs``).
-    fw_issue_after: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,8 +75,7 @@ def copy_windows(t: SavedTensor, timing: TransferTiming, costs) -> tuple[float, 
     them: the offload issued after its tensor's last forward use, waited on after ``fw_wait_after``;
     the reload issued after ``bw_issue_after``, waited on before the first backward use."""
     fw, bw = costs.fw_starts, costs.bw_starts
-    issued = t.fw_last_use if timing.fw_issue_after is None else timing.fw_issue_after
-    fw_window = fw[min(timing.fw_wait_after + 1, len(fw) - 1)] - fw[issued + 1]
+    fw_window = fw[min(timing.fw_wait_after + 1, len(fw) - 1)] - fw[t.fw_last_use + 1]
     issue = bw[timing.bw_issue_after + 1] if timing.bw_issue_after >= 0 else 0.0
     return max(0.0, fw_window), max(0.0, bw[max(t.bw_first_use, 0)] - issue)
 
@@ -91,7 +87,6 @@ def schedule_transfers(
     rates: DeviceRates,
     max_inflight: int = 8,
     wait_at_once: frozenset[str] = frozenset(),
-    run_ends: Sequence[int] = (),
 ) -> TransferSchedule:
     """Timings of the copies of ``chosen`` on a shared link, one FIFO queue per direction.
 
@@ -102,11 +97,8 @@ def schedule_transfers(
 
     Waits and reloads are placed for copies ``rates.copy_margin`` longer than predicted
     (``padded_copy_seconds``), the stall is predicted with the copies' own times.
-
-    ``run_ends`` (the forward's, ``analysis.runs``), where the compiler packs runs of fusible nodes
-    into one function: each offload is issued at the end of its last reader's run.
     """
-    fw = _forward_schedule(chosen, fw_starts, rates, wait_at_once, run_ends)
+    fw = _forward_schedule(chosen, fw_starts, rates, wait_at_once)
     bw = _backward_schedule(chosen, bw_starts, rates, max_inflight, wait_at_once)
     timings = []
     for t in chosen:
@@ -114,33 +106,20 @@ def schedule_transfers(
         fw_window, bw_window = windows(t, fw_starts, bw_starts)
         f, b = fw[t.name], bw[t.name]
         timings.append(TransferTiming(t.name, d2h, h2d, fw_window, bw_window, f[0], f[1], b[0], b[1],
-                                      f[2] + b[2], f[3], b[3], f[4]))  # fmt: skip
+                                      f[2] + b[2], f[3], b[3]))  # fmt: skip
     return TransferSchedule(tuple(timings))
 
 
-# Per tensor: (copy start, copy end, stall, node index its wait goes after / its reload is issued
-# after, and for an offload the node it is issued after where not its last reader, else None).
-_Placed = dict[str, tuple[float, float, float, int, "int | None"]]
-
-
-def issued_after(t: SavedTensor, run_ends: Sequence[int] = ()) -> int:
-    """The forward node an offload of ``t`` is issued after: its last reader, or the end of that
-    reader's run (``run_ends``, ``analysis.runs``)."""
-    return run_ends[t.fw_last_use] if 0 <= t.fw_last_use < len(run_ends) else t.fw_last_use
+# Per tensor: (copy start, copy end, stall, node index its wait goes after / its reload is issued after).
+_Placed = dict[str, tuple[float, float, float, int]]
 
 
 def _forward_schedule(
-    chosen: Sequence[SavedTensor],
-    fw_starts: Sequence[float],
-    rates: DeviceRates,
-    wait_at_once: frozenset[str],
-    run_ends: Sequence[int] = (),
+    chosen: Sequence[SavedTensor], fw_starts: Sequence[float], rates: DeviceRates, wait_at_once: frozenset[str]
 ) -> _Placed:
     """Each offload released at its last use, queued on the link; its wait after the first node
     that ends once the (padded) copy is predicted done; the forward clock run node by node, a wait
-    whose copy is not done stalling it. With ``run_ends``, the copy is issued at the end of its last
-    reader's run (``analysis.runs``), timed from its last reader still (the rest of the run is
-    fused pointwise work), and waited on after that at the earliest."""
+    whose copy is not done stalling it."""
     n_fw = len(fw_starts) - 1
     # First pass, no stalls: when would each copy be done, and so where does its wait go?
     link = 0.0
@@ -149,10 +128,10 @@ def _forward_schedule(
     for t in by_release:
         d2h, _ = padded_copy_seconds(t, rates)
         link = end = max(fw_starts[t.fw_last_use + 1], link) + d2h
-        j = issued_after(t, run_ends) + 1
+        j = t.fw_last_use + 1
         if t.name not in wait_at_once:
             # the first node j >= last use + 1 that ends (fw_starts[j + 1]) at or after the copy
-            j = max(j, bisect.bisect_left(fw_starts, end, lo=t.fw_last_use + 2) - 1)
+            j = max(j, bisect.bisect_left(fw_starts, end, lo=j + 1) - 1)
         wait_node[t.name] = min(j, n_fw - 1)
     # Second pass: run the forward clock node by node; a wait whose copy is not done stalls it.
     released: dict[int, list[SavedTensor]] = {}
@@ -161,7 +140,7 @@ def _forward_schedule(
         released.setdefault(t.fw_last_use, []).append(t)
         waits.setdefault(wait_node[t.name], []).append(t)
     clock, link = 0.0, 0.0
-    fw: _Placed = {}
+    fw: dict[str, tuple[float, float, float, int]] = {}
     copy_end: dict[str, tuple[float, float]] = {}
     for i in range(n_fw):
         clock += fw_starts[i + 1] - fw_starts[i]
@@ -173,8 +152,7 @@ def _forward_schedule(
             start, end = copy_end[t.name]
             stall = max(0.0, end - clock)
             clock += stall
-            issued = issued_after(t, run_ends)
-            fw[t.name] = (start, end, stall, wait_node[t.name], issued if issued != t.fw_last_use else None)
+            fw[t.name] = (start, end, stall, wait_node[t.name])
     return fw
 
 
@@ -188,7 +166,7 @@ def _backward_schedule(
     """Each reload issued as late as it can be and still be done when its first use starts, at most
     ``max_inflight`` ahead of their use and never before the backward starts; a reload that cannot
     make it stalls the compute stream by the difference."""
-    bw: _Placed = {}
+    bw: dict[str, tuple[float, float, float, int]] = {}
     order = sorted(chosen, key=lambda t: (t.bw_first_use, t.output_index))
     need = [bw_starts[max(t.bw_first_use, 0)] for t in order]
     dur = [copy_seconds(t, rates)[1] for t in order]
@@ -216,7 +194,7 @@ def _backward_schedule(
         a = bisect.bisect_right(bw_starts, issue[i], lo=1) - 2
         if t.name in wait_at_once:
             a = max(t.bw_first_use - 1, -1)
-        bw[t.name] = (start, end, stall, min(a, max(t.bw_first_use - 1, -1)), None)
+        bw[t.name] = (start, end, stall, min(a, max(t.bw_first_use - 1, -1)))
     return bw
 
 

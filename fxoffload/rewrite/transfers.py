@@ -28,12 +28,11 @@ import torch
 import torch.fx as fx
 
 from ..analysis.graph import is_compute, is_view, storage_root, storage_users
-from ..analysis.runs import first_materialised, materialised, run_edges
-from ..ir import OFFLOAD, ORDER, RELOAD, WAIT, fake_impl, transfer_name
+from ..ir import OFFLOAD, ORDER, RELOAD, TRANSFER_OPS, WAIT, fake_impl, transfer_name
 from ..options import BROKEN_RULES
 from ..planning.decisions import OffloadPlan
 
-__all__ = ["BROKEN_RULES", "apply_plan", "hoist_saved_views", "host_placeholder_name"]
+__all__ = ["BROKEN_RULES", "apply_plan", "hoist_saved_views", "host_placeholder_name", "materialised"]
 
 
 def apply_plan(
@@ -49,8 +48,7 @@ def apply_plan(
 
     With ``prefetch=None`` the copies go where the plan's schedule put them (the forward wait after
     the node by which the copy is predicted done, the reload after the last node that ends before
-    its predicted issue time; on a compiler that packs runs, the offload at the end of its run:
-    ``analysis.runs``); with an int, that many compute nodes away. ``cpu_link`` is the
+    its predicted issue time); with an int, that many compute nodes away. ``cpu_link`` is the
     (device-to-host, host-to-device) speed in bytes/s of the CPU copy engine (0: unthrottled).
     ``broken_rule``: one of ``BROKEN_RULES``, broken on purpose (the option of that name, for the
     tests that prove the suite notices each breakage); None in every real use. ``graph_id`` names
@@ -75,7 +73,7 @@ def apply_plan(
     for decision in chosen:
         t = decision.saved
         timing = decision.timing if prefetch is None else None
-        fw_at = (timing.fw_issue_after, timing.fw_wait_after) if timing else None
+        fw_at = timing.fw_wait_after if timing else None
         bw_at = timing.bw_issue_after if timing else None
         name = transfer_name(graph_id, t.name)
         host = _rewrite_forward(
@@ -143,27 +141,22 @@ def _rewrite_forward(
     index: dict[fx.Node, int],
     x: fx.Node,
     prefetch: int,
-    at: tuple[int | None, int] | None = None,
+    wait_after: int | None = None,
     copy_args: tuple[float, str] = (0.0, ""),
     alive: _Liveness | None = None,
     broken: str | None = None,
 ) -> fx.Node:
-    """``at``: the nodes the plan issues the copy after (None: the last reader) and waits on it after."""
     # Every reader of the storage, through any alias: a saved view of ``relu`` frees relu's storage.
     users = [u for u in storage_users(storage_root(x)) if u in index and u is not x]
     deps = _tensor_results(_maximal([u for u in users if is_compute(u)], index))
     # A multi-output user is represented by its getitems, which may come after it.
-    read = max([x, *users, *deps], key=index.__getitem__)
-    wait_after = at[1] if at is not None else None
-    issue_after = at[0] if at is not None and at[0] is not None else index[read]
-    last = order[max(issue_after, index[read])]  # at the end of its run, where the plan says so
+    last = max([x, *users, *deps], key=index.__getitem__)
     with graph.inserting_after(last):
         # Edges only to nodes every compiler materialises: an edge to a fusible node would make the
         # compiler write out a buffer it would otherwise fuse away.
         # (Each alive there anyway, or a descendant that is, so the edges hold no memory: a reader
         # after the copy is no race, the wait does not free the source, it ends the copy's claim.)
         after = [_alive_edge(d, index[last] + 0.5, order, index, alive) for d in deps if materialised(d)]
-        after += run_edges(order, index, index[read], index[last])
         copy = _call(graph, OFFLOAD, (x, list(dict.fromkeys(a for a in after if a is not None)), *copy_args))
     if wait_after is None:
         anchor = _compute_anchor(order, index[last], prefetch, step=+1)
@@ -179,11 +172,6 @@ def _rewrite_forward(
     c = _issue_before(graph, order, index, index[last] + 1, stop, copy, broken)
     at = index[anchor] + 0.5 if anchor is not None else len(order)  # where the wait goes
     edges = _after_edges(c, anchor, at, order, index, alive)
-    if c is not None and anchor is not None and index[anchor] > index[c] and not edges:
-        # Neither ``c`` nor a materialised descendant lives to the wait (an offload issued at the end
-        # of its run waits later): after what the run hands the next kernel, computed from ``c`` and
-        # alive until that kernel anyway (``analysis.runs``).
-        edges = [e for e in run_edges(order, index, index[c], index[anchor]) if _descends_from(e, c, index)]
     if broken == "reload_before_written":
         return copy  # no wait: the host copy is saved before it is written
     keepalive = copy if broken == "source_released_at_issue" else x
@@ -239,7 +227,7 @@ def _rewrite_backward(
         lower = [anchor] if materialised(anchor) else []
         if materialised(first):
             readers = set(users)
-            stop = first_materialised(order, index[anchor] + 1, index[first])
+            stop = _first_materialised(order, index[anchor] + 1, index[first])
             lower += [
                 a for a in first.all_input_nodes
                 if a in index and a not in readers and a.op != "placeholder" and index[a] < stop
@@ -346,6 +334,18 @@ def _descends_from(n: fx.Node, ancestor: fx.Node, index: dict[fx.Node, int]) -> 
     return False
 
 
+def _first_materialised(order: list[fx.Node], start: int, stop: int, any_node: bool = False) -> int:
+    """Index of the node ``_issue_before`` would pick in ``order[start:stop]``; ``stop`` if none.
+    ``any_node``: any compute node, materialised or not (the rule broken on purpose)."""
+    for i in range(start, min(stop, len(order))):
+        c = order[i]
+        if (any_node and c.op == "call_function" or materialised(c)) and c.target not in TRANSFER_OPS and any(
+            isinstance(a.meta.get("val"), torch.Tensor) for a in c.all_input_nodes
+        ):
+            return i
+    return stop
+
+
 def _issue_before(
     graph: fx.Graph,
     order: list[fx.Node],
@@ -366,7 +366,7 @@ def _issue_before(
         return None
     # Broken on purpose: an edge into a pointwise node makes the compiler realise its input, which
     # splits the fusion it was part of (tests/test_cuda_lowering.py counts Inductor's kernels).
-    i = first_materialised(order, start, stop, any_node=broken == "order_edges_on_pointwise")
+    i = _first_materialised(order, start, stop, any_node=broken == "order_edges_on_pointwise")
     if i < min(stop, len(order)):
         c = order[i]
         inputs = [a for a in c.all_input_nodes if isinstance(a.meta.get("val"), torch.Tensor)]
@@ -381,6 +381,35 @@ def _issue_before(
         c.replace_input_with(inp, routed)
         return _tensor_result(c)
     return None
+
+
+# Ops whose outputs every compiler materialises and whose inputs are buffers: Inductor lowers them
+# to extern kernels (matmuls, convolutions, attention), aot_eager runs them as they are. Data edges
+# to and from them cost no buffer that the graph would not have anyway.
+_MATERIALISED = frozenset(
+    getattr(torch.ops.aten, name)
+    for name in (
+        "mm", "addmm", "bmm", "baddbmm", "_addmm_activation", "convolution", "convolution_backward",
+        "_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_backward",
+        "_scaled_dot_product_efficient_attention", "_scaled_dot_product_efficient_attention_backward",
+        "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_cudnn_attention_backward",
+        "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention_for_cpu_backward",
+        "_flash_attention_forward", "_flash_attention_backward",
+        "_efficient_attention_forward", "_efficient_attention_backward",
+    )
+    if hasattr(torch.ops.aten, name)
+)  # fmt: skip
+
+
+def materialised(n: fx.Node) -> bool:
+    """True when ``n``'s output (or, for a multi-output op, its getitems) is a buffer in every compiler."""
+    if n.op == "placeholder":
+        return True
+    if n.op != "call_function":
+        return False
+    if n.target is operator.getitem:
+        return isinstance(n.args[0], fx.Node) and materialised(n.args[0])
+    return getattr(n.target, "overloadpacket", None) in _MATERIALISED or n.target in TRANSFER_OPS
 
 
 def _tensor_result(n: fx.Node) -> fx.Node | None:
