@@ -36,17 +36,19 @@ from fxoffload.measure.allocator import measure_steady_step
 from fxoffload.testing.models import GPT, GPTConfig, gpt_batch
 
 
-def measure(inner: str, plan: str, layers: int = 4, batch: int = 8, budget: int | None = None) -> dict:
+def measure(
+    inner: str, plan: str, layers: int = 4, batch: int = 8, budget: int | None = None, **options: object
+) -> dict:
     """One row: ``plan`` "baseline" (each block compiled by ``inner`` alone), "none", "all", "auto", or
-    "budget" (policy auto, ``memory_budget=budget`` bytes)."""
+    "budget" (policy auto, ``memory_budget=budget`` bytes); ``options``: more of fxoffload's."""
     torch._dynamo.reset()
     torch.manual_seed(0)
     cfg = GPTConfig(layers=layers)
     model, (idx, targets) = GPT(cfg), gpt_batch(cfg, batch)
     backend: object = inner
     if plan != "baseline":
-        options = {"policy": "auto", "memory_budget": budget} if plan == "budget" else {"policy": plan}
-        backend = fxoffload.backend(offload_cpu=True, inner=inner, min_bytes=0, **options)
+        plan_options = {"policy": "auto", "memory_budget": budget} if plan == "budget" else {"policy": plan}
+        backend = fxoffload.backend(offload_cpu=True, inner=inner, min_bytes=0, **plan_options, **options)
     for i, block in enumerate(model.blocks):
         model.blocks[i] = torch.compile(block, backend=backend)
 

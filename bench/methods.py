@@ -286,6 +286,8 @@ def _intree(model: nn.Module, batch: tuple, ctx: Context) -> Prepared:
     reports = ctx.auto_reports  # set by an fxoffload-auto row with inner="inductor" that ran before
     if reports is None:  # the names must come from Inductor's joint graph, so plan with inner="inductor"
         options = ctx.fxoffload_options(policy="auto", inner="inductor")
+        if not ctx.cuda:  # the tensors whose copies would hide: torch's pass has no calls of fxoffload's
+            options["op_time"] = 0.0
         with _autocast(ctx):
             reports = fxoffload.explain(copy.deepcopy(model), *batch, **options)
         torch._dynamo.reset()

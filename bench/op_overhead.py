@@ -17,70 +17,19 @@ stall. "switched off" is an offload whose copy was switched off at run time
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import time
 
 import torch
 from tabulate import tabulate
 
 import fxoffload  # noqa: F401  (registers the ops' implementations)
-from fxoffload import ir
-from fxoffload.runtime.transfers import switch_copies_off, switch_copies_on
-
-_NAME = ir.transfer_name(999_999, "x")  # a graph id no compile uses
-
-
-def _sync(device: torch.device) -> None:
-    if device.type != "cpu":
-        torch.accelerator.synchronize(device)
-
+from fxoffload.measure.op_time import OP_CALLS, op_call_seconds
 
 def measure(
     device: torch.device, nbytes: int = 64, calls: int = 1000, settle_s: float = 0.0005
 ) -> dict[str, float]:
     """Median host microseconds of each op call on ``device`` (``calls`` cycles after 10% warm-up)."""
-    x = torch.randn(max(1, nbytes // 4), device=device)
-    times: dict[str, list[float]] = {
-        k: [] for k in ("offload", "wait (d2h)", "reload", "wait (h2d)", "order")
-    }
-
-    def timed(key: str, fn, *args):
-        start = time.perf_counter()
-        out = fn(*args)
-        times[key].append(time.perf_counter() - start)
-        return out
-
-    def cycle() -> None:
-        host = timed("offload", ir.OFFLOAD, x, [], 0.0, _NAME)
-        _sync(device)
-        time.sleep(settle_s)  # the copy is done: the wait below does not stall
-        host = timed("wait (d2h)", ir.WAIT, host, x, [])
-        back = timed("reload", ir.RELOAD, host, x.device, [], 0.0, _NAME)
-        _sync(device)
-        time.sleep(settle_s)
-        timed("wait (h2d)", ir.WAIT, back, host, [])
-        timed("order", ir.ORDER, x, [])
-
-    for _ in range(max(1, calls // 10)):
-        cycle()
-    for v in times.values():
-        v.clear()
-    for _ in range(calls):
-        cycle()
-    out = {k: statistics.median(v) * 1e6 for k, v in times.items()}
-    switch_copies_off([_NAME])
-    try:
-        off: list[float] = []
-        for _ in range(calls):
-            start = time.perf_counter()
-            host = ir.OFFLOAD(x, [], 0.0, _NAME)
-            off.append(time.perf_counter() - start)
-            ir.WAIT(host, x, [])
-        out["offload, switched off"] = statistics.median(off) * 1e6
-    finally:
-        switch_copies_on(_NAME)
-    return out
+    return {k: v * 1e6 for k, v in op_call_seconds(device, nbytes, calls, settle_s).items()}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -108,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
             disable_numparse=True, colalign=("left", "right"),
         )  # fmt: skip
     )
-    per_tensor = us["offload"] + us["wait (d2h)"] + us["reload"] + us["wait (h2d)"]
+    per_tensor = sum(us[k] for k in OP_CALLS)
     print(f"one offloaded tensor, its four calls: {per_tensor:.1f} us of host time a step")
     return 0
 

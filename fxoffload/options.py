@@ -77,6 +77,11 @@ class OffloadOptions:
     # Device compute rates for the cost model: {"flops": FLOP/s, "memory_bandwidth": bytes/s};
     # None uses figures for the GPU model (fixed ones on CPU).
     compute_rates: Any = None
+    # Seconds of the compute stream's time one offloaded tensor's four op calls take (offload, reload
+    # and their waits), apart from any stall. None: measured once per process on a CPU (where the
+    # calls run on the compute thread), 0 on an accelerator (the host issues them ahead of the device).
+    # "auto" spends at most ``AUTO_TIME_SHARE`` of the predicted step on them.
+    op_time: float | None = None
     # Time every distinct compute op of a graph once on its device (random inputs of the traced
     # shapes) and plan with the measured times instead of the FLOP/bandwidth model. Slower planning;
     # timings vary, so plans may differ between runs and ranks.
@@ -152,6 +157,13 @@ class OffloadOptions:
         object.__setattr__(
             self, "compute_rates", _rates("compute_rates", self.compute_rates, ("flops", "memory_bandwidth"))
         )
+        if self.op_time is not None and (
+            isinstance(self.op_time, bool) or not isinstance(self.op_time, (int, float))
+            or not 0 <= self.op_time < float("inf")
+        ):  # fmt: skip
+            raise ValueError(
+                f"fxoffload: op_time must be None (measured) or a number of seconds >= 0, got {self.op_time!r}"
+            )
         if isinstance(self.max_inflight_reloads, bool) or not isinstance(self.max_inflight_reloads, int) or (
             self.max_inflight_reloads < 1
         ):

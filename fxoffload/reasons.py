@@ -55,6 +55,7 @@ class ReasonCode(_StrEnum):
     # policy="auto" and memory_budget.
     TOO_SOON = "too_soon"
     NOT_HIDDEN = "not_hidden"
+    OP_TIME = "op_time"
     MEASURED_STALL = "measured_stall"
     HIDDEN = "hidden"
     IDLE_WINDOW = "idle_window"

@@ -184,11 +184,12 @@ def test_cli_explain_help_shows_defaults_and_examples():
 
 
 def test_cli_example_min_bytes_offloads_and_the_short_table_fits(tmp_path):
-    """The built-in examples carry a min_bytes that makes them offload (the CNN's 64 KiB; the 1 MiB
+    """The built-in examples carry a min_bytes that makes them offload (policy "all": on a CPU "auto" keeps
+    what its op calls would slow, tests/test_op_time.py) (the CNN's 64 KiB; the 1 MiB
     default would leave most of what they save); the default table is the short one and fits a
     110-column terminal."""
     out = tmp_path / "r.json"
-    result = _cli("explain", "--model", "cnn", "--offload-cpu", "--inner", "aot_eager", "--json", str(out),
+    result = _cli("explain", "--model", "cnn", "--offload-cpu", "--inner", "aot_eager", "--policy", "all", "--json", str(out),
                   env={"COLUMNS": "110"})  # fmt: skip
     assert result.returncode == 0, result.stderr[-2000:]
     (report,) = load_reports(str(out))

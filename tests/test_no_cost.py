@@ -18,6 +18,12 @@ from fxoffload.testing.models import example
 from .conftest import measured_example, measured_steady_step, requires_saved_tensor_reads
 
 
+# The op calls priced as an accelerator's host issues them, costing the compute stream nothing: these
+# tests are about memory, and on a CPU the calls' own time leaves "auto" nothing to offload
+# (tests/test_op_time.py).
+FREE_CALLS = {"op_time": 0.0}
+
+
 def _steady_peak(name: str, backend) -> int:
     """Bytes above the start at the peak of the third training step of ``example(name)``."""
     return measured_example(name, backend)  # one thread, two warm-up steps
@@ -76,7 +82,7 @@ def test_auto_leaves_a_graph_it_cannot_help_unchanged(inner):
     saved tensors is: offloading cannot lower it, so "auto" offloads nothing and says why (before this
     rule it offloaded 11 tensors and, under Inductor, measured +1.5%, as "all" still does)."""
     track_cpu_frees()
-    backend = fxoffload.backend(offload_cpu=True, inner=inner, policy="auto", min_bytes=0)
+    backend = fxoffload.backend(offload_cpu=True, inner=inner, policy="auto", min_bytes=0, **FREE_CALLS)
     measured = _steady_peak("mlp", backend)
     (report,) = backend.reports
     assert not report.offloaded
@@ -91,7 +97,7 @@ def test_auto_does_not_judge_a_pair_that_returns_activations():
     peak, so its own timeline does not decide and "auto" offloads as before."""
     torch._dynamo.reset()
     model, (x,) = example("mlp")
-    backend = fxoffload.backend(offload_cpu=True, inner="aot_eager", policy="auto", min_bytes=0)
+    backend = fxoffload.backend(offload_cpu=True, inner="aot_eager", policy="auto", min_bytes=0, **FREE_CALLS)
     residual = lambda h, layer: h + layer(h)  # noqa: E731  the MLP's forward without the loss
     block = torch.compile(lambda x: functools.reduce(residual, model.layers, x), backend=backend)
     block(x).sum().backward()
@@ -107,7 +113,7 @@ def test_the_users_own_offloads_stay_when_autos_are_dropped():
     def offload_first_matmul(t):
         return "offload" if t.name == "addmm" else None
 
-    backend = fxoffload.backend(offload_cpu=True, inner="aot_eager", policy=offload_first_matmul, min_bytes=0)
+    backend = fxoffload.backend(offload_cpu=True, inner="aot_eager", policy=offload_first_matmul, min_bytes=0, **FREE_CALLS)
     torch.compile(model, backend=backend)(*batch).backward()
     (report,) = backend.reports
     assert [r.name for r in report.offloaded] == ["addmm"]
@@ -153,7 +159,7 @@ def test_memory_budget_plan_whose_code_peaks_higher_is_compiled_unchanged():
     torch._dynamo.reset()
     torch.manual_seed(0)
     model, batch = example("mlp")
-    backend = fxoffload.backend(offload_cpu=True, memory_budget=0.8, min_bytes=0)
+    backend = fxoffload.backend(offload_cpu=True, memory_budget=0.8, min_bytes=0, **FREE_CALLS)
     compiled = torch.compile(model, backend=backend)
     measured, caught = measured_steady_step(model, lambda: compiled(*batch).backward())  # compiles in warm-up
     (report,) = backend.reports
@@ -184,7 +190,7 @@ def test_auto_compiles_unchanged_where_inductors_code_ties():
     backward, where they are all back). "auto"'s copies must lower the peak, so on a tie verify_peak
     keeps the unchanged code; "all" keeps its plan on a tie (``CASES``, whose baseline this shares)."""
     track_cpu_frees()
-    backend = fxoffload.backend(offload_cpu=True, policy="auto", min_bytes=0)
+    backend = fxoffload.backend(offload_cpu=True, policy="auto", min_bytes=0, **FREE_CALLS)
     measured = _steady_peak("seq2seq", backend)
     (report,) = backend.reports
     assert not report.offloaded and "as high as its code without offloading" in report.note, report.note

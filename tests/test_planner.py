@@ -9,7 +9,8 @@ from fxoffload.testing.models import GPT, GPTConfig, gpt_batch
 
 from .conftest import assert_same, cpu_backend, returned_names, train_step
 
-RATES = {"compute_rates": {"flops": 1e13, "memory_bandwidth": 1e12}}  # short windows: links matter
+# Short windows: links matter. The op calls priced as an accelerator's (tests/test_op_time.py prices them).
+RATES = {"compute_rates": {"flops": 1e13, "memory_bandwidth": 1e12}, "op_time": 0.0}
 
 
 def _plan(policy="auto", **options):

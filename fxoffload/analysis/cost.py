@@ -49,15 +49,20 @@ class DeviceRates:
     # its predicted time, and its wait goes where that longer copy would be done. For the noise the
     # model does not see: on a CPU, other processes, OpenMP threads and the copy threads share cores.
     copy_margin: float = 0.0
+    # Seconds of the compute stream's time one offloaded tensor's op calls take (offload, reload and
+    # their waits), stall apart: on a CPU the calls run on the compute thread; on an accelerator the
+    # host issues them ahead of the device (0 until the first steps measure otherwise).
+    op_time: float = 0.0
 
     def __post_init__(self) -> None:
         for field in ("flops", "memory_bandwidth", "d2h", "h2d"):
             value = getattr(self, field)
             if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"fxoffload: device rate {field} must be a positive number, got {value!r}")
-        margin = self.copy_margin
-        if not isinstance(margin, (int, float)) or isinstance(margin, bool) or not 0 <= margin < float("inf"):
-            raise ValueError(f"fxoffload: device rate copy_margin must be a number >= 0, got {margin!r}")
+        for field in ("copy_margin", "op_time"):
+            value = getattr(self, field)
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 <= value < float("inf"):
+                raise ValueError(f"fxoffload: device rate {field} must be a number >= 0, got {value!r}")
 
 
 # Achieved (not datasheet) rates; the host link figures are placeholders replaced by a measurement.

@@ -3,6 +3,7 @@ before it holds, and the memory model before any change. Measurements and models
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -16,6 +17,7 @@ from ..analysis.lifetimes import GraphLifetimes
 from ..analysis.memory import kept_saved_bytes, simulate
 from ..analysis.outside import OutsideMemory, graph_device, read_outside_memory
 from ..measure.link import measure_link
+from ..measure.op_time import measure_op_time
 from ..measure.standalone import calibrate, op_temporaries
 from ..options import OffloadOptions
 from ..planning.decisions import PlanCosts
@@ -37,7 +39,8 @@ def plan_costs(
     probe: Callable[[torch.device], tuple[float, float] | None] = measure_link,
 ) -> PlanCosts:
     """The cost model's view of a graph pair: device rates (the host link measured once per device
-    where a plan needs it), predicted node start times (ops timed on the device with ``calibrate``),
+    where a plan needs it, and on a CPU the transfer ops' own time, ``measure_op_time``), predicted
+    node start times (ops timed on the device with ``calibrate``),
     the ops' measured temporaries and the predicted memory before any change (``baseline``), with
     what code before the pair holds (``outside``, for what this pair keeps) included. ``probe``
     measures a device's host link (None where it cannot: the model's default figure then)."""
@@ -49,6 +52,10 @@ def plan_costs(
     if wants_measure and device.type != "cpu" and not {"d2h", "h2d"} <= overrides.keys():
         link = probe(device)
     rates = device_rates(device, overrides, link)
+    if options.op_time is not None:
+        rates = dataclasses.replace(rates, op_time=options.op_time)
+    elif wants_measure and device.type == "cpu" and options.offload_cpu:
+        rates = dataclasses.replace(rates, op_time=measure_op_time(device))
     fw_times = bw_times = None
     if options.calibrate and wants_measure and (device.type != "cpu" or options.offload_cpu):
         fw_times, bw_times = calibrate(fw, device), calibrate(bw, device)

@@ -101,7 +101,7 @@ def planned_memory(plan: OffloadPlan) -> MemoryTimeline | None:
 class BudgetFit:
     offloads: list[SavedTensor]
     recomputes: dict[str, RecomputeOption]
-    stall_estimate: dict[str, float]  # predicted stall of an un-hidden offload, per candidate
+    stall_estimate: dict[str, float]  # predicted cost of an un-hidden offload (stall, op calls), per candidate
     peak: int  # the fit's estimate of the peak with its choices
 
 
@@ -125,7 +125,7 @@ class _Fit:
         self.costs, self.host_left = costs, host_left
         self.points = costs.baseline.points
         self.fw_points = sum(p.phase == "forward" for p in self.points)
-        self.stall_estimate = {t.name: self._standalone_stall(t) for t in left}
+        self.stall_estimate = {t.name: self._standalone_cost(t) for t in left}
         self.recomputes: dict[str, RecomputeOption] = dict(recomputed)
         self.chosen = list(chosen)
         self.taken = {t.name for t in chosen} | set(self.recomputes)  # offloaded or recomputed
@@ -145,10 +145,10 @@ class _Fit:
         # there has earlier calls. Tracked per phase by the bytes off the device per call.
         self.repeated = any(c.repeats for c in costs.calls)
 
-    def _standalone_stall(self, t: SavedTensor) -> float:
+    def _standalone_cost(self, t: SavedTensor) -> float:
         d2h, h2d = copy_seconds(t, self.costs.rates)
         fw_window, bw_window = windows(t, self.costs.fw_starts, self.costs.bw_starts)
-        return max(0.0, d2h - fw_window) + max(0.0, h2d - bw_window)
+        return max(0.0, d2h - fw_window) + max(0.0, h2d - bw_window) + self.costs.rates.op_time
 
     def outside(self, phase: str, off_bytes: int) -> int:
         return outside_at(self.costs.calls, phase, self.costs.kept - off_bytes) if self.repeated else 0
@@ -240,8 +240,8 @@ def fit_budget(
     """Un-hidden offloads and recomputations, least predicted time per byte first, until the
     predicted peak fits ``budget``.
 
-    Each candidate tensor may be offloaded (cost: its predicted stall, on its own) or recomputed
-    (cost: the op's compute time); both free the same interval, from its last forward use to just
+    Each candidate tensor may be offloaded (cost: its predicted stall, on its own, and its op calls)
+    or recomputed (cost: the op's compute time); both free the same interval, from its last forward use to just
     before its first backward use. Nothing is recomputed from an offloaded tensor, and nothing
     recomputed from is offloaded afterwards; a source may be recomputed too (a chain). Rounds: a
     greedy pass on estimated intervals, then a check with the intervals the transfer schedule really

@@ -19,7 +19,7 @@ from ..sizes import CUDA_BLOCK_BYTES, fmt_bytes
 from .budget import budget_bytes, fit_budget, planned_memory
 from .decisions import Decision, OffloadPlan, PlanCosts, planned_host_bytes
 from .policy import user_choice
-from .schedule import HiddenSetChecker, TransferTiming, padded_copy_seconds, schedule_transfers, windows
+from .schedule import HiddenSetChecker, OpAllowance, TransferTiming, padded_copy_seconds, schedule_transfers, windows
 
 __all__ = ["MIN_COPY_BYTES", "ineligible_reason", "plan_offloads", "replan_after_recompute"]
 
@@ -199,9 +199,10 @@ def _pick(
     the hidden set saves the most. "auto" keeps what would not hide (``HiddenSetChecker``)."""
     auto = options.base_policy == "auto"
     picks = _Picks([], [], 0)
-    checker = None
+    checker = allowance = None
     if costs is not None and auto:
         checker = HiddenSetChecker([*asked.offloads, *eligible], costs.fw_starts, costs.bw_starts, costs.rates)
+        allowance = OpAllowance(costs)  # the user's offloads cost their calls too, but were asked for
 
     def fits(t: SavedTensor) -> bool:
         return host_available is None or picks.host_used + planned_host_bytes(t) <= host_available
@@ -224,13 +225,14 @@ def _pick(
         elif checker is not None and not checker.try_add(t):
             reasons[t.name] = _not_hidden(t, costs)
             picks.left.append(t)
+        elif allowance is not None and not allowance.take():  # spent: it stays so for the smaller ones
+            reasons[t.name] = allowance.reason(len(picks.chosen) - len(asked.offloads))
+            picks.left.append(t)
         else:
             picks.host_used += planned_host_bytes(t)
             picks.chosen.append(t)
-            idle = (
-                f"idle for {t.idle_compute_nodes} compute nodes ({t.fw_compute_after} forward + "
-                f"{t.bw_compute_before} backward)"
-            )
+            idle = f"idle for {t.idle_compute_nodes} compute nodes ({t.fw_compute_after} forward + "
+            idle += f"{t.bw_compute_before} backward)"
             if checker is not None:
                 reasons[t.name] = Reason(ReasonCode.HIDDEN, f"copies predicted hidden; {idle}")
             else:
@@ -263,15 +265,14 @@ def _say_budget_choices(
     for t in fit.offloads:
         text = f"memory_budget {fmt_bytes(budget)}: offloaded although its copies stall"
         if t.name in recompute:
-            text += f" (~{_ms(fit.stall_estimate[t.name])}, cheaper than recomputing it)"
+            text += f" (~{_ms(fit.stall_estimate[t.name])} with its op calls, cheaper than recomputing it)"
         reasons[t.name] = Reason(ReasonCode.BUDGET_OFFLOAD, text)
     for name, option in fit.recomputes.items():
         if name in asked.recomputes:
             continue
         recomputed[name] = option
-        alternative = (
-            f", cheaper than an offload stalling ~{_ms(fit.stall_estimate[name])}" if name in fit.stall_estimate else ""
-        )
+        cost = fit.stall_estimate.get(name)
+        alternative = f", cheaper than an offload costing ~{_ms(cost)} (stall and op calls)" if cost is not None else ""
         reasons[name] = Reason(
             ReasonCode.BUDGET_RECOMPUTE,
             f"memory_budget {fmt_bytes(budget)}: recomputed in the backward by {option.op} from "

@@ -20,9 +20,15 @@ import dataclasses
 import math
 from collections.abc import Sequence
 
+from typing import TYPE_CHECKING
+
 from ..analysis.cost import DeviceRates
 from ..analysis.lifetimes import SavedTensor
+from ..reasons import Reason, ReasonCode
 from .trees import Fenwick, MinTree
+
+if TYPE_CHECKING:
+    from .decisions import PlanCosts
 
 
 @dataclasses.dataclass(frozen=True)
@@ -235,3 +241,35 @@ class HiddenSetChecker:
         self.bw.set(k, own_bw)
         self.bw_prefix_base.add(k, h2d)
         return True
+
+
+# "auto" spends at most this share of the predicted step on its offloads' op calls (``OpAllowance``):
+# below the noise of a step's time, so that its copies cost no time that can be measured.
+AUTO_TIME_SHARE = 0.01
+
+
+class OpAllowance:
+    """"auto"'s allowance for its offloads' op calls (``DeviceRates.op_time`` each, the compute
+    stream's own time on a CPU): ``AUTO_TIME_SHARE`` of the predicted step. A tensor whose copies
+    would hide still costs its calls: past the allowance, it is time traded for memory that nobody
+    asked to save."""
+
+    def __init__(self, costs: PlanCosts) -> None:
+        self.op_time = costs.rates.op_time
+        self.step = costs.fw_starts[-1] + costs.bw_starts[-1]
+        self.left = AUTO_TIME_SHARE * self.step
+
+    def take(self) -> bool:
+        """One more tensor's calls, where the allowance has room for them."""
+        if self.op_time > self.left:
+            return False
+        self.left -= self.op_time
+        return True
+
+    def reason(self, chosen: int) -> Reason:
+        return Reason(
+            ReasonCode.OP_TIME,
+            f"its copies would hide, but its four op calls would take {self.op_time * 1e3:.3g} ms of the compute "
+            f"stream's time a step (op_time), and policy='auto' spends at most {AUTO_TIME_SHARE:.0%} of the "
+            f"predicted step ({self.step * 1e3:.3g} ms) on them: {chosen} larger tensors took it",
+        )

@@ -194,6 +194,11 @@ def summary(report: OffloadReport) -> str:
     lines.extend(f"  planned again: {r}" for r in report.replans)
     if report.device and report.offloaded:  # no stall to predict where nothing is copied
         lines.append(f"  predicted stall: {report.predicted_stall_ms:.3f} ms per step ({report.device})")
+        if report.predicted_op_ms:
+            lines.append(
+                f"  predicted op calls: {report.predicted_op_ms:.3f} ms of the compute stream per step, of "
+                f"{report.predicted_compute_ms:.3f} ms predicted compute"
+            )
     if report.measured_stall_ms is not None:
         lines.append(
             f"  measured in a step: forward {report.measured_forward_ms or 0:.3f} ms, the compute stream waited "

@@ -93,6 +93,10 @@ class OffloadReport:
     memory_budget: int | None = None  # the memory_budget in bytes, when one was asked for
     device: str = ""  # the device the cost model priced, with its host link
     predicted_recompute_ms: float = 0.0  # compute added to the backward by recomputation
+    # The model's compute time of the step (forward and backward), and the compute stream's time the
+    # offloads' op calls take in it (``DeviceRates.op_time`` each: "auto" spends at most 1% on them).
+    predicted_compute_ms: float = 0.0
+    predicted_op_ms: float = 0.0
     # The code the inner compiler really runs, by graph ("forward", "backward"): Inductor's wrapper
     # code, filled in as Inductor compiles each graph (the backward may come at the first backward
     # call). Empty with inner="aot_eager", which runs ``fw_code``/``bw_code`` as they are.
@@ -153,6 +157,9 @@ class OffloadReport:
         report's other fields (``timings``, ``outside``, ``output_code``, ``host_copies``, ...)."""
         costs = plan.costs
         rows = saved_rows(plan)
+        if costs is not None:
+            fields.setdefault("predicted_compute_ms", (costs.fw_starts[-1] + costs.bw_starts[-1]) * 1e3)
+            fields.setdefault("predicted_op_ms", costs.rates.op_time * len(plan.offloaded) * 1e3)
         return cls(
             graph_id, plan.policy, rows, plan.note, fw.code, bw.code,
             len(fw.graph.nodes), len(bw.graph.nodes),
@@ -356,6 +363,8 @@ def _device_line(costs: PlanCosts | None) -> str:
         return ""
     r = costs.rates
     line = f"{r.name}: link {r.d2h / 1e9:.1f} GB/s out, {r.h2d / 1e9:.1f} GB/s in"
+    if r.op_time:
+        line += f"; op calls {r.op_time * 1e3:.3g} ms a tensor"
     if costs.calibrated:
         line += f"; {costs.calibrated} compute nodes timed (calibrate=True)"
     return line

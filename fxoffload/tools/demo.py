@@ -1,10 +1,11 @@
 """`make demo`: train a small GPT-style model a few steps with backend="fxoffload".
 
-It starts where a user should: ``policy="auto"``, which offloads only what hides behind compute and,
-once the device has measured its copies, keeps whatever stalled (the graph is planned again at the
-third step). It compares the steady step's peak memory and time with Inductor's, on a GPU where there
-is one; on a machine without one it runs the same data flow on CPU tensors (offload_cpu=True) and
-says so.
+It starts where a user should: ``policy="auto"``, which offloads only what hides behind compute and
+costs no time (once the device has measured its copies, it switches off whatever stalled), and beside
+it ``policy="all"``, what offloading every eligible tensor saves and costs. It compares the steady
+step's peak memory and time with Inductor's, on a GPU where there is one; on a machine without one it
+runs the same data flow on CPU tensors (offload_cpu=True) and says so: there the op calls run on the
+compute thread, and ``auto`` keeps what they would slow down.
 """
 
 from __future__ import annotations
@@ -67,67 +68,88 @@ def main(argv: list[str] | None = None) -> None:
     torch.manual_seed(0)
     model = GPT(cfg).to(device)
     batch = gpt_batch(cfg, args.batch, device)
+    # "auto" first, as a user should start; beside it "all", what offloading every tensor costs and saves.
+    policies = [args.policy, "all"] if args.policy == "auto" else [args.policy]
     if device == "cuda":
-        backend = fxoffload.backend(policy=args.policy, inner=args.inner)
+        options: dict[str, Any] = {}
         where = f"{torch.cuda.get_device_name()} (torch {torch.__version__})"
     else:
         # The tiny preset is the "gpt" example; its tensors are far below the default min_bytes (1 MiB).
-        backend = fxoffload.backend(
-            policy=args.policy, inner=args.inner, offload_cpu=True, min_bytes=EXAMPLE_MIN_BYTES["gpt"]
-        )
+        options = {"offload_cpu": True, "min_bytes": EXAMPLE_MIN_BYTES["gpt"]}
         where = (f"CPU (torch {torch.__version__}); no GPU, so offload_cpu=True: activations are copied\n"
                  "        to separate host buffers and their storage released (the real data flow, CPU"
                  " figures)")  # fmt: skip
-    print(f"compiling and training twice (fxoffload, {args.inner}), {args.steps} steps each...", flush=True)
-    losses, times, peak, measured = train(model, backend, batch, args.steps, device)
-    torch._dynamo.reset()
-    ref_losses, ref_times, ref_peak, ref_measured = train(model, args.inner, batch, args.steps, device)
+    names = " and ".join(f"fxoffload {p!r}" for p in policies)
+    print(f"compiling and training {names} and {args.inner}, {args.steps} steps each...", flush=True)
+    backends, runs = [], []
+    for policy in policies:
+        backends.append(fxoffload.backend(policy=policy, inner=args.inner, **options))
+        runs.append(train(model, backends[-1], batch, args.steps, device))
+        torch._dynamo.reset()
+    ref = train(model, args.inner, batch, args.steps, device)
+    _figures(args, cfg, preset, where, device, policies, backends, runs, ref)
+    _closing(args, backends, device)
 
-    # What a user came for first: memory, time, same losses, what was moved; then the short table.
+
+def _figures(args, cfg, preset, where, device, policies, backends, runs, ref) -> None:
+    """What a user came for first: memory, time, same losses, what was moved, for each policy."""
     size = ", ".join(f"{k} {getattr(cfg, k)}" for k in ("vocab", "seq", "dim", "heads", "layers"))
     print(f"\nmodel : GPT preset {preset!r} ({size}), batch {args.batch}, {args.steps} AdamW steps")
     print(f"device: {where}")
-    def row(label: str, ref: str, ours: str, note: str) -> str:
-        return f"{label:34}{ref:>12}{ours:>12}   {note}".rstrip()
 
-    print(row("", args.inner, "fxoffload", ""))
-    cut = 1 - measured / ref_measured if ref_measured else 0.0
-    change = f"{cut:.0%} less" if cut >= 0 else f"{-cut:.0%} more"
-    print(row("peak memory of a steady step", fmt_bytes(ref_measured), fmt_bytes(measured), change))
+    def row(label: str, *cells: str) -> str:
+        return f"{label:34}" + "".join(f"{c:>20}" for c in cells)
+
+    print(row("", args.inner, *(f"fxoffload {p!r}" for p in policies)))
+    ref_losses, ref_times, ref_peak, ref_measured = ref
+
+    def change(ours: float, theirs: float, less: str, more: str) -> str:
+        cut = 1 - ours / theirs if theirs else 0.0
+        return f"({cut:.0%} {less})" if cut >= 0 else f"({-cut:.0%} {more})"
+
+    print(row("peak memory of a steady step", fmt_bytes(ref_measured),
+              *(f"{fmt_bytes(r[3])} {change(r[3], ref_measured, 'less', 'more')}" for r in runs)))  # fmt: skip
     if device == "cuda":
-        print(row("peak allocated, all steps", fmt_bytes(ref_peak), fmt_bytes(peak), ""))
-    # The first steps compile (and "auto" is planned again at the third, from measured times): the
-    # last half are the steady state.
+        print(row("peak allocated, all steps", fmt_bytes(ref_peak), *(fmt_bytes(r[2]) for r in runs)))
+    # The first steps compile (and "auto" is judged from measured copies): the last half are steady.
     steady = (lambda ts: sorted(ts[len(ts) // 2:])[len(ts[len(ts) // 2:]) // 2] * 1e3)
-    slower = steady(times) / steady(ref_times) - 1
-    print(row("step time, median of the last half", f"{steady(ref_times):.1f} ms", f"{steady(times):.1f} ms",
-              f"{slower:+.0%}"))  # fmt: skip
-    diff = max(abs(a - b) for a, b in zip(losses, ref_losses))
+    base = steady(ref_times)
+    print(row("step time, median of the last half", f"{base:.1f} ms",
+              *(f"{steady(r[1]):.1f} ms ({steady(r[1]) / base - 1:+.0%})" for r in runs)))  # fmt: skip
+    diff = max(abs(a - b) for r in runs for a, b in zip(r[0], ref_losses))
     same = "identical" if diff == 0 else f"same within {diff:.1e}"
-    same = f"{same} over {len(losses)} steps"
-    print(row("loss, last step", f"{ref_losses[-1]:.5f}", f"{losses[-1]:.5f}", same))
-    offloaded = [r for report in backend.reports for r in report.offloaded]
-    recomputed = [r for report in backend.reports for r in report.recomputed]
-    saved = sum(r.saved_bytes for r in backend.reports)
-    count = sum(len(r.saved) for r in backend.reports)
+    print(row("loss, last step", f"{ref_losses[-1]:.5f}", *(f"{r[0][-1]:.5f}" for r in runs)))
+    print(f"losses: {same} over {len(ref_losses)} steps")
+    for policy, backend in zip(policies, backends):
+        offloaded = [r for report in backend.reports for r in report.offloaded]
+        recomputed = [r for report in backend.reports for r in report.recomputed]
+        saved = sum(r.saved_bytes for r in backend.reports)
+        count = sum(len(r.saved) for r in backend.reports)
+        moved, rebuilt = fmt_bytes(sum(r.nbytes for r in offloaded)), fmt_bytes(sum(r.nbytes for r in recomputed))
+        print(f"offloaded ({policy}): {len(offloaded)} of {count} saved tensors, {moved} of {fmt_bytes(saved)}"
+              + (f"; recomputed: {len(recomputed)}, {rebuilt}" if recomputed else ""))  # fmt: skip
     stats = fxoffload.host_pool_stats()
-    moved, rebuilt = fmt_bytes(sum(r.nbytes for r in offloaded)), fmt_bytes(sum(r.nbytes for r in recomputed))
-    print(f"offloaded: {len(offloaded)} of {count} saved tensors, {moved} of {fmt_bytes(saved)}"
-          + (f"; recomputed: {len(recomputed)}, {rebuilt}" if recomputed else ""))  # fmt: skip
-    pool = fmt_bytes(stats.bytes_allocated)
-    print(f"host pool: {stats.buffers} buffers, {pool}, allocated in the first step and reused")
-    _closing(args, backend, device)
+    print(f"host pool: {stats.buffers} buffers, {fmt_bytes(stats.bytes_allocated)}, allocated in the first "
+          "step and reused")  # fmt: skip
 
-def _closing(args: argparse.Namespace, backend: Any, device: str) -> None:
+
+def _closing(args: argparse.Namespace, backends: list[Any], device: str) -> None:
     """What to try next, how the figures were taken, and each graph's table."""
+    backend = backends[0]
     replanned = [why for report in backend.reports for why in report.replans if why.startswith("measured")]
     switched = sum(len(report.switched_off) for report in backend.reports)
+    calls = [r for report in backend.reports for r in report.saved if r.reason_code == "op_time"]
     if args.policy == "auto":
-        print("policy 'auto' offloads what hides behind compute; "
-              + (f"the copies of {switched} tensors measured stalling in\n  the first steps were switched off "
+        offloaded = any(report.offloaded for report in backend.reports)
+        print("policy 'auto' offloads what hides behind compute and costs no time"
+              + ("" if not offloaded and not switched else
+                 f"; the copies of {switched} tensors measured stalling in\n  the first steps were switched off "
                  "(those tensors stay on the device)" if switched
-                 else "its copies measured stalling in the first steps\n  were kept: planned again once"
-                 if replanned else "its copies measured hiding in the first steps"))  # fmt: skip
+                 else "; its copies measured stalling in the first steps\n  were kept: planned again once"
+                 if replanned else "; its copies measured hiding in the first steps"))  # fmt: skip
+        if calls:
+            print(f"  {len(calls)} tensors whose copies would hide stayed: their op calls would cost more than 1% "
+                  "of the step\n  (reason op_time; on a CPU the calls run on the compute thread)")  # fmt: skip
         print("more memory: policy='all' offloads every eligible tensor (slower where copies cannot hide);")
         print("  memory_budget='12GiB' (or 0.7) fits the peak you need, offloading or recomputing only that far")
         print("  (recompute='inductor': torch's partitioner recomputes, offloads only where they hide)")
@@ -135,12 +157,12 @@ def _closing(args: argparse.Namespace, backend: Any, device: str) -> None:
           + (", fxoffload's host buffers left out)" if device == "cpu" else ")"))
     if device == "cpu":
         print("(step time: on a CPU the copies run on two threads that share the cores with compute)")
-    for report in backend.reports:
-        print()
-        print(report.table(rows="all" if args.all_rows else "short", kept=3))
+    for backend in backends:
+        for report in backend.reports:
+            print()
+            print(report.table(rows="all" if args.all_rows else "short", kept=3))
     if not args.all_rows:
         print("\nevery saved tensor and column: python -m fxoffload.tools.demo --all-rows")
-
 
 
 if __name__ == "__main__":

@@ -1,0 +1,113 @@
+"""The compute stream's time an offloaded tensor's op calls take, measured on the device itself.
+
+Every offloaded tensor adds four op calls to a step: its offload, that copy's wait, its reload and
+that copy's wait. On a CPU (``offload_cpu=True``) the compute stream is the host thread that makes
+those calls, so their host time is step time whether or not the copies hide: the dispatcher's way into
+a Python kernel, the host pool, the copy engine's hand-off, the publishing copy at the wait (about
+0.4 ms a tensor on the 2-core development machine, ``python -m bench.op_overhead``). On an accelerator
+the host issues the calls ahead of the device while it has kernels queued, and they cost the compute
+stream nothing; that is the model's figure there (``DeviceRates.op_time`` = 0).
+
+``op_call_seconds`` times each call on a small tensor (its own cost, not the copy's), a wait after
+its copy has finished (a wait that does not stall); ``measure_op_time`` is the four calls' sum, once
+per device type and process, what the planner charges each offload on a CPU.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+from .. import ir
+from .._compat import real_tensors
+from ..runtime.transfers import switch_copies_off, switch_copies_on, track_releases
+
+log = logging.getLogger(__name__)
+
+__all__ = ["OP_CALLS", "forget_op_times", "measure_op_time", "op_call_seconds"]
+
+_NAME = ir.transfer_name(-1, "op_time")  # a graph id no compile uses: no recording takes its copies
+OP_CALLS = ("offload", "wait (d2h)", "reload", "wait (h2d)")  # one offloaded tensor's calls a step
+_PROBE_CYCLES = 30
+
+_measured: dict[str, float] = {}
+
+
+def forget_op_times() -> None:
+    """Forget every measured figure: the next plan for a device measures it again."""
+    _measured.clear()
+
+
+def _sync(device: torch.device) -> None:
+    if device.type != "cpu":
+        torch.accelerator.synchronize(device)
+
+
+def op_call_seconds(
+    device: torch.device, nbytes: int = 64, calls: int = 1000, settle_s: float = 0.0005
+) -> dict[str, float]:
+    """Median host seconds of each transfer op call on ``device`` over ``calls`` cycles (after 10%
+    warm-up): the four of ``OP_CALLS``, an ``order``, and an offload switched off at run time. Its
+    sources are left out of a ``track_releases`` the caller has open."""
+    with real_tensors(), track_releases():
+        x = torch.randn(max(1, nbytes // 4), device=device)
+        times: dict[str, list[float]] = {k: [] for k in (*OP_CALLS, "order")}
+
+        def timed(key: str, fn: Callable[..., torch.Tensor], *args: object) -> torch.Tensor:
+            start = time.perf_counter()
+            out = fn(*args)
+            times[key].append(time.perf_counter() - start)
+            return out
+
+        def cycle() -> None:
+            host = timed("offload", ir.OFFLOAD, x, [], 0.0, _NAME)
+            _sync(device)
+            time.sleep(settle_s)  # the copy is done: the wait below does not stall
+            host = timed("wait (d2h)", ir.WAIT, host, x, [])
+            back = timed("reload", ir.RELOAD, host, x.device, [], 0.0, _NAME)
+            _sync(device)
+            time.sleep(settle_s)
+            timed("wait (h2d)", ir.WAIT, back, host, [])
+            timed("order", ir.ORDER, x, [])
+
+        for _ in range(max(1, calls // 10)):
+            cycle()
+        for v in times.values():
+            v.clear()
+        for _ in range(calls):
+            cycle()
+        out = {k: statistics.median(v) for k, v in times.items()}
+        switch_copies_off([_NAME])
+        try:
+            off: list[float] = []
+            for _ in range(calls):
+                start = time.perf_counter()
+                host = ir.OFFLOAD(x, [], 0.0, _NAME)
+                off.append(time.perf_counter() - start)
+                ir.WAIT(host, x, [])
+            out["offload, switched off"] = statistics.median(off)
+        finally:
+            switch_copies_on(_NAME)
+    return out
+
+
+def measure_op_time(device: torch.device) -> float:
+    """Seconds of ``device``'s compute stream one offloaded tensor's calls take: on a CPU their host
+    time, measured once per process (``op_call_seconds``, a few cycles); 0 on an accelerator."""
+    if device.type != "cpu":
+        return 0.0
+    if "cpu" not in _measured:
+        try:
+            seconds = op_call_seconds(device, calls=_PROBE_CYCLES)
+        except RuntimeError as e:  # a measurement never fails a compile
+            log.warning("fxoffload: could not time the transfer ops on the CPU (%s); charging them nothing", e)
+            _measured["cpu"] = 0.0
+        else:
+            _measured["cpu"] = sum(seconds[k] for k in OP_CALLS)
+            log.info("fxoffload: one offloaded tensor's op calls take %.0f us of the CPU's compute thread",
+                     _measured["cpu"] * 1e6)  # fmt: skip
+    return _measured["cpu"]

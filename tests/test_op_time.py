@@ -1,0 +1,89 @@
+"""The transfer ops' own time on the compute stream (``op_time``): measured on a CPU, where the calls
+run on the compute thread, and charged by the planner, so that ``auto`` spends no step time that can
+be measured on its copies' calls (issue 23, part 2)."""
+
+import pytest
+import torch
+
+import fxoffload
+from fxoffload.measure.op_time import OP_CALLS, forget_op_times, measure_op_time, op_call_seconds
+from fxoffload.planning.schedule import AUTO_TIME_SHARE
+from fxoffload.runtime import transfers
+from fxoffload.testing.models import GPT, GPTConfig, gpt_batch
+
+from .conftest import assert_same, cpu_backend, train_step
+
+# Fixed compute rates and a fast link: every copy of the 3-layer GPT hides, so the op calls decide.
+RATES = {"compute_rates": {"flops": 1e13, "memory_bandwidth": 1e12}, "bandwidth": "100GB"}
+
+
+def _plan(**options):
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    cfg = GPTConfig(layers=3)
+    model, batch = GPT(cfg), gpt_batch(cfg, 8)
+    backend = cpu_backend(inner="aot_eager", policy="auto", min_bytes="16KiB", **options)
+    result = train_step(model, batch, backend)
+    (report,) = backend.reports
+    return report, result, (model, batch)
+
+
+def test_the_op_calls_are_timed_on_the_cpu_and_leave_nothing_behind():
+    with transfers.track_releases() as tracked:
+        seconds = op_call_seconds(torch.device("cpu"), calls=5, settle_s=0.0002)
+        assert tracked.count() == 0, "the probe's sources are not the caller's offloads"
+    assert set(OP_CALLS) <= set(seconds) and all(seconds[k] > 0 for k in OP_CALLS), seconds
+    assert not transfers._pending, "every copy of the probe was waited on"
+    assert not transfers.copies_switched_off(), "its switched-off copy was switched on again"
+    forget_op_times()
+    first = measure_op_time(torch.device("cpu"))
+    assert 0 < first < 0.1, first
+    assert measure_op_time(torch.device("cpu")) == first, "measured once per process"
+    # An accelerator's host issues the calls ahead of its compute stream: nothing to charge, nothing run.
+    assert measure_op_time(torch.device("cuda")) == 0.0
+
+
+def test_auto_spends_at_most_its_share_of_the_step_on_op_calls():
+    free, _, _ = _plan(op_time=0.0, **RATES)
+    assert len(free.offloaded) >= 4, free.table()
+    assert free.predicted_op_ms == 0.0 and free.predicted_compute_ms > 0
+    # Room for two tensors' calls in the allowance.
+    op_time = AUTO_TIME_SHARE * free.predicted_compute_ms / 1e3 / 2.5
+    report, result, (model, batch) = _plan(op_time=op_time, **RATES)
+    assert len(report.offloaded) == 2, report.table()
+    assert report.predicted_op_ms == pytest.approx(2 * op_time * 1e3)
+    assert report.predicted_op_ms <= AUTO_TIME_SHARE * report.predicted_compute_ms
+    assert "predicted op calls:" in report.summary() and "op calls" in report.device
+    over = [r for r in report.saved if r.reason_code == "op_time"]
+    assert len(over) == len(free.offloaded) - 2, report.table()
+    assert all("policy='auto' spends at most 1% of the predicted step" in r.reason for r in over)
+    # The largest first: the same memory for the same calls.
+    assert min(r.nbytes for r in report.offloaded) >= max(r.nbytes for r in over)
+    assert_same(result, train_step(model, batch))
+    # Calls dearer than the whole allowance: nothing offloaded, the graphs as they were.
+    none, _, _ = _plan(op_time=1.0, **RATES)
+    assert not none.offloaded and "fxoffload" not in none.fw_code
+
+
+def test_a_memory_budget_counts_the_op_calls_in_an_offloads_cost():
+    """The same budget, with calls that cost more than recomputing: recomputation is chosen."""
+    free, _, _ = _plan(op_time=0.0, memory_budget=0.5, bandwidth="0.5GB", compute_rates=RATES["compute_rates"])
+    dear, _, _ = _plan(op_time=1.0, memory_budget=0.5, bandwidth="0.5GB", compute_rates=RATES["compute_rates"])
+    assert free.offloaded, free.table()
+    assert len(dear.recomputed) > len(free.recomputed), dear.table()
+    assert len(dear.offloaded) < len(free.offloaded)
+
+
+def test_auto_on_a_cpu_leaves_the_small_gpt_as_inductor_compiles_it():
+    """On a CPU the calls run on the compute thread (about 0.4 ms a tensor on 2 cores): for a step of
+    a few milliseconds no offload is worth them, and ``auto``'s code is the plain code."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    cfg = GPTConfig()
+    model, batch = GPT(cfg), gpt_batch(cfg, 8)
+    backend = fxoffload.backend(offload_cpu=True, min_bytes="16KiB", inner="aot_eager")
+    train_step(model, batch, backend)
+    (report,) = backend.reports
+    assert not report.offloaded and "fxoffload" not in report.fw_code + report.bw_code, report.table()
+    assert "op calls" in report.device, report.device
+    assert any(r.reason_code == "op_time" for r in report.saved), report.table()
