@@ -123,6 +123,10 @@ class TransferTime:
     window_s: float  # compute between the copy's issue and its wait
     copy_s: float  # the copy itself, on its link
     stall_s: float  # how long the compute stream waited for it at the wait
+    # The compute stream's own time in the copy's calls, stall apart: its offload or reload (on a CPU
+    # the thread that makes the call; on an accelerator the gap between events recorded at the call's
+    # start and end, zero while the host runs ahead of the device), and on a CPU its wait's work.
+    op_s: float = 0.0
 
     @property
     def graph_id(self) -> int:

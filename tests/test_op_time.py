@@ -2,11 +2,18 @@
 run on the compute thread, and charged by the planner, so that ``auto`` spends no step time that can
 be measured on its copies' calls (issue 23, part 2)."""
 
+import dataclasses
+import statistics
+
 import pytest
 import torch
 
 import fxoffload
+from fxoffload import ir
+from fxoffload.analysis.cost import CPU_RATES
 from fxoffload.measure.op_time import OP_CALLS, forget_op_times, measure_op_time, op_call_seconds
+from fxoffload.planning.decisions import PlanCosts
+from fxoffload.planning.measured import Measured
 from fxoffload.planning.schedule import AUTO_TIME_SHARE
 from fxoffload.runtime import transfers
 from fxoffload.testing.models import GPT, GPTConfig, gpt_batch
@@ -87,3 +94,39 @@ def test_auto_on_a_cpu_leaves_the_small_gpt_as_inductor_compiles_it():
     assert not report.offloaded and "fxoffload" not in report.fw_code + report.bw_code, report.table()
     assert "op calls" in report.device, report.device
     assert any(r.reason_code == "op_time" for r in report.saved), report.table()
+
+
+def test_the_first_steps_measure_the_calls_on_the_compute_stream():
+    """Policy "all" on the emulated device: each offloaded tensor's row gives the compute stream's own
+    time in its calls, measured where they ran; on a CPU about what the probe charges (a probe of a
+    64 B tensor; the step's tensors are 32-512 KiB, whose staging copies add to it)."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    cfg = GPTConfig(layers=2, dropout=0.0)
+    model, batch = GPT(cfg), gpt_batch(cfg, 8)
+    backend = cpu_backend(inner="aot_eager", min_bytes="16KiB")
+    train_step(model, batch, backend, steps=3)
+    (report,) = backend.reports
+    measured = [r.measured_op_ms for r in report.offloaded]
+    assert measured and None not in measured and min(measured) > 0, report.table(rows="all")
+    probe = measure_op_time(torch.device("cpu")) * 1e3
+    assert probe / 4 < statistics.median(measured) < 20 * probe, (probe, measured)
+    assert all(r.measured_op_ms is None for r in report.saved if r.decision != "offload")
+
+
+def test_a_plan_made_again_charges_the_calls_as_measured():
+    """``Measured``: the calls' price is the median over the tensors measured both ways; the model
+    corrected from it charges that (a tensor whose reload was not measured does not count)."""
+    times = [
+        ir.TransferTime("3:a", "d2h", 1024, 1e-3, 1e-4, 0.0, 2e-4),
+        ir.TransferTime("3:a", "h2d", 1024, 1e-3, 1e-4, 0.0, 1e-4),
+        ir.TransferTime("3:b", "d2h", 1024, 1e-3, 1e-4, 0.0, 5e-4),
+        ir.TransferTime("3:b", "h2d", 1024, 1e-3, 1e-4, 0.0, 4e-4),
+        ir.TransferTime("3:c", "d2h", 1024, 1e-3, 1e-4, 0.0, 9.0),  # its reload not measured
+    ]
+    measured = Measured(tuple(times), (), (), {}, {})
+    assert measured.op_time == pytest.approx((3e-4 + 9e-4) / 2)
+    rates = dataclasses.replace(CPU_RATES, op_time=0.0)
+    costs = PlanCosts(rates, (0.0, 1.0), (0.0, 1.0), None)
+    assert measured.corrected(costs).rates.op_time == pytest.approx(6e-4)
+    assert Measured((), (), (), {}, {}).corrected(costs).rates.op_time == 0.0  # nothing measured: the model's

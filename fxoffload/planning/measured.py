@@ -8,6 +8,7 @@ copy's window (the compute between its issue and its wait), its duration and the
 - the compute the model priced between each copy's issue and its wait, against the measured window,
   gives one scale per phase (the median ratio), applied to every node's predicted time;
 - the bytes the copies moved over the time they took give the link's speed per direction;
+- the compute stream's own time in each tensor's calls gives the op calls' price (``op_time``);
 - every tensor whose copy stalled the compute stream is kept on the device, with that reason.
 
 A plan made again from these is what ``auto`` offloads knowing the device: only what hides. Without
@@ -71,6 +72,16 @@ class Measured:
     def stall_s(self) -> float:
         return sum(t.stall_s for t in self.times)
 
+    @property
+    def op_time(self) -> float | None:
+        """The compute stream's time one offloaded tensor's calls took (the median over the tensors
+        measured both ways: ``DeviceRates.op_time`` as the device ran it); None: none measured."""
+        by: dict[str, dict[str, float]] = {}
+        for t in self.times:
+            by.setdefault(t.tensor, {})[t.direction] = t.op_s
+        both = [sum(d.values()) for d in by.values() if len(d) == 2]
+        return statistics.median(both) if both else None
+
     def merged(self, earlier: Measured | None) -> Measured:
         """This measurement and an earlier one of the same graph: every ratio, every byte moved and
         every tensor that stalled (a tensor kept because it stalled is not measured again)."""
@@ -97,13 +108,15 @@ class Measured:
         }
 
     def corrected(self, costs: PlanCosts) -> PlanCosts:
-        """``costs`` with every node's time scaled to the measured compute and the link at its
-        measured speed."""
+        """``costs`` with every node's time scaled to the measured compute, the link at its measured
+        speed and the op calls at their measured price."""
         rates = costs.rates
         if self.d2h is not None:
             rates = dataclasses.replace(rates, d2h=self.d2h)
         if self.h2d is not None:
             rates = dataclasses.replace(rates, h2d=self.h2d)
+        if self.op_time is not None:
+            rates = dataclasses.replace(rates, op_time=self.op_time)
         fw, bw = self.fw_scale, self.bw_scale
         return dataclasses.replace(
             costs, rates=rates, fw_starts=tuple(t * fw for t in costs.fw_starts),

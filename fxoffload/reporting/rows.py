@@ -54,6 +54,8 @@ class SavedRow:
     measured_d2h_ms: float | None = None
     measured_h2d_ms: float | None = None
     measured_stall_ms: float | None = None
+    # The compute stream's own time in its copies' calls (offload, reload and, on a CPU, their waits).
+    measured_op_ms: float | None = None
 
 
 def saved_rows(plan: OffloadPlan) -> tuple[SavedRow, ...]:
@@ -103,6 +105,7 @@ def _timing_fields(d: Any, costs: PlanCosts | None) -> dict[str, float]:
 
 _MEASURED = (
     "measured_fw_copy_window_ms", "measured_bw_copy_window_ms", "measured_d2h_ms", "measured_h2d_ms", "measured_stall_ms",
+    "measured_op_ms",
 )  # fmt: skip
 
 
@@ -140,6 +143,7 @@ def with_measured(report: OffloadReport, times: Sequence[TransferTime], forward_
             measured_bw_copy_window_ms=h2d.window_s * 1e3 if h2d else None,
             measured_h2d_ms=h2d.copy_s * 1e3 if h2d else None,
             measured_stall_ms=sum(t.stall_s for t in got.values()) * 1e3,
+            measured_op_ms=sum(t.op_s for t in got.values()) * 1e3,
         )
 
     d2h = [t for t in times if t.direction == "d2h"]

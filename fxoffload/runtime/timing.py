@@ -23,7 +23,7 @@ import torch
 
 from ..ir import TransferTime
 
-__all__ = ["Recording", "Stamps"]
+__all__ = ["Recording", "Stamps", "now", "recording"]
 
 _open: list[Recording] = []
 
@@ -102,14 +102,19 @@ class Stamps:
     wait_start: Any = None
     wait_end: Any = None
     waited: bool = False
+    entered: Any = None  # the issuing call's start and end on the compute stream (``op_s``)
+    left: Any = None
 
     @classmethod
-    def at_issue(cls, name: str, direction: str, nbytes: int, device: torch.device) -> Stamps | None:
-        """Stamps for a copy issued now, where a recording wants it (None otherwise)."""
+    def at_issue(
+        cls, name: str, direction: str, nbytes: int, device: torch.device, entered: Any = None
+    ) -> Stamps | None:
+        """Stamps for a copy issued now, where a recording wants it (None otherwise); ``entered``:
+        ``now(device)`` when the issuing call began."""
         wanted = [r for r in _open if r.wants(name, direction)]
         if not wanted:
             return None
-        stamps = cls(name, direction, nbytes, device)
+        stamps = cls(name, direction, nbytes, device, entered=entered)
         for r in wanted:
             r.take(stamps)
         if device.type == "cpu":
@@ -122,6 +127,10 @@ class Stamps:
         """On a CPU, the copy is issued once the copy engine has it: the work before (a staging buffer,
         poisoning the destination) is the emulation's, which a device's launch does not have."""
         self.issue = time.perf_counter()
+
+    def issued(self) -> None:
+        """The issuing call returns: its end on the compute stream."""
+        self.left = now(self.device)
 
     def around_copy(self, stream: torch.Stream | None, start: bool) -> None:
         """On an accelerator: an event on the transfer stream before (``start``) or after the copy."""
@@ -153,6 +162,8 @@ class Stamps:
             # As a copy engine would stall a compute stream: until the copy is done on the link; the
             # wait's own work of publishing the bytes (an emulation's, see ``copy_engine``) is not it.
             stall = self.copy_end - self.wait_start
+            wait_own = max(0.0, self.wait_end - self.wait_start - max(stall, 0.0))
+            op = (self.left - self.entered if self.entered is not None and self.left is not None else 0.0) + wait_own
         else:
             self.wait_end.synchronize()
             self.copy_end.synchronize()
@@ -160,7 +171,17 @@ class Stamps:
             copy = self.copy_start.elapsed_time(self.copy_end) / 1e3
             # The compute stream resumes at the later of the wait's start and the copy's end.
             stall = self.wait_start.elapsed_time(self.wait_end) / 1e3
-        return TransferTime(self.name, self.direction, self.nbytes, max(window, 0.0), max(copy, 0.0), max(stall, 0.0))
+            op = self.entered.elapsed_time(self.left) / 1e3 if self.entered is not None and self.left is not None else 0.0
+        return TransferTime(
+            self.name, self.direction, self.nbytes, max(window, 0.0), max(copy, 0.0), max(stall, 0.0), max(op, 0.0)
+        )
+
+
+def now(device: torch.device) -> Any:
+    """A stamp of now on ``device``'s compute stream: the CPU's clock, or a timing event."""
+    if device.type == "cpu":
+        return time.perf_counter()
+    return _event(torch.accelerator.current_stream(device))
 
 
 def _event(stream: torch.Stream) -> torch.Event:

@@ -25,7 +25,7 @@ from .._compat import storage_expired, storage_weak_ref
 from ..ir import LIBRARY
 from .copy_engine import D2H, H2D, CopyJob, copy_span, finish_cpu_copy, span_nbytes, start_cpu_copy
 from .host_pool import HOST_POOL, keep_on_device, kept_on_device
-from .timing import Stamps, recording
+from .timing import Stamps, now, recording
 
 log = logging.getLogger(__name__)
 
@@ -160,6 +160,7 @@ def _offload_impl(
 ) -> torch.Tensor:
     if name in _off:
         return _kept_copy(src)
+    entered = now(src.device) if recording() else None
     # The host buffer gets the source's size and stride; the span between its first and last element
     # is copied as one run of bytes, so reload restores the very layout, padding included.
     # The first bytes of a buffer maybe larger, in the source's layout.
@@ -167,13 +168,15 @@ def _offload_impl(
     _origin[host.data_ptr()] = src.device
     if _release_log is not None:
         _release_log.append((id(src), storage_weak_ref(src.untyped_storage())))
-    stamps = Stamps.at_issue(name, D2H, span_nbytes(src), src.device) if recording() else None
+    stamps = Stamps.at_issue(name, D2H, span_nbytes(src), src.device, entered) if entered is not None else None
     if src.device.type == "cpu":
         _register(host, _Pending(None, src.device, start_cpu_copy(D2H, src, host, bandwidth), stamps))
         if stamps is not None:
             stamps.issued_on_cpu()
     else:
         _device_copy(src, host, src.device, stamps)
+    if stamps is not None:
+        stamps.issued()
     return host
 
 
@@ -192,18 +195,21 @@ def _reload_impl(
     # Back where the source lived when it was offloaded; ``device`` (the traced one) only for a host
     # tensor this process did not offload.
     origin = _origin.get(host.data_ptr(), device)
+    entered = now(origin) if recording() else None
     if origin != device:
         log.debug("fxoffload: a tensor traced on %s lived on %s: reloaded there", device, origin)
     # Allocated on the compute stream (the current one), so the caching allocator ties the block to
     # the stream that uses it; the copy itself runs on the transfer stream.
     dest = torch.empty_strided(host.size(), host.stride(), dtype=host.dtype, device=origin)
-    stamps = Stamps.at_issue(name, H2D, span_nbytes(host), origin) if recording() else None
+    stamps = Stamps.at_issue(name, H2D, span_nbytes(host), origin, entered) if entered is not None else None
     if origin.type == "cpu":
         _register(dest, _Pending(None, origin, start_cpu_copy(H2D, host, dest, bandwidth), stamps))
         if stamps is not None:
             stamps.issued_on_cpu()
     else:
         _device_copy(host, dest, origin, stamps)
+    if stamps is not None:
+        stamps.issued()
     return dest
 
 
