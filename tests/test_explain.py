@@ -173,7 +173,7 @@ def test_cli_explain_help_shows_defaults_and_examples():
     assert "(default: gpt)" in text and "(default: auto)" in text and "(default: inductor)" in text
     assert "gpt: 16KiB" in text and "(default: unbounded)" in text
     assert "examples: # the plan for the built-in GPT" in text
-    assert "python -m fxoffload explain --model cnn --offload-cpu --measure" in text
+    assert "python -m fxoffload explain --model cnn --offload-cpu --policy all --measure" in text
     # Every flag has a help text (--inner had none).
     from fxoffload.tools.cli import build_parser
 

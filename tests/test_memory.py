@@ -152,7 +152,8 @@ def test_inductor_code_replay_agrees_with_the_allocator_and_checks_the_budget():
 # the same model run on the pair the rewrite produced. Rates fixed, so the plans are deterministic.
 # The plan and the rewrite come before the inner compiler, so aot_eager's partitions stand for both
 # (an Inductor GPT case agreed too, 2026-11-23, and cost 30 s of the suite's 15 min on a cold cache).
-_RATES = {"compute_rates": {"flops": 1e13, "memory_bandwidth": 1e12}, "min_bytes": "16KiB"}
+# The op calls priced as an accelerator's (none of the compute stream): "auto" offloads on a CPU too.
+_RATES = {"compute_rates": {"flops": 1e13, "memory_bandwidth": 1e12}, "min_bytes": "16KiB", "op_time": 0.0}
 
 
 def _planned_and_rewritten(name, inner, options, upstream=None):

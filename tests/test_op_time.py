@@ -62,7 +62,9 @@ def test_auto_spends_at_most_its_share_of_the_step_on_op_calls():
     assert report.predicted_op_ms <= AUTO_TIME_SHARE * report.predicted_compute_ms
     assert "predicted op calls:" in report.summary() and "op calls" in report.device
     over = [r for r in report.saved if r.reason_code == "op_time"]
-    assert len(over) == len(free.offloaded) - 2, report.table()
+    # Once spent, every tensor left is kept for it, whether its copies would hide or not.
+    judged = [r for r in free.saved if r.reason_code in ("hidden", "not_hidden")]
+    assert len(over) == len(judged) - 2, report.table()
     assert all("policy='auto' spends at most 1% of the predicted step" in r.reason for r in over)
     # The largest first: the same memory for the same calls.
     assert min(r.nbytes for r in report.offloaded) >= max(r.nbytes for r in over)
@@ -83,7 +85,8 @@ def test_a_memory_budget_counts_the_op_calls_in_an_offloads_cost():
 
 def test_auto_on_a_cpu_leaves_the_small_gpt_as_inductor_compiles_it():
     """On a CPU the calls run on the compute thread (about 0.4 ms a tensor on 2 cores): for a step of
-    a few milliseconds no offload is worth them, and ``auto``'s code is the plain code."""
+    about 12 ms (predicted) no offload is worth them, and ``auto``'s code is the plain code. On a CPU
+    fast enough to make the calls cost less than 1% of that, as many tensors as the 1% pays for."""
     torch._dynamo.reset()
     torch.manual_seed(0)
     cfg = GPTConfig()
@@ -91,9 +94,13 @@ def test_auto_on_a_cpu_leaves_the_small_gpt_as_inductor_compiles_it():
     backend = fxoffload.backend(offload_cpu=True, min_bytes="16KiB", inner="aot_eager")
     train_step(model, batch, backend)
     (report,) = backend.reports
-    assert not report.offloaded and "fxoffload" not in report.fw_code + report.bw_code, report.table()
-    assert "op calls" in report.device, report.device
+    op_ms = measure_op_time(torch.device("cpu")) * 1e3
+    assert f"op calls {op_ms:.3g} ms a tensor" in report.device, report.device
     assert any(r.reason_code == "op_time" for r in report.saved), report.table()
+    paid = int(AUTO_TIME_SHARE * report.predicted_compute_ms / op_ms)
+    assert len(report.offloaded) <= paid, (paid, report.table())
+    if paid == 0:  # this machine (2026-11-26: 0.4 ms against 0.12 ms)
+        assert not report.offloaded and "fxoffload" not in report.fw_code + report.bw_code, report.table()
 
 
 def test_the_first_steps_measure_the_calls_on_the_compute_stream():
@@ -130,3 +137,13 @@ def test_a_plan_made_again_charges_the_calls_as_measured():
     costs = PlanCosts(rates, (0.0, 1.0), (0.0, 1.0), None)
     assert measured.corrected(costs).rates.op_time == pytest.approx(6e-4)
     assert Measured((), (), (), {}, {}).corrected(costs).rates.op_time == 0.0  # nothing measured: the model's
+
+
+def test_a_memory_budget_offloads_what_hides_whatever_its_calls_cost():
+    """A budget asks for memory: the allowance does not apply, and a tensor whose copies hide is
+    offloaded as one that hides (not as an un-hidden extra that waits for its copy at once)."""
+    report, result, (model, batch) = _plan(op_time=1e-5, memory_budget=0.6, **RATES)
+    assert report.offloaded and report.predicted_stall_ms < 1e-6, report.table()
+    codes = {r.reason_code for r in report.saved}
+    assert "op_time" not in codes and "budget_offload" not in codes, codes
+    assert_same(result, train_step(model, batch))

@@ -71,7 +71,7 @@ def offload_pass(
     costs = plan_costs(fw, bw, lifetimes, options, num_fwd_outputs, static, outside)
     keep: dict[str, Reason] = {}
     if measured is not None:
-        costs, keep = measured.corrected(costs), measured.keep()
+        costs, keep = measured.corrected(costs, options.op_time), measured.keep()
     context = _Context(options, num_fwd_outputs, static, outside, host_bytes_available)
     if options.memory_budget is not None and options.recompute == "inductor" and repartition and not disabled_reason:
         kept = _torchs_recompute((fw, bw), lifetimes, costs, keep, measured, repartition, budget_target, context)
@@ -135,7 +135,7 @@ def _torchs_recompute(
     def analyse(f: fx.GraphModule, b: fx.GraphModule) -> tuple[GraphLifetimes, PlanCosts]:
         found = _lifetimes(f, b, context.num_fwd_outputs, context.static)
         new = plan_costs(f, b, found, context.options, context.num_fwd_outputs, context.static, context.outside)
-        return found, measured.corrected(new) if measured is not None else new
+        return found, measured.corrected(new, context.options.op_time) if measured is not None else new
 
     plan_args = {"host_bytes_available": context.host_bytes_available, "keep": keep}
     return with_inductor_recompute(

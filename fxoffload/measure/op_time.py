@@ -48,11 +48,11 @@ def _sync(device: torch.device) -> None:
 
 
 def op_call_seconds(
-    device: torch.device, nbytes: int = 64, calls: int = 1000, settle_s: float = 0.0005
+    device: torch.device, nbytes: int = 64, calls: int = 1000, settle_s: float = 0.0005, switched_off: bool = True
 ) -> dict[str, float]:
     """Median host seconds of each transfer op call on ``device`` over ``calls`` cycles (after 10%
-    warm-up): the four of ``OP_CALLS``, an ``order``, and an offload switched off at run time. Its
-    sources are left out of a ``track_releases`` the caller has open."""
+    warm-up): the four of ``OP_CALLS``, an ``order``, and (``switched_off``) an offload switched off
+    at run time. Its sources are left out of a ``track_releases`` the caller has open."""
     with real_tensors(), track_releases():
         x = torch.randn(max(1, nbytes // 4), device=device)
         times: dict[str, list[float]] = {k: [] for k in (*OP_CALLS, "order")}
@@ -81,6 +81,8 @@ def op_call_seconds(
         for _ in range(calls):
             cycle()
         out = {k: statistics.median(v) for k, v in times.items()}
+        if not switched_off:
+            return out
         switch_copies_off([_NAME])
         try:
             off: list[float] = []
@@ -102,7 +104,7 @@ def measure_op_time(device: torch.device) -> float:
         return 0.0
     if "cpu" not in _measured:
         try:
-            seconds = op_call_seconds(device, calls=_PROBE_CYCLES)
+            seconds = op_call_seconds(device, calls=_PROBE_CYCLES, switched_off=False)
         except RuntimeError as e:  # a measurement never fails a compile
             log.warning("fxoffload: could not time the transfer ops on the CPU (%s); charging them nothing", e)
             _measured["cpu"] = 0.0

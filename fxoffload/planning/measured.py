@@ -107,16 +107,18 @@ class Measured:
             for name, stall in self.stalls.items()
         }
 
-    def corrected(self, costs: PlanCosts) -> PlanCosts:
+    def corrected(self, costs: PlanCosts, op_time: float | None = None) -> PlanCosts:
         """``costs`` with every node's time scaled to the measured compute, the link at its measured
-        speed and the op calls at their measured price."""
+        speed and the op calls at their measured price, or at ``op_time``, the user's, where set."""
         rates = costs.rates
         if self.d2h is not None:
             rates = dataclasses.replace(rates, d2h=self.d2h)
         if self.h2d is not None:
             rates = dataclasses.replace(rates, h2d=self.h2d)
-        if self.op_time is not None:
-            rates = dataclasses.replace(rates, op_time=self.op_time)
+        if op_time is None:
+            op_time = self.op_time
+        if op_time is not None:
+            rates = dataclasses.replace(rates, op_time=op_time)
         fw, bw = self.fw_scale, self.bw_scale
         return dataclasses.replace(
             costs, rates=rates, fw_starts=tuple(t * fw for t in costs.fw_starts),

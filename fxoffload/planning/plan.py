@@ -19,7 +19,7 @@ from ..sizes import CUDA_BLOCK_BYTES, fmt_bytes
 from .budget import budget_bytes, fit_budget, planned_memory
 from .decisions import Decision, OffloadPlan, PlanCosts, planned_host_bytes
 from .policy import user_choice
-from .schedule import HiddenSetChecker, OpAllowance, TransferTiming, padded_copy_seconds, schedule_transfers, windows
+from .schedule import HiddenSetChecker, OpAllowance, TransferTiming, not_hidden, schedule_transfers
 
 __all__ = ["MIN_COPY_BYTES", "ineligible_reason", "plan_offloads", "replan_after_recompute"]
 
@@ -202,7 +202,8 @@ def _pick(
     checker = allowance = None
     if costs is not None and auto:
         checker = HiddenSetChecker([*asked.offloads, *eligible], costs.fw_starts, costs.bw_starts, costs.rates)
-        allowance = OpAllowance(costs)  # the user's offloads cost their calls too, but were asked for
+        # The user's offloads cost their calls too, but were asked for; a memory_budget asks for memory.
+        allowance = OpAllowance(costs) if options.memory_budget is None else None
 
     def fits(t: SavedTensor) -> bool:
         return host_available is None or picks.host_used + planned_host_bytes(t) <= host_available
@@ -222,15 +223,16 @@ def _pick(
     for t in sorted(eligible, key=lambda t: (-t.nbytes, t.output_index)):
         if not fits(t):
             reasons[t.name] = Reason(ReasonCode.HOST_BUDGET, _host_budget_text(picks.host_used, host_available))
+        elif allowance is not None and not allowance.room():  # spent: it stays so for the smaller ones
+            reasons[t.name] = allowance.reason()
         elif checker is not None and not checker.try_add(t):
-            reasons[t.name] = _not_hidden(t, costs)
-            picks.left.append(t)
-        elif allowance is not None and not allowance.take():  # spent: it stays so for the smaller ones
-            reasons[t.name] = allowance.reason(len(picks.chosen) - len(asked.offloads))
+            reasons[t.name] = not_hidden(t, costs)
             picks.left.append(t)
         else:
             picks.host_used += planned_host_bytes(t)
             picks.chosen.append(t)
+            if allowance is not None:
+                allowance.take()
             idle = f"idle for {t.idle_compute_nodes} compute nodes ({t.fw_compute_after} forward + "
             idle += f"{t.bw_compute_before} backward)"
             if checker is not None:
@@ -238,19 +240,6 @@ def _pick(
             else:
                 reasons[t.name] = Reason(ReasonCode.IDLE_WINDOW if auto else ReasonCode.POLICY_ALL, idle)
     return picks
-
-
-def _not_hidden(t: SavedTensor, costs: PlanCosts) -> Reason:
-    d2h, h2d = padded_copy_seconds(t, costs.rates)
-    fw_window, bw_window = windows(t, costs.fw_starts, costs.bw_starts)
-    margin = costs.rates.copy_margin
-    return Reason(
-        ReasonCode.NOT_HIDDEN,
-        f"its copies cannot be hidden: {_ms(d2h)} out in {_ms(fw_window)} of forward compute after "
-        f"its last use, {_ms(h2d)} back in {_ms(bw_window)} of backward compute before its first "
-        "use, sharing the link with the tensors already chosen"
-        + (f" (copy times with the device's {margin:.0%} margin)" if margin else ""),
-    )
 
 
 def _say_budget_choices(

@@ -19,7 +19,6 @@ import bisect
 import dataclasses
 import math
 from collections.abc import Sequence
-
 from typing import TYPE_CHECKING
 
 from ..analysis.cost import DeviceRates
@@ -258,18 +257,38 @@ class OpAllowance:
         self.op_time = costs.rates.op_time
         self.step = costs.fw_starts[-1] + costs.bw_starts[-1]
         self.left = AUTO_TIME_SHARE * self.step
+        self.taken = 0
 
-    def take(self) -> bool:
-        """One more tensor's calls, where the allowance has room for them."""
-        if self.op_time > self.left:
-            return False
+    def room(self) -> bool:
+        """Whether one more tensor's calls fit (``take`` them once it is chosen)."""
+        return self.op_time <= self.left
+
+    def take(self) -> None:
         self.left -= self.op_time
-        return True
+        self.taken += 1
 
-    def reason(self, chosen: int) -> Reason:
+    def reason(self) -> Reason:
         return Reason(
             ReasonCode.OP_TIME,
-            f"its copies would hide, but its four op calls would take {self.op_time * 1e3:.3g} ms of the compute "
-            f"stream's time a step (op_time), and policy='auto' spends at most {AUTO_TIME_SHARE:.0%} of the "
-            f"predicted step ({self.step * 1e3:.3g} ms) on them: {chosen} larger tensors took it",
+            f"its four op calls would take {self.op_time * 1e3:.3g} ms of the compute stream's time a step "
+            f"(op_time), and policy='auto' spends at most {AUTO_TIME_SHARE:.0%} of the predicted step "
+            f"({self.step * 1e3:.3g} ms) on them: {self.taken} larger tensors took it",
         )
+
+
+def not_hidden(t: SavedTensor, costs: PlanCosts) -> Reason:
+    """Why ``t`` stays on the device: its copies do not fit their windows (``HiddenSetChecker``)."""
+    d2h, h2d = padded_copy_seconds(t, costs.rates)
+    fw_window, bw_window = windows(t, costs.fw_starts, costs.bw_starts)
+    margin = costs.rates.copy_margin
+    return Reason(
+        ReasonCode.NOT_HIDDEN,
+        f"its copies cannot be hidden: {_ms(d2h)} out in {_ms(fw_window)} of forward compute after "
+        f"its last use, {_ms(h2d)} back in {_ms(bw_window)} of backward compute before its first "
+        "use, sharing the link with the tensors already chosen"
+        + (f" (copy times with the device's {margin:.0%} margin)" if margin else ""),
+    )
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.3g} ms"

@@ -23,7 +23,7 @@ import torch
 
 from ..ir import TransferTime
 
-__all__ = ["Recording", "Stamps", "now", "recording"]
+__all__ = ["Recording", "Stamps", "now", "recording", "wanted"]
 
 _open: list[Recording] = []
 
@@ -85,6 +85,11 @@ class Recording:
 
 def recording() -> bool:
     return bool(_open)
+
+
+def wanted(name: str, direction: str) -> bool:
+    """Whether an open recording takes the copy ``name`` in ``direction`` (then its call is stamped)."""
+    return any(r.wants(name, direction) for r in _open)
 
 
 @dataclasses.dataclass
@@ -171,7 +176,10 @@ class Stamps:
             copy = self.copy_start.elapsed_time(self.copy_end) / 1e3
             # The compute stream resumes at the later of the wait's start and the copy's end.
             stall = self.wait_start.elapsed_time(self.wait_end) / 1e3
-            op = self.entered.elapsed_time(self.left) / 1e3 if self.entered is not None and self.left is not None else 0.0
+            op = 0.0
+            if self.entered is not None and self.left is not None:
+                self.left.synchronize()  # before ``wait_end`` on the compute stream: done already
+                op = self.entered.elapsed_time(self.left) / 1e3
         return TransferTime(
             self.name, self.direction, self.nbytes, max(window, 0.0), max(copy, 0.0), max(stall, 0.0), max(op, 0.0)
         )

@@ -25,7 +25,7 @@ from .._compat import storage_expired, storage_weak_ref
 from ..ir import LIBRARY
 from .copy_engine import D2H, H2D, CopyJob, copy_span, finish_cpu_copy, span_nbytes, start_cpu_copy
 from .host_pool import HOST_POOL, keep_on_device, kept_on_device
-from .timing import Stamps, now, recording
+from .timing import Stamps, now, recording, wanted
 
 log = logging.getLogger(__name__)
 
@@ -160,7 +160,7 @@ def _offload_impl(
 ) -> torch.Tensor:
     if name in _off:
         return _kept_copy(src)
-    entered = now(src.device) if recording() else None
+    entered = now(src.device) if recording() and wanted(name, D2H) else None
     # The host buffer gets the source's size and stride; the span between its first and last element
     # is copied as one run of bytes, so reload restores the very layout, padding included.
     # The first bytes of a buffer maybe larger, in the source's layout.
@@ -195,7 +195,7 @@ def _reload_impl(
     # Back where the source lived when it was offloaded; ``device`` (the traced one) only for a host
     # tensor this process did not offload.
     origin = _origin.get(host.data_ptr(), device)
-    entered = now(origin) if recording() else None
+    entered = now(origin) if recording() and wanted(name, H2D) else None
     if origin != device:
         log.debug("fxoffload: a tensor traced on %s lived on %s: reloaded there", device, origin)
     # Allocated on the compute stream (the current one), so the caching allocator ties the block to

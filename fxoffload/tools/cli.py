@@ -65,8 +65,9 @@ EXPLAIN_EXAMPLES = """\
 examples:
   # the plan for the built-in GPT on this machine (on a CPU, nothing is offloaded without --offload-cpu)
   python -m fxoffload explain --model gpt
-  # offload CPU tensors too, and measure one real training step beside the prediction
-  python -m fxoffload explain --model cnn --offload-cpu --measure
+  # offload CPU tensors too (policy all: on a CPU, auto keeps what its op calls would slow), and
+  # measure one real training step beside the prediction
+  python -m fxoffload explain --model cnn --offload-cpu --policy all --measure
   # why memory grows in the backward and what holds it after an AdamW step, with figures
   python -m fxoffload explain --model seq2seq --offload-cpu --inner aot_eager --optimizer adamw
   # your own model: make() in my_model.py returns (model, example_args); a budget of 60% of the peak

@@ -148,8 +148,8 @@ def _closing(args: argparse.Namespace, backends: list[Any], device: str) -> None
                  else "; its copies measured stalling in the first steps\n  were kept: planned again once"
                  if replanned else "; its copies measured hiding in the first steps"))  # fmt: skip
         if calls:
-            print(f"  {len(calls)} tensors whose copies would hide stayed: their op calls would cost more than 1% "
-                  "of the step\n  (reason op_time; on a CPU the calls run on the compute thread)")  # fmt: skip
+            print(f"  {len(calls)} tensors stayed for their op calls, which would cost more than 1% of the step\n"
+                  "  (reason op_time; on a CPU the calls run on the compute thread)")  # fmt: skip
         print("more memory: policy='all' offloads every eligible tensor (slower where copies cannot hide);")
         print("  memory_budget='12GiB' (or 0.7) fits the peak you need, offloading or recomputing only that far")
         print("  (recompute='inductor': torch's partitioner recomputes, offloads only where they hide)")
