@@ -9,6 +9,7 @@ after the wait sees NaN every time, not only when a thread happens to be slow.
 from __future__ import annotations
 
 import copy
+import ctypes
 import dataclasses
 import functools
 import queue
@@ -43,6 +44,18 @@ def copy_span(dest: torch.Tensor, src: torch.Tensor, non_blocking: bool = False)
         dest.copy_(src, non_blocking=non_blocking)
     else:
         span(dest).copy_(span(src), non_blocking=non_blocking)
+
+
+def memcpy_span(dest: torch.Tensor, src: torch.Tensor) -> None:
+    """``copy_span`` as one C ``memcpy`` (``ctypes.memmove``, which releases the GIL): for the copy
+    threads. A torch copy there starts an OpenMP team of the thread's own; with the compute thread's
+    team on the same cores libgomp counts more threads than cores and cuts its spin-waits short, and
+    every parallel kernel after that wakes its workers the slow way: on 2 cores, Inductor's steps
+    ran 1.5-1.7x slower for the rest of the process once a copy thread had copied (docs/results.md).
+    ``dest`` has ``src``'s layout (a staging buffer, or the destination the job was made for)."""
+    nbytes = span_nbytes(src)
+    if nbytes:
+        ctypes.memmove(span(dest).data_ptr(), span(src).data_ptr(), nbytes)
 
 
 def span_nbytes(t: torch.Tensor) -> int:
@@ -166,8 +179,7 @@ class CopyEngine:
     @staticmethod
     def _copy(job: CopyJob) -> None:
         try:
-            with torch.no_grad():
-                copy_span(job.staging, job.src)  # type: ignore[arg-type]
+            memcpy_span(job.staging, job.src)  # type: ignore[arg-type]
         except BaseException as e:  # reported at the wait, on the compute thread
             job.error = e
         job.src = None  # from here on only the graph keeps the source alive
