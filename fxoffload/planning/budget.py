@@ -103,6 +103,7 @@ class BudgetFit:
     recomputes: dict[str, RecomputeOption]
     stall_estimate: dict[str, float]  # predicted cost of an un-hidden offload (stall, op calls), per candidate
     peak: int  # the fit's estimate of the peak with its choices
+    hidden: list[SavedTensor] = dataclasses.field(default_factory=list)  # of ``later``: placed to hide
 
 
 # A candidate of the fit: (cost per byte, output index, 0 offload / 1 recompute, tensor, option).
@@ -121,17 +122,21 @@ class _Fit:
         costs: PlanCosts,
         host_left: int | None,
         recomputed: Mapping[str, RecomputeOption],
+        later: Sequence[SavedTensor] = (),
     ) -> None:
         self.costs, self.host_left = costs, host_left
         self.points = costs.baseline.points
         self.fw_points = sum(p.phase == "forward" for p in self.points)
-        self.stall_estimate = {t.name: self._standalone_cost(t) for t in left}
+        self.stall_estimate = {t.name: self._standalone_cost(t) for t in (*left, *later)}
+        # Of ``later``, those whose copies hide on their own are placed as hidden ones; the others
+        # are candidates like ``left``'s.
+        self.later = {t.name for t in later if self.stall_estimate[t.name] <= costs.rates.op_time}
         self.recomputes: dict[str, RecomputeOption] = dict(recomputed)
         self.chosen = list(chosen)
         self.taken = {t.name for t in chosen} | set(self.recomputes)  # offloaded or recomputed
         self.saved = {t.name: t for t in saved}
         pool: list[_Candidate] = [
-            (self.stall_estimate[t.name] / max(t.nbytes, 1), t.output_index, 0, t, None) for t in left
+            (self.stall_estimate[t.name] / max(t.nbytes, 1), t.output_index, 0, t, None) for t in (*left, *later)
         ]
         for name, option in recompute.items():
             t = self.saved.get(name)
@@ -139,7 +144,8 @@ class _Fit:
                 pool.append((option.seconds / max(t.nbytes, 1), t.output_index, 1, t, option))
         self.pool = sorted(pool, key=lambda e: e[:3])
         self.pinned = {s for option in self.recomputes.values() for s in option.sources}  # recomputed from
-        self.extra: list[SavedTensor] = []
+        self.extra: list[SavedTensor] = []  # its copies waited on at once (``wait_at_once``)
+        self.hidden: list[SavedTensor] = []  # of ``later``: placed as copies that hide are
         # A pair planned for several of its calls (``costs.calls``): a tensor off the device is off in
         # the earlier calls too, which lowers "outside" in a phase where the call holding the most
         # there has earlier calls. Tracked per phase by the bytes off the device per call.
@@ -168,7 +174,7 @@ class _Fit:
         """The memory model with everything chosen so far off the device where the real schedule puts
         it (``with_plan``, the model the rewritten graph is held to), as a tree of -live bytes (its
         min is minus the peak); the recomputations' ends; the bytes off the device."""
-        tensors = [*self.chosen, *self.extra]
+        tensors = [*self.chosen, *self.hidden, *self.extra]
         schedule = schedule_transfers(
             tensors, self.costs.fw_starts, self.costs.bw_starts, self.costs.rates, max_inflight,
             wait_at_once=frozenset(t.name for t in self.extra),
@@ -208,7 +214,7 @@ class _Fit:
                 if lo <= hi and lower:
                     tree.add(lo, hi, float(lower))
         if option is None:
-            self.extra.append(t)
+            (self.hidden if t.name in self.later else self.extra).append(t)
             if self.host_left is not None:
                 self.host_left -= planned_host_bytes(t)
             lo, hi = estimated_interval(t, self.fw_points)
@@ -236,6 +242,7 @@ def fit_budget(
     options: OffloadOptions,
     host_left: int | None,
     recomputed: Mapping[str, RecomputeOption] | None = None,
+    later: Sequence[SavedTensor] = (),
 ) -> BudgetFit:
     """Un-hidden offloads and recomputations, least predicted time per byte first, until the
     predicted peak fits ``budget``.
@@ -248,8 +255,10 @@ def fit_budget(
     gives (copies queue on the link, waits and reloads move); repeat until the check passes or no
     candidate is left. ``recomputed``: recomputations decided already (by the user), fixed.
     ``host_left``: host bytes ``host_budget`` leaves for these offloads (None: unbounded).
+    ``later``: tensors whose copies would hide that ``auto``'s allowance for op calls left: offloads
+    placed as hidden ones are (``BudgetFit.hidden``), at the cost of their calls.
     """
-    fit = _Fit(saved, chosen, left, recompute, costs, host_left, recomputed or {})
+    fit = _Fit(saved, chosen, left, recompute, costs, host_left, recomputed or {}, later)
     last = len(fit.points) - 1
     while True:
         tree, applied, off_bytes = fit.checked(options.max_inflight_reloads)
@@ -268,7 +277,7 @@ def fit_budget(
     reachable = int(-tree.min(0, last))
     if reachable > budget:
         unreachable_budget(budget, reachable, fit.points[tree.argmin()], options.strict)
-    return BudgetFit(fit.extra, fit.recomputes, fit.stall_estimate, reachable)
+    return BudgetFit(fit.extra, fit.recomputes, fit.stall_estimate, reachable, fit.hidden)
 
 
 def _covers(interval: tuple[int, int], point: int) -> bool:

@@ -118,11 +118,11 @@ def plan_offloads(
         host_left = None if host_bytes_available is None else host_bytes_available - picks.host_used
         fitted = fit_budget(
             budget_target or budget, lifetimes.saved, picks.chosen, picks.left, candidates, costs, options,
-            host_left, asked.recomputes,
+            host_left, asked.recomputes, picks.later,
         )  # fmt: skip
         extra, fit_peak = fitted.offloads, fitted.peak
         _say_budget_choices(fitted, budget, asked, recompute or {}, recomputed, reasons)
-        picks.chosen.extend(extra)
+        picks.chosen.extend([*fitted.hidden, *extra])
     _say_recompute_sources(recomputed, reasons)
     made = _Made(lifetimes.saved, reasons, recomputed, recompute_refused or {}, costs, options,
                  frozenset(t.name for t in extra), budget, budget_target, fit_peak)  # fmt: skip
@@ -184,6 +184,7 @@ class _Picks:
     chosen: list[SavedTensor]  # offloaded, the user's first
     left: list[SavedTensor]  # eligible, not chosen because its copies would not hide (host budget permitting)
     host_used: int  # host bytes the chosen ones take
+    later: list[SavedTensor] = dataclasses.field(default_factory=list)  # not chosen for auto's allowance
 
 
 def _pick(
@@ -202,8 +203,7 @@ def _pick(
     checker = allowance = None
     if costs is not None and auto:
         checker = HiddenSetChecker([*asked.offloads, *eligible], costs.fw_starts, costs.bw_starts, costs.rates)
-        # The user's offloads cost their calls too, but were asked for; a memory_budget asks for memory.
-        allowance = OpAllowance(costs) if options.memory_budget is None else None
+        allowance = OpAllowance(costs)  # the user's offloads cost their calls too, but were asked for
 
     def fits(t: SavedTensor) -> bool:
         return host_available is None or picks.host_used + planned_host_bytes(t) <= host_available
@@ -225,6 +225,7 @@ def _pick(
             reasons[t.name] = Reason(ReasonCode.HOST_BUDGET, _host_budget_text(picks.host_used, host_available))
         elif allowance is not None and not allowance.room():  # spent: it stays so for the smaller ones
             reasons[t.name] = allowance.reason()
+            picks.later.append(t)  # a memory_budget may take it, placed as a copy that hides
         elif checker is not None and not checker.try_add(t):
             reasons[t.name] = not_hidden(t, costs)
             picks.left.append(t)
@@ -251,6 +252,10 @@ def _say_budget_choices(
     reasons: dict[str, Reason],
 ) -> None:
     """The reasons of what the budget fit added; its recomputations join ``recomputed``."""
+    for t in fit.hidden:
+        cost = _ms(fit.stall_estimate[t.name])
+        text = f"memory_budget {fmt_bytes(budget)}: offloaded, its copies placed to hide (~{cost} with its op calls)"
+        reasons[t.name] = Reason(ReasonCode.BUDGET_OFFLOAD, text)
     for t in fit.offloads:
         text = f"memory_budget {fmt_bytes(budget)}: offloaded although its copies stall"
         if t.name in recompute:
