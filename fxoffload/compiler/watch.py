@@ -59,7 +59,7 @@ from ..reporting.report import carry_measured, with_measured
 from ..reporting.rows import saved_rows
 from ..rewrite.host_copies import switched_off_held
 from ..runtime.host_pool import host_buffer_ranges
-from ..runtime.timing import Recording
+from ..runtime.timing import Recording, now
 from ..runtime.transfers import switch_copies_off, switch_copies_on
 from ..sizes import fmt_bytes
 from .compile import GraphCompiler, copy_graph_module
@@ -431,11 +431,11 @@ class _CopyTimer:
             return None
         self.device = graph_device(inputs)
         self.recording = Recording(transfer_name(self.watch.pair.graph_id, "")).start()
-        return _now(self.device)
+        return now(self.device)
 
     def after_call(self, started: Any) -> None:
         if started is not None and self.recording is not None:
-            self.forward = (started, _now(self.device))
+            self.forward = (started, now(self.device))
             self.recording.close()
 
     def finish(self, inputs: Any) -> None:
@@ -447,15 +447,6 @@ class _CopyTimer:
             self.watch.on_copy_times(times, forward_s, inputs)
         except Exception as e:  # a measurement never fails a step
             log.warning("fxoffload: graph %d: reading its copies' times failed (%s)", self.watch.pair.graph_id, e)
-
-
-def _now(device: torch.device) -> Any:
-    """A stamp of now on ``device``'s compute stream (the CPU's clock on a CPU)."""
-    if device.type == "cpu":
-        return time.perf_counter()
-    event = torch.Event(device=device, enable_timing=True)
-    torch.accelerator.current_stream(device).record_event(event)
-    return event
 
 
 def _elapsed(start: Any, end: Any) -> float:

@@ -122,10 +122,7 @@ class Stamps:
         stamps = cls(name, direction, nbytes, device, entered=entered)
         for r in wanted:
             r.take(stamps)
-        if device.type == "cpu":
-            stamps.issue = time.perf_counter()
-        else:
-            stamps.issue = _event(torch.accelerator.current_stream(device))
+        stamps.issue = now(device)
         return stamps
 
     def issued_on_cpu(self) -> None:
@@ -148,16 +145,10 @@ class Stamps:
         self.copy_start, self.copy_end, self.copy_s = start, start + seconds, seconds
 
     def before_wait(self) -> None:
-        if self.device.type == "cpu":
-            self.wait_start = time.perf_counter()
-        else:
-            self.wait_start = _event(torch.accelerator.current_stream(self.device))
+        self.wait_start = now(self.device)
 
     def after_wait(self) -> None:
-        if self.device.type == "cpu":
-            self.wait_end = time.perf_counter()
-        else:
-            self.wait_end = _event(torch.accelerator.current_stream(self.device))
+        self.wait_end = now(self.device)
         self.waited = True
 
     def resolve(self) -> TransferTime:
