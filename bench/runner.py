@@ -88,6 +88,8 @@ def run_method(
         stalls = [r.measured_stall_ms for r in reports if r.measured_stall_ms is not None]
         if stalls:
             row["measured_stall_ms"] = sum(stalls)
+        # What each plan did and why, for the JSON (a GPU run's only detail once the machine is gone).
+        row["reports"] = [r.summary() + "\n" + r.table(width=250) for r in reports]
     if prepared.late_note is not None:
         row["note"] = _join(row["note"], prepared.late_note())
     del model, prepared

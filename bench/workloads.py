@@ -139,7 +139,10 @@ SEQ2SEQ_PRESETS = {
 LLAMA_PRESETS = {
     "tiny": dict(dim=64, heads=4, mlp=176, seq=64, batch=2, blocks=2, bf16=False),
     "7b-4l": dict(dim=4096, heads=32, mlp=11008, seq=2048, batch=1, blocks=4, bf16=False),
-    "7b-4l-bf16": dict(dim=4096, heads=32, mlp=11008, seq=2048, batch=1, blocks=4, bf16=True),
+    # Batch 4: at batch 1 the step's peak is its weight gradients' (1.6 GB of bf16), not the 1 GB of
+    # saved activations: Inductor, auto and amb=0.5 all peaked at the same 1620 MiB on an H100
+    # (docs/results.md, 2026-11-26); four times the tokens save about 4 GB.
+    "7b-4l-bf16": dict(dim=4096, heads=32, mlp=11008, seq=2048, batch=4, blocks=4, bf16=True),
 }
 DIT_PRESETS = {
     "tiny": dict(dim=64, heads=4, tokens=128, batch=2, blocks=2, bf16=False),

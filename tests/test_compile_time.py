@@ -120,10 +120,11 @@ def test_a_graph_planned_again_is_judged_against_the_same_unchanged_code(counted
     assert counted["codegen"] == 5 + 3, counted  # the unchanged pair's code was not made again
 
 
-def test_auto_switches_copies_off_without_lowering_again(counted):
+def test_auto_compiles_again_at_most_max_replans_times(counted):
     """``auto`` on a model priced 1000x slow, its copies waited on at once on a 50 MB/s link: the copies
-    stall, are measured at the second step and switched off at run time. Nothing is lowered or
-    loaded after the first step (planned again and compiled, it lowered and loaded twice more)."""
+    stall, are measured at the second step, and the graph is planned again and compiled, at most
+    ``max_replans`` (2) times; each of those compiles lowers no more graphs than the first step did
+    (its forward and backward, and the unchanged pair's code for ``verify_peak``)."""
     backend = fxoffload.backend(
         offload_cpu=True, policy="auto", min_bytes="16KiB", cpu_link_bandwidth=50e6, prefetch=0,
         compute_rates={"flops": 1e9, "memory_bandwidth": 1e8},
@@ -132,9 +133,10 @@ def test_auto_switches_copies_off_without_lowering_again(counted):
     model, batch = example("gpt")
     step = torch.compile(model, backend=backend)
     step(*batch).backward()
-    first, compiles = dict(counted), backend.reports[0].timings.compiles
-    for _ in range(4):
+    first = dict(counted)
+    for _ in range(8):
         step(*batch).backward()
     (report,) = backend.reports
-    assert report.replans and all("without compiling again" in r for r in report.replans), report.replans
-    assert counted == first and report.timings.compiles == compiles, (counted, first)
+    rounds = [r for r in report.replans if "planned again with the measured times" in r]
+    assert 1 <= len(rounds) <= 2, report.replans
+    assert 0 < counted["codegen"] - first["codegen"] <= len(rounds) * first["codegen"], (counted, first)

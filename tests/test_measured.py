@@ -112,13 +112,18 @@ def test_each_copy_is_measured_and_shown_beside_the_plan(link, bf16):
     assert "measured copy ms out/in, stall pred/meas" in report.table(width=250)
 
 
-@pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16-autocast"])
-def test_auto_switches_off_what_stalled_without_compiling_again(bf16):
-    """The mispriced plan's copies stall the step (waited on at once, on a 50 MB/s link): once
-    measured, the copies that stalled are switched off in the compiled code (no second compile),
-    their tensors kept on the device (``measured_stall``, their measured figures on their rows), and
-    measured again, ``max_replans`` (2) times at most. The next step copies only what is left."""
-    backend = _backend("50MB", **STALLS)
+@pytest.fixture
+def cannot_compile_again(monkeypatch):
+    """Compiling a graph again at run time fails (as it cannot be with dynamic shapes): the watch
+    falls back on switching copies off in the compiled code."""
+
+    def fail(*args, **kwargs):
+        raise RuntimeError("compiling again refused by the test")
+
+    monkeypatch.setattr(watch, "_compile_outside_dynamo", fail)
+
+
+def _stepper(backend, bf16=False):
     model, batch = _gpt()
     compiled = torch.compile(model, backend=backend)
 
@@ -128,6 +133,40 @@ def test_auto_switches_off_what_stalled_without_compiling_again(bf16):
             loss = compiled(*batch)
         loss.backward()
 
+    return step
+
+
+@pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16-autocast"])
+def test_auto_plans_again_from_what_stalled_and_compiles_it(bf16):
+    """The mispriced plan's copies stall the step (waited on at once, on a 50 MB/s link): once
+    measured, the graph is planned again with the measured times, the stalled tensors kept, and
+    compiled again (``max_replans`` (2) times at most); no copy is switched off (code with switched-off
+    copies keeps a copy of each tensor: on an H100 it ran 1.15x Inductor's step for 8% more memory).
+    The next step copies only what the last plan offloads."""
+    backend = _backend("50MB", **STALLS)
+    step = _stepper(backend, bf16)
+    for _ in range(8):
+        step()
+    (report,) = backend.reports
+    rounds = [r for r in report.replans if r.startswith("measured in the first steps")]
+    assert 1 <= len(rounds) <= 2 and all("planned again with the measured times" in r for r in rounds), report.replans
+    assert report.timings.compiles >= 1 and not report.switched_off
+    kept = [r for r in report.saved if r.reason_code == "measured_stall"]
+    assert kept and all(r.decision == "keep" for r in kept), report.table()
+    assert not copies_switched_off(ir.transfer_name(report.graph_id, ""))
+    reset_copy_stats()
+    step()
+    stats = copy_stats()
+    assert stats.copies == {"d2h": len(report.offloaded), "h2d": len(report.offloaded)}, (stats, report.table())
+
+
+@pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16-autocast"])
+def test_auto_switches_off_what_stalled_where_it_cannot_compile_again(bf16, cannot_compile_again):
+    """Where compiling again fails, the copies that stalled are switched off in the compiled code,
+    their tensors kept on the device (``measured_stall``, their measured figures on their rows), and
+    measured again, ``max_replans`` (2) times at most. The next step copies only what is left."""
+    backend = _backend("50MB", **STALLS)
+    step = _stepper(backend, bf16)
     for _ in range(6):
         step()
     (report,) = backend.reports
@@ -190,7 +229,7 @@ def _kept_as_is(src):
     return host
 
 
-def test_a_graph_with_copies_switched_off_trains_like_eager_with_retain_graph():
+def test_a_graph_with_copies_switched_off_trains_like_eager_with_retain_graph(cannot_compile_again):
     """Every copy stalls (``STALLS``) and is switched off at the third step; each step runs two
     backwards through the same graph (``retain_graph``): the kept copies are read twice, and the
     gradients are eager's."""
@@ -244,7 +283,7 @@ def test_the_offloads_on_top_of_torchs_recompute_are_measured_too():
     assert kept and not kept & {r.name for r in report.offloaded}, report.table()
 
 
-def test_a_copy_whose_reload_the_code_reuses_stays_on(monkeypatch):
+def test_a_copy_whose_reload_the_code_reuses_stays_on(monkeypatch, cannot_compile_again):
     """The copies that stalled are not switched off where the backward's code hands the memory of
     their reloads on to another buffer (``output_code.reused_reloads``): a second backward would get
     what was written there. The rule's input forced: every reload reused."""
@@ -261,7 +300,7 @@ def test_a_copy_whose_reload_the_code_reuses_stays_on(monkeypatch):
 
 
 @pytest.mark.parametrize("inner", ["aot_eager", "inductor"])
-def test_the_prediction_counts_the_copies_switched_off(inner):
+def test_the_prediction_counts_the_copies_switched_off(inner, cannot_compile_again):
     """The copies stall and are switched off: those tensors stay on the device from their offload to
     their reload, and the prediction the step is held to (the FX model, or the replay of Inductor's
     code) counts them there: within 5% of the CPU allocator's peak of a steady step. Without them

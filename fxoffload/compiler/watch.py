@@ -27,12 +27,14 @@ Reading costs about 20 us per autograd node, at most ``SECONDS`` per graph, and 
 
 The same wrapper times the plan's copies on the device (``_CopyTimer``, ``runtime.timing``): at the
 second call after each compile, one call's offloads and a reload of each. The measured windows, copy
-times and stalls go on the report's rows. Where a copy of ``auto``'s stalled the compute stream, it
-is switched off in the compiled code (``switch_off``: no compile; its tensor stays on the device)
-and the next calls are measured again, within the same ``max_replans``. With a memory_budget
-(``recompute="inductor"``), whose peak is the code's to judge, the graph is planned again once with
-the model corrected by what was measured (``planning.measured``: compute scaled to the device, the
-link at its measured speed, the stalled tensors kept) and compiled again, through the same path.
+times and stalls go on the report's rows. Where a copy of ``auto``'s stalled the compute stream, the
+graph is planned again with the model corrected by what was measured (``planning.measured``: compute
+scaled to the device, the link at its measured speed, the stalled tensors kept) and compiled again,
+through the same path, and the next calls are measured again, within the same ``max_replans``. Where
+it cannot be compiled again (dynamic shapes, a failed compile), the copies that stalled are switched
+off in the compiled code (``switch_off``: no compile; the tensor stays on the device, as a copy).
+With a memory_budget (``recompute="inductor"``), whose peak is the code's to judge, the graph is
+planned again from measurements once.
 """
 
 from __future__ import annotations
@@ -328,16 +330,26 @@ class CallWatch:
         options = self.options
         auto = options.base_policy == "auto" and (options.memory_budget is None or options.recompute == "inductor")
         stalled_now = any(stalled(t) for t in times)
-        if auto and stalled_now and options.memory_budget is None:
-            return self.switch_off(measured, predicted)
+        if not auto or not stalled_now:
+            return False
+        can_compile = self.pristine is not None and self.replans < options.max_replans
+        if options.memory_budget is None:
+            # Planned again and compiled (the stalled tensors kept, stalls summed over the rounds);
+            # switched off only where that cannot be: code with its copies switched off keeps a copy
+            # of each tensor and the transfer ops (gpt2-medium on an H100: 1.15x Inductor's step and
+            # 8% more memory with every copy switched off, docs/results.md).
+            return (can_compile and self._compile_measured(measured, predicted, args)) or self.switch_off(
+                measured, predicted
+            )
         # With a budget, one plan made again from measurements (a second measurement is reported, not
         # acted on: the plans would take turns), compiled: the peak it reaches is the code's; and
         # within ``max_replans``, with the re-plans for outside memory.
-        if not (
-            auto and stalled_now and self.measured is None and self.pristine is not None
-            and self.replans < self.options.max_replans
-        ):  # fmt: skip
-            return False
+        return can_compile and self.measured is None and self._compile_measured(measured, predicted, args)
+
+    def _compile_measured(self, measured: Measured, predicted: float, args: Any) -> bool:
+        """The graph planned again with the model corrected by ``measured`` and compiled; False where
+        that failed (the old plan runs on)."""
+        old = self.pair
         names = ", ".join(sorted(measured.stalls))
         why = (
             f"measured in the first steps: the copies of {names} stalled the compute stream "
@@ -348,7 +360,6 @@ class CallWatch:
         log.info("fxoffload: graph %d: %s", old.graph_id, why)
         self.measured = measured
         return self.compile_again(args, why, outside=old.outside, measured=measured)
-
 
     def switch_off(self, measured: Measured, predicted_ms: float) -> bool:
         """``auto``'s plan made again from what was measured, without compiling again: the copies that
