@@ -54,6 +54,8 @@ COLUMNS = (  # (row key, header, format); columns with no value in any row are l
     ("loss", "loss (1st step)", "{:.6f}"),
     ("loss_ok", "same loss", None),
     ("first_step_s", "1st step s (compile)", "{:.2f}"),
+    ("first_steps_s", "steps to settled s", "{:.2f}"),
+    ("settling_steps", "steps past warmup", "{}"),
     ("step_ms", "step ms (median)", "{:.2f}"),
     ("throughput", "throughput", "{:,.0f}"),
     ("peak_alloc_MiB", "peak alloc MiB", "{:,.1f}"),

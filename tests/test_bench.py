@@ -4,6 +4,7 @@ import copy
 import json
 import re
 import sys
+import types
 
 import pytest
 import torch
@@ -380,3 +381,34 @@ def test_bench_json_keeps_the_rows_of_methods_that_finished(tmp_path, monkeypatc
     with pytest.raises(KeyboardInterrupt):
         cli.main(["--device", "cpu", "--methods", "eager,inductor", "--json", str(path)])
     assert [r["method"] for r in json.loads(path.read_text())["rows"]] == ["eager"]
+
+
+def test_the_timed_steps_start_once_fxoffload_has_settled():
+    """A backend that times its copies and compiles again in its first steps is stepped past
+    ``--warmup`` until ``settled`` (at most ``MAX_SETTLING_STEPS``): no timed step is one of those;
+    the row says how many more steps it took. On an H100 a re-plan fell in the timed steps."""
+    from bench import runner
+
+    class Backend:
+        def __init__(self, after):
+            self.after, self.steps = after, 0
+
+        @property
+        def settled(self):
+            return self.steps >= self.after
+
+    def prepared_for(backend):
+        def step():
+            backend.steps += 1
+            return torch.ones(())
+
+        return types.SimpleNamespace(step=step, backend=backend, offloaded_bytes=lambda: 0)
+
+    ctx = Context(torch.device("cpu"), min_bytes=0, inner="aot_eager", amp=None)
+    workload = types.SimpleNamespace(items_per_step=1)
+    for after, want in ((9, 9 - 1 - 2), (2, 0), (10**6, runner.MAX_SETTLING_STEPS)):
+        backend, row = Backend(after), {"note": ""}
+        runner._measure(row, prepared_for(backend), workload, ctx, 3, 2, 0, lambda _: None)
+        assert row["settling_steps"] == want, (after, row)
+        assert ("still measuring" in row["note"]) == (after > 100), row
+        assert row["first_steps_s"] >= row["first_step_s"]

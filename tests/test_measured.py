@@ -351,3 +351,31 @@ def test_the_watch_reads_a_pairs_peaks_again_when_its_timeline_changes():
     assert pair.phase_peaks() == (fw + 1, bw + 1)
     assert pair.planned_peak_bytes() == pair.memory_after.peak_bytes == max(fw, bw) + 1
     assert pair.parameter_bytes() == params  # read from memory_before, which did not change
+
+
+def test_the_backend_is_settled_once_its_copies_are_timed_and_acted_on():
+    """``backend.settled``: False while a graph's copies wait to be timed or a plan made from them to
+    be compiled; True once that is done, and from then on no step measures or compiles (the bench
+    times steps from there)."""
+    backend = _backend("50MB", **STALLS)
+    step = _stepper(backend)
+    step()
+    assert not backend.settled  # its copies are timed at the second call
+    for n in range(2, 16):
+        step()
+        if backend.settled:
+            break
+    assert backend.settled, backend.reports[0].replans
+    (report,) = backend.reports
+    assert [r for r in report.replans if r.startswith("measured in the first steps")], report.replans
+    for _ in range(3):
+        step()
+    (after,) = backend.reports
+    assert backend.settled and after.replans == report.replans and after.timings == report.timings
+
+
+def test_a_backend_with_nothing_to_time_is_settled_after_its_first_step():
+    backend = fxoffload.backend(offload_cpu=True, policy="none", inner="aot_eager")
+    step = _stepper(backend)
+    step()
+    assert backend.settled

@@ -34,6 +34,7 @@ class OffloadBackend:
         # By graph id: the most bytes code before the graph was seen holding at one of its calls, where
         # that is more than it was planned with (``watch.CallWatch``).
         self.outside_seen: dict[int, int] = {}
+        self._watches: list[CallWatch] = []
         self.__name__ = "fxoffload"  # torch.compile names a backend by it
 
     def __repr__(self) -> str:
@@ -43,6 +44,13 @@ class OffloadBackend:
     def reports(self) -> list[OffloadReport]:
         """The report of the plan that runs for each graph this backend compiled, oldest first."""
         return self._register.reports()
+
+    @property
+    def settled(self) -> bool:
+        """True once every graph it compiled has done its first-step work: its copies timed on the
+        device and, where they stalled, planned again and compiled (``max_replans`` at most). Time
+        steps from here: before, a step may time copies or compile."""
+        return all(w.settled for w in self._watches)
 
     @property
     def host_bytes_planned(self) -> int:
@@ -70,7 +78,9 @@ class OffloadBackend:
         compiled, pair = self._compiler.compile(gm, example_inputs, opts, pristine=pristine)
         if pair is None or (pair.outside is None and not pair.plan.offloaded):
             return compiled
-        return CallWatch(self._compiler, pair, opts, pristine, self.outside_seen).wrap(compiled)
+        watch = CallWatch(self._compiler, pair, opts, pristine, self.outside_seen)
+        self._watches.append(watch)
+        return watch.wrap(compiled)
 
 
 def _static_shapes(gm: fx.GraphModule) -> bool:

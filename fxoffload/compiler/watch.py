@@ -122,6 +122,12 @@ class CallWatch:
         self.timer = _CopyTimer(self)
         self.measured: Measured | None = None  # what the device measured, once a plan was made from it
 
+    @property
+    def settled(self) -> bool:
+        """Nothing more to measure or plan again: its copies timed and acted on, and, where a
+        memory_budget may be planned again from what code before it holds, its reading over."""
+        return self.timer.done and (not self.left or self.pair.memory_budget is None or self.pristine is None)
+
     def wrap(self, compiled: Compiled) -> Compiled:
         self.compiled = compiled
 
