@@ -49,6 +49,7 @@ __all__ = [
     "Step",
     "Trace",
     "compute_stream",
+    "copy_stalls",
     "find_steps",
     "kernel_spans",
     "load_trace",
@@ -385,3 +386,23 @@ def overlap_share(events: Iterable[GpuEvent], direction: str) -> tuple[float, fl
     total = sum(g.dur_us for g in copies)
     over = sum(overlap_us(g.start_us, g.end_us, spans) for g in copies)
     return total / 1e3, over / 1e3, (over / total if total else 0.0)
+
+
+def copy_stalls(events: Iterable[GpuEvent], within_us: float = 15.0, min_gap_us: float = 15.0) -> dict[str, float]:
+    """Milliseconds the compute stream stood idle waiting for copies, by direction ("DtoH"/"HtoD"):
+    each gap of ``min_gap_us`` or more between two of its kernels that ends within ``within_us`` of
+    a copy's end (the wait's event fired, the next kernel ran) counts for that copy's direction.
+    What the watch's events measure at each wait (``runtime.timing``), read from the device's trace."""
+    events = list(events)
+    stream = compute_stream(events)
+    kernels = sorted((g for g in events if g.cat == "kernel" and g.stream == stream), key=lambda g: g.start_us)
+    ends = sorted((g.end_us, g.direction) for g in events if g.direction in ("DtoH", "HtoD"))
+    stalls = {"DtoH": 0.0, "HtoD": 0.0}
+    for a, b in zip(kernels, kernels[1:]):
+        gap = b.start_us - a.end_us
+        if gap < min_gap_us:
+            continue
+        i = bisect.bisect_right(ends, (b.start_us, "~")) - 1  # the last copy to end before b starts
+        if i >= 0 and b.start_us - ends[i][0] <= within_us and ends[i][0] > a.end_us:
+            stalls[ends[i][1]] += gap / 1e3
+    return stalls
