@@ -379,3 +379,42 @@ def test_a_backend_with_nothing_to_time_is_settled_after_its_first_step():
     step = _stepper(backend)
     step()
     assert backend.settled
+
+
+def test_the_last_replan_offloads_only_what_was_measured_to_hide(monkeypatch):
+    """``auto``'s last re-plan (``max_replans=1``: the first) offloads only tensors the plan before
+    offloaded and measured hiding: no copy that was not measured comes in, so nothing new can stall.
+    The measurement's input forced: half the offloaded tensors (by name) reported stalled; a
+    ``host_budget`` of two tensors, so that keeping one leaves room a plan would fill with a copy
+    never measured."""
+    forced: set[str] = set()
+    original = watch.measured_plan
+
+    def half_stalled(plan, times):
+        if not forced:  # the first plan's measurement; the later ones stall the same tensors
+            names = sorted(d.saved.name for d in plan.offloaded)
+            forced.update(names[: len(names) // 2])
+        m = original(plan, times)
+        return dataclasses.replace(m, stalls={n: 1e-3 for n in forced})
+
+    monkeypatch.setattr(watch, "measured_plan", half_stalled)
+    monkeypatch.setattr(watch, "stalled", lambda t: t.tensor in forced)
+    backend = fxoffload.backend(
+        offload_cpu=True, policy="auto", min_bytes="16KiB", cpu_link_bandwidth=5e9, inner="aot_eager", op_time=0.0,
+        max_replans=1, host_budget="256KiB",
+    )  # fmt: skip
+    step = _stepper(backend)
+    step()
+    first = {r.name for r in backend.reports[0].offloaded}
+    assert len(first) >= 2, backend.reports[0].table()
+    for _ in range(4):
+        step()
+    (report,) = backend.reports
+    (why,) = report.replans
+    hidden = first - forced
+    assert f"only the {len(hidden)} measured to hide offloaded" in why, why
+    now = {r.name for r in report.offloaded}
+    assert now and now <= hidden, (now, hidden)
+    codes = {r.name: r.reason_code for r in report.saved}
+    assert all(codes[n] == "measured_stall" for n in forced), codes
+    assert "not_measured" in codes.values(), report.table()  # room on the host, refused

@@ -17,8 +17,8 @@ from ..options import OffloadOptions
 from ..planning.budget import planned_memory, unreachable_budget
 from ..planning.decisions import OffloadPlan, PlanCosts
 from ..planning.measured import Measured
-from ..planning.plan import plan_offloads, replan_after_recompute
-from ..reasons import Reason
+from ..planning.plan import ineligible_reason, plan_offloads, replan_after_recompute
+from ..reasons import Reason, ReasonCode
 from ..rewrite.transfers import apply_plan, hoist_saved_views
 from ..sizes import fmt_bytes
 from .costs import plan_costs
@@ -72,6 +72,8 @@ def offload_pass(
     keep: dict[str, Reason] = {}
     if measured is not None:
         costs, keep = measured.corrected(costs, options.op_time), measured.keep()
+        if measured.only is not None:
+            keep.update(_not_measured(lifetimes, options, measured.only, keep))
     context = _Context(options, num_fwd_outputs, static, outside, host_bytes_available)
     if options.memory_budget is not None and options.recompute == "inductor" and repartition and not disabled_reason:
         kept = _torchs_recompute((fw, bw), lifetimes, costs, keep, measured, repartition, budget_target, context)
@@ -231,3 +233,18 @@ def _rewrite(fw: fx.GraphModule, bw: fx.GraphModule, plan: OffloadPlan, options:
 def _lifetimes(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs: int, static: Sequence[int]) -> GraphLifetimes:
     hoist_saved_views(fw, num_fwd_outputs)
     return analyze_saved_tensors(fw, bw, num_fwd_outputs, static)
+
+
+def _not_measured(
+    lifetimes: GraphLifetimes, options: OffloadOptions, only: frozenset[str], keep: dict[str, Reason]
+) -> dict[str, Reason]:
+    """The tensors ``auto``'s last re-plan keeps because their copies were not measured to hide
+    (``Measured.only``): every one it could offload otherwise, but those."""
+    why = Reason(
+        ReasonCode.NOT_MEASURED,
+        "the last re-plan from measurements offloads only copies measured to hide under the plan before",
+    )
+    return {
+        t.name: why for t in lifetimes.saved
+        if t.name not in only and t.name not in keep and ineligible_reason(t, options) is None
+    }  # fmt: skip

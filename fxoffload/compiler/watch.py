@@ -340,10 +340,12 @@ class CallWatch:
             return False
         can_compile = self.pristine is not None and self.replans < options.max_replans
         if options.memory_budget is None:
-            # Planned again and compiled (the stalled tensors kept, stalls summed over the rounds);
-            # switched off only where that cannot be: code with its copies switched off keeps a copy
-            # of each tensor and the transfer ops (gpt2-medium on an H100: 1.15x Inductor's step and
-            # 8% more memory with every copy switched off, docs/results.md).
+            # Planned again and compiled (the stalled tensors kept, stalls summed over the rounds), the
+            # last time offloading only what was measured to hide; switched off only where it cannot
+            # be compiled: code with its copies switched off keeps a copy of each tensor and calls the
+            # transfer ops (gpt2-medium on an H100: 1.15x Inductor's step, 8% more memory).
+            if can_compile and self.replans == options.max_replans - 1:
+                measured = measured.hidden_only(old.plan)
             return (can_compile and self._compile_measured(measured, predicted, args)) or self.switch_off(
                 measured, predicted
             )
@@ -362,6 +364,7 @@ class CallWatch:
             f"{measured.stall_s * 1e3:.3g} ms a step (the plan predicted {predicted:.3g} ms), compute ran "
             f"{measured.fw_scale:.2f}x / {measured.bw_scale:.2f}x the model's time (forward / backward); planned "
             "again with the measured times, those tensors kept on the device"
+            + ("" if measured.only is None else f", and only the {len(measured.only)} measured to hide offloaded")
         )
         log.info("fxoffload: graph %d: %s", old.graph_id, why)
         self.measured = measured

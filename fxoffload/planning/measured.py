@@ -11,10 +11,11 @@ copy's window (the compute between its issue and its wait), its duration and the
 - the compute stream's own time in each tensor's calls gives the op calls' price (``op_time``);
 - every tensor whose copy stalled the compute stream is kept on the device, with that reason.
 
-A plan made again from these is what ``auto`` offloads knowing the device: only what hides. Without
-compiling again: ``switched_off`` is the compiled plan less the copies that stalled, which the
-runtime switches off (``runtime.transfers.switch_copies_off``); taking copies away only frees the link for
-the others, so what hid still hides.
+A plan made again from these is what ``auto`` offloads knowing the device; its last re-plan offloads
+only what was measured to hide (``hidden_only``): taking copies away only frees the link for the
+others, so what hid still hides. Where a graph cannot be compiled again, ``switched_off`` is the
+compiled plan less the copies that stalled, which the runtime switches off
+(``runtime.transfers.switch_copies_off``).
 """
 
 from __future__ import annotations
@@ -47,6 +48,8 @@ class Measured:
     bw_ratios: tuple[float, ...]
     moved: Mapping[str, tuple[int, float]]  # per direction: bytes copied and the seconds they took
     stalls: Mapping[str, float]  # saved tensor -> seconds its copies stalled the compute stream
+    # The last re-plan's: only these may be offloaded (those measured to hide); None: any.
+    only: frozenset[str] | None = None
 
     @property
     def fw_scale(self) -> float:
@@ -96,6 +99,13 @@ class Measured:
             self.times, earlier.fw_ratios + self.fw_ratios, earlier.bw_ratios + self.bw_ratios, moved,
             {**earlier.stalls, **self.stalls},
         )  # fmt: skip
+
+    def hidden_only(self, plan: OffloadPlan) -> Measured:
+        """This measurement, the next plan to offload only what ``plan`` offloaded and was measured
+        to hide: it brings no copy that was not measured, and taking copies away only frees the
+        link for the others (the rounds converge)."""
+        hidden = frozenset(d.saved.name for d in plan.offloaded if d.saved.name not in self.stalls)
+        return dataclasses.replace(self, only=hidden)
 
     def keep(self) -> dict[str, Reason]:
         """The tensors whose copies stalled, to keep on the device in the next plan."""
