@@ -137,6 +137,29 @@ def test_a_fallback_allocates_its_results_sized_by_the_asserts_in_its_first_argu
     assert timeline.peak.node == "forward line 10: buf3 = empty_strided_cpu((8, 64), (64, 1), torch.float32)"
 
 
+def test_an_extern_kernel_into_an_out_buffer_counts_its_scratch_at_its_line():
+    """``extern_kernels.mm(..., out=buf0)`` allocates nothing the code shows; its scratch (a bf16
+    matmul's oneDNN buffers on a CPU with bf16 units) counts at its line, by the node its source
+    comment names, and nowhere else. A fused kernel's line takes none: its nodes get no scratch."""
+    plain = simulate_output_code(FW, BW)
+    scratched = simulate_output_code(FW, BW, temporaries={"mm": 5000, "relu": 7000})
+    diffs = [(b.node, above_start(b) - above_start(a)) for a, b in zip(plain.points, scratched.points)]
+    assert [d for d in diffs if d[1]] == [("forward line 5: extern_kernels.mm(primals_2, primals_1, out=buf0)", 5000)]
+
+
+def test_the_pairs_replay_counts_only_the_matmuls_scratch():
+    """``matmul_scratch``: from the measured temporaries of every node, only mm, addmm, bmm and
+    baddbmm's, by name (other ops' are measured on layouts Inductor may not run)."""
+    from fxoffload.compiler.partitioner import matmul_scratch
+
+    g = torch.fx.Graph()
+    x = g.placeholder("x")
+    ops = (torch.ops.aten.mm.default, torch.ops.aten.bmm.default, torch.ops.aten.add.Tensor)
+    mm, bmm, add = (g.call_function(op, (x, x)) for op in ops)
+    got = matmul_scratch({mm: 10, bmm: 20, add: 30})
+    assert got == ((bmm.name, 20), (mm.name, 10))
+
+
 def test_offload_is_host_memory_reload_allocates_and_wait_aliases():
     fw = wrapper(
         """

@@ -33,7 +33,8 @@ Who holds what between and around the two functions:
 
 A point is recorded after every statement of ``call``, so a kernel's inputs and outputs are counted
 together (the frees come on later lines). A fallback op's result is allocated while its arguments
-are alive, plus its scratch (``temporaries``). Sizes are storage spans (``empty_strided`` size,
+are alive, plus its scratch (``temporaries``, also at an extern kernel writing into an ``out=``
+buffer). Sizes are storage spans (``empty_strided`` size,
 stride, dtype). A fallback's dtype is not in the text, so it is taken, in this order, from the
 backward's ``get_args`` when the result is a saved tensor (``rand_strided(..., dtype=...)``), from
 ``_OUTPUT_DTYPES`` for the few ops whose outputs differ in dtype from their inputs (the bool mask of
@@ -217,8 +218,9 @@ def _run(
                     ids = _allocate(target, stmt, phase, dtype, asserts, getitems, state, op.removeprefix("torch.ops."))
                     state.dtypes[target] = dtype
                     state.bind(target, ids)
-                    names = [n.strip() for n in source.split(",") if n.strip()]
-                    scratch = max((temporaries.get(n, 0) for n in names), default=0)
+                    scratch = max((temporaries.get(n.strip(), 0) for n in source.split(",")), default=0)
+        elif (c := _CALL.match(stmt)) and c.group(1).startswith("extern_kernels."):  # into an ``out=`` buffer
+            scratch = max((temporaries.get(n.strip(), 0) for n in source.split(",")), default=0)
         state.point(phase, label, scratch)
     for name in list(state.names):  # the frame ends: every local name goes
         state.unbind(name)
@@ -297,15 +299,13 @@ def simulate_output_code(
     ``["backward"]``). ``num_fwd_outputs``: the forward's user outputs before its saved tensors; by
     default, what the backward does not receive (its arguments other than ``tangents_*``).
     ``temporaries``: scratch bytes by FX node name, counted at the fallback or extern kernel whose
-    "Topologically Sorted Source Nodes" comment names the node (the largest of them). In the backward
-    the comment names the nodes of the graph Inductor compiled; in the forward it may name the user's
-    source instead (``[input_1]`` for the node ``convolution``), so nothing matches there. Figures from
-    ``op_temporaries`` (``{n.name: b for n, b in ...items()}``) are measured on the FX graph's layouts and
-    may not be what Inductor's layouts need: on a CPU, a CNN's ``convolution_backward`` measured 1 MiB
-    alone, while in the channels-last wrapper the whole step stayed within 19 KB of this model without
-    them. ``symbols``: values of symbolic sizes (``{"s0": 8}``). ``outside``: bytes code before the
-    pair holds through it, "outside" at every point (``memory.simulate``), and ``outside_backward``
-    more at the backward's points.
+    "Topologically Sorted Source Nodes" comment names the node (the largest of them; in the forward it
+    may name the user's source instead, ``[input_1]``, and match nothing). A pair's replay passes the
+    matmuls' (``partitioner.matmul_scratch``): other ``op_temporaries`` are measured on the FX graph's
+    layouts, not Inductor's (a channels-last ``convolution_backward`` measured 1 MiB alone, while the
+    step stayed within 19 KB without it). ``symbols``: values of symbolic sizes (``{"s0": 8}``).
+    ``outside``: bytes code before the pair holds through it, "outside" at every point
+    (``memory.simulate``), and ``outside_backward`` more at the backward's points.
 
     Points are ``MemoryPoint(phase, "<phase> line <n>: <statement>", live)`` with ``live`` in the
     categories of ``memory.CATEGORIES``; the peak less "parameters" and "inputs" is what the step
@@ -396,11 +396,11 @@ def _bind_backward_args(
 
 @functools.lru_cache(maxsize=32)
 def _replay_cached(
-    forward: str, backward: str, num_fwd_outputs: int | None, outside: int, outside_backward: int
+    forward: str, backward: str, num_fwd_outputs: int | None, outside: int, outside_backward: int,
+    scratch: tuple[tuple[str, int], ...] = (),
 ) -> MemoryTimeline:
-    return simulate_output_code(
-        forward, backward, num_fwd_outputs, outside=outside, outside_backward=outside_backward
-    )
+    kw = {"temporaries": dict(scratch), "outside": outside, "outside_backward": outside_backward}
+    return simulate_output_code(forward, backward, num_fwd_outputs, **kw)
 
 
 @functools.lru_cache(maxsize=32)
@@ -417,16 +417,18 @@ def replay_pair(
     outside_backward: int = 0,
     copies: Sequence[tuple[str, int, int]] = (),
     kept: Collection[str] = (),
+    scratch: tuple[tuple[str, int], ...] = (),
 ) -> MemoryTimeline | None:
     """``simulate_output_code`` of a pair's wrapper codes (``{"forward": ..., "backward": ...}``), once
     per distinct codes and arguments. None until both graphs are compiled, and for code this reader
     does not know (a new Inductor): no figure then, never a failure. ``kept``: host placeholders of
-    copies switched off at run time, counted on the device (``kept_in_replay``; ``copies`` as there)."""
+    copies switched off at run time, counted on the device (``kept_in_replay``; ``copies`` as there).
+    ``scratch``: ``(FX node name, bytes)`` its ``temporaries``."""
     forward, backward = output_code.get("forward"), output_code.get("backward")
     if not forward or not backward:
         return None
     try:
-        args = (forward, backward, num_fwd_outputs, outside, outside_backward)
+        args = (forward, backward, num_fwd_outputs, outside, outside_backward, tuple(scratch))
         if kept:
             return _replay_kept_cached(*args, copies=tuple(copies), kept=frozenset(kept))
         return _replay_cached(*args)

@@ -57,6 +57,9 @@ class PlannedPair:
     # Saved tensors whose copies were switched off at run time (``CallWatch.switch_off``): the compiled
     # code keeps them on the device, from their offload to their reload. The report copies these.
     switched_off: tuple[str, ...] = ()
+    # Scratch the matmuls allocate while they run, by FX node name (``matmul_scratch``), which the
+    # replay counts at their lines; the report copies these.
+    matmul_scratch: tuple[tuple[str, int], ...] = ()
     # What ``_read`` read, by the timeline it was read from: the watch asks at every call it reads,
     # and the timeline (a cached replay, or the FX model) rarely changes.
     _memo: dict[str, tuple[MemoryTimeline | None, Any]] = dataclasses.field(
@@ -82,7 +85,7 @@ class PlannedPair:
         counted on the device (None until both graphs are compiled, and with ``inner="aot_eager"``)."""
         return replay_switched_off(
             self.output_code, self.num_fwd_outputs, self.outside_bytes, self.outside_backward, self.host_copies,
-            self.switched_off,
+            self.switched_off, self.matmul_scratch,
         )  # fmt: skip
 
     def expected_memory(self) -> MemoryTimeline | None:

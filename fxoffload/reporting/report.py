@@ -133,6 +133,8 @@ class OffloadReport:
     # (``compiled_memory``) count them there, from their offload to their reload. Copied, with
     # ``host_copies``, from the compiler's ``PlannedPair``, which decides on its own.
     switched_off: tuple[str, ...] = ()
+    # Scratch the matmuls allocate while they run, by FX node name: the replay counts it (``PlannedPair``).
+    matmul_scratch: tuple[tuple[str, int], ...] = ()
 
     @property
     def outside_bytes(self) -> int:
@@ -230,7 +232,8 @@ class OffloadReport:
         graphs themselves (``memory_after`` is the prediction then)."""
         later = self.outside.outside_backward(self.kept_bytes) if self.outside is not None else 0
         return replay_switched_off(
-            self.output_code, self.num_fwd_outputs, self.outside_bytes, later, self.host_copies, self.switched_off
+            self.output_code, self.num_fwd_outputs, self.outside_bytes, later, self.host_copies, self.switched_off,
+            self.matmul_scratch,
         )
 
     def switched_off_held(self, names: Collection[str] | None = None) -> list[int]:
@@ -340,6 +343,7 @@ class OffloadReport:
         data["host_copies"] = tuple(HostCopy(**c) for c in data.get("host_copies", ()))
         data["replans"] = tuple(data.get("replans", ()))
         data["switched_off"] = tuple(data.get("switched_off", ()))
+        data["matmul_scratch"] = tuple((name, int(b)) for name, b in data.get("matmul_scratch", ()))
         if "upstream" in data:  # written before the field was renamed
             data["outside"] = data.pop("upstream")
         if data.get("outside") is not None:

@@ -102,10 +102,11 @@ def replay_switched_off(
     outside_backward: int,
     copies: Sequence[HostCopy],
     switched_off: Collection[str],
+    scratch: tuple[tuple[str, int], ...] = (),
 ) -> MemoryTimeline | None:
     """The replay of the code Inductor generated (``analysis.code_memory.replay_pair``), the host copies
-    of ``switched_off`` counted on the device (their offloads keep a copy there). None until both
-    graphs are compiled, and with ``inner="aot_eager"``."""
+    of ``switched_off`` counted on the device (their offloads keep a copy there), the matmuls'
+    ``scratch`` counted where they run. None until both graphs are compiled, and with ``inner="aot_eager"``."""
     kept = switched_off_hosts(copies, switched_off)
     listed = [(c.host_name, c.first, c.nbytes) for c in copies] if kept else ()
-    return replay_pair(output_code, num_fwd_outputs, outside, outside_backward, listed, kept)
+    return replay_pair(output_code, num_fwd_outputs, outside, outside_backward, listed, kept, scratch)
