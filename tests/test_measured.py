@@ -418,3 +418,18 @@ def test_the_last_replan_offloads_only_what_was_measured_to_hide(monkeypatch):
     codes = {r.name: r.reason_code for r in report.saved}
     assert all(codes[n] == "measured_stall" for n in forced), codes
     assert "not_measured" in codes.values(), report.table()  # room on the host, refused
+
+
+def test_a_budgeted_backend_is_settled_once_a_step_of_its_calls_is_judged():
+    """With a memory_budget the watch reads what code before the graph holds for up to ``CALLS``
+    calls; ``settled`` waits for the first run of calls to be judged (where a re-plan for the
+    budget would come), not for the reading to end."""
+    backend = fxoffload.backend(offload_cpu=True, inner="aot_eager", memory_budget=0.8, min_bytes=0)
+    step = _stepper(backend)
+    for n in range(1, 9):
+        step()
+        if backend.settled:
+            break
+    assert backend.settled and n <= 4, n
+    (w,) = backend._watches
+    assert w.left > 0  # still reading, and settled all the same

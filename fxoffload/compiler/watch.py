@@ -116,6 +116,7 @@ class CallWatch:
         self.replans = 0
         self.held: tuple[warnings.WarningMessage, ...] = ()  # the last re-plan's compile-time verdict
         self.verdict_due = False  # planned again, and no run of the new plan judged yet
+        self.judged = False  # a run of this plan's calls judged (``settled``)
         self.mark = object()  # on the backward node of each call read (``mark_call``)
         if pair.outside is None:
             self.left = 0  # nothing was read at the compile: nothing to compare with
@@ -125,8 +126,10 @@ class CallWatch:
     @property
     def settled(self) -> bool:
         """Nothing more to measure or plan again: its copies timed and acted on, and, where a
-        memory_budget may be planned again from what code before it holds, its reading over."""
-        return self.timer.done and (not self.left or self.pair.memory_budget is None or self.pristine is None)
+        memory_budget may be planned again from what code before it holds, a run of its calls judged
+        since its last compile (later runs are read on, for what they hold, but rarely planned for)."""
+        judged = self.judged or not self.left or self.pristine is None
+        return self.timer.done and (self.pair.memory_budget is None or judged)
 
     def wrap(self, compiled: Compiled) -> Compiled:
         self.compiled = compiled
@@ -208,6 +211,7 @@ class CallWatch:
         if not self.run:
             return
         pair, run = self.pair, self.run
+        self.judged = True
         measured = self.measure()
         more = measured.beyond > BUDGET_TOLERANCE * pair.planned_peak_bytes()
         if more:
@@ -314,7 +318,7 @@ class CallWatch:
         new = dataclasses.replace(new, report=carry_measured(new.report, old.report))
         new = new.with_report(replans=(*old.report.replans, why, *new.report.replans))
         self.compiler.register.record(new)
-        self.pair, self.compiled, self.held = new, compiled, said
+        self.pair, self.compiled, self.held, self.judged = new, compiled, said, False
         self.timer.restart()
         return True
 
