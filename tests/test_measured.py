@@ -18,6 +18,7 @@ import torch
 import fxoffload
 from fxoffload import ir
 from fxoffload.compiler import watch
+from fxoffload.planning import measured
 from fxoffload._compat import storage_expired, storage_weak_ref
 from fxoffload.runtime import copy_stats, reset_copy_stats, transfers
 from fxoffload.runtime.host_pool import host_buffer_ranges, keep_on_device
@@ -78,6 +79,52 @@ def test_a_recording_times_one_copy_each_way_on_the_link():
     # Waited on at once: the copy stalls for most of its time (not "window < 2 ms": on a loaded
     # machine the Python between the reload and its wait took 2.4 ms in one CI run).
     assert h2d.window_s < h2d.copy_s / 2 < h2d.stall_s, h2d
+
+
+def test_a_window_holds_compute_only_not_another_copys_stall():
+    """Copy a (1 MiB over 100 MB/s, 10.5 ms) issued, 2 ms of work, copy b issued behind it on the
+    link and waited on at once (b's wait stalls for both copies, about 21 ms), then a waited on: a's
+    window is the 2 ms of compute, not the 23 ms the compute thread spent between its issue and
+    its wait. With b's stall left in, a plan that stalls teaches the model a slower compute (on an
+    H100: a step predicted 1.3-1.9x the device's) and the plan made from it stalls again."""
+    a, b = torch.randn(1 << 18), torch.randn(1 << 18)
+    recording = Recording(ir.transfer_name(7, "")).start()
+    host_a = ir.OFFLOAD(a, [], 100e6, ir.transfer_name(7, "a"))
+    time.sleep(0.002)
+    host_b = ir.WAIT(ir.OFFLOAD(b, [], 100e6, ir.transfer_name(7, "b")), b, [])
+    host_a = ir.WAIT(host_a, a, [])
+    recording.close()
+    for host, src, name in ((host_a, a, "a"), (host_b, b, "b")):
+        ir.WAIT(ir.RELOAD(host, src.device, [], 0.0, ir.transfer_name(7, name)), host, [])
+    times = {t.tensor: t for t in recording.stop() if t.direction == "d2h"}
+    assert times["b"].stall_s > 0.015, times
+    assert 0.002 <= times["a"].window_s < 0.002 + times["b"].stall_s / 2, times
+
+
+def test_a_measurement_of_a_plan_made_from_measurements_is_of_the_model_as_it_came():
+    """A plan whose model was scaled by an earlier measurement (0.5x) and whose copies' windows are
+    measured just as that plan priced them: compute runs 0.5x the model as it came, as before, not
+    1.0x. Merged with the earlier measurement, the two agree (the rounds of ``auto``'s re-plans)."""
+    backend = _backend("5GB", max_replans=0)
+    _train(backend, steps=1)
+    (w,) = backend._watches
+    plan = w.pair.plan
+    assert plan.offloaded and plan.costs.scale == (1.0, 1.0)
+
+    def as_priced(plan):
+        times = []
+        for d in plan.offloaded:
+            fw, bw = measured._predicted_window(d, plan.costs, "d2h"), measured._predicted_window(d, plan.costs, "h2d")
+            name = ir.transfer_name(w.pair.graph_id, d.saved.name)
+            times += [ir.TransferTime(name, "d2h", 1, fw, 1e-6, 0.0), ir.TransferTime(name, "h2d", 1, bw, 1e-6, 0.0)]
+        return times
+
+    first = measured.measured_plan(plan, [dataclasses.replace(t, window_s=t.window_s / 2) for t in as_priced(plan)])
+    assert (first.fw_scale, first.bw_scale) == pytest.approx((0.5, 0.5))
+    again = dataclasses.replace(plan, costs=first.corrected(plan.costs))
+    assert again.costs.scale == pytest.approx((0.5, 0.5))
+    second = measured.measured_plan(again, as_priced(again)).merged(first)
+    assert (second.fw_scale, second.bw_scale) == pytest.approx((0.5, 0.5))
 
 
 def test_copies_of_other_graphs_and_calls_are_not_taken():

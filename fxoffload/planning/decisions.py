@@ -47,6 +47,9 @@ class PlanCosts:
     # the same pair keep what it keeps (``kept``, before any change): ``memory.with_plan``.
     calls: tuple[CallOutside, ...] = ()
     kept: int = 0
+    # The measured corrections in ``fw_starts`` / ``bw_starts`` (``Measured.corrected``): the model's
+    # node times were multiplied by these. A measurement of this plan's copies is divided by them.
+    scale: tuple[float, float] = (1.0, 1.0)
 
 
 @dataclasses.dataclass(frozen=True)

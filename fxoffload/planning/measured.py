@@ -5,8 +5,11 @@ every saved tensor of a 12-layer stack: ``tests/test_kernel_times.py``). The fir
 copy's window (the compute between its issue and its wait), its duration and the stall at its wait
 (``runtime.timing``). From those:
 
-- the compute the model priced between each copy's issue and its wait, against the measured window,
-  gives one scale per phase (the median ratio), applied to every node's predicted time;
+- the compute the model priced between each copy's issue and its wait, against the measured window
+  (the compute there: other copies' stalls taken out, ``runtime.timing``), gives one scale per phase
+  (the median ratio), applied to every node's predicted time; a plan made from an earlier
+  measurement has its model scaled already (``PlanCosts.scale``), and its ratios are taken back to
+  the model as it came, so that the rounds' ratios are of one model and merge;
 - the bytes the copies moved over the time they took give the link's speed per direction;
 - the compute stream's own time in each tensor's calls gives the op calls' price (``op_time``);
 - every tensor whose copy stalled the compute stream is kept on the device, with that reason.
@@ -132,7 +135,7 @@ class Measured:
         fw, bw = self.fw_scale, self.bw_scale
         return dataclasses.replace(
             costs, rates=rates, fw_starts=tuple(t * fw for t in costs.fw_starts),
-            bw_starts=tuple(t * bw for t in costs.bw_starts),
+            bw_starts=tuple(t * bw for t in costs.bw_starts), scale=(fw * costs.scale[0], bw * costs.scale[1]),
         )  # fmt: skip
 
 
@@ -156,8 +159,8 @@ def measured_plan(plan: OffloadPlan, times: Sequence[TransferTime]) -> Measured:
         if d is None or plan.costs is None:
             continue
         predicted = _predicted_window(d, plan.costs, t.direction)
-        if predicted > 0 and t.window_s > 0:
-            ratios[t.direction].append(t.window_s / predicted)
+        if predicted > 0 and t.window_s > 0:  # against the model as it came, before any correction
+            ratios[t.direction].append(t.window_s / predicted * plan.costs.scale[t.direction == "h2d"])
     return Measured(tuple(times), tuple(ratios["d2h"]), tuple(ratios["h2d"]), moved, stalls)
 
 

@@ -9,6 +9,12 @@ the copy engine's link clock give the same figures::
     copy  = events on the transfer stream around the copy           (its duration)
     wait  = events on the compute stream before and after the wait  (window closes; the gap is the stall)
 
+A window is the compute between a copy's issue and its wait: the stalls of the other copies' waits
+inside it are taken out (``Recording.stop``). The compute stream stood still there, and a plan that
+stalls would otherwise measure its compute that much slower: on an H100 the windows of three presets
+taught the model a step 1.3-1.9x the device's (``tests/data/h100-2026-11-26``), and the plan made
+again from them stalled again.
+
 A recording collects the copies whose ``name`` (``ir.transfer_name``) starts with its prefix: the
 transfers of one graph. What the plan predicted for the same copies is the planner's to compare.
 """
@@ -23,7 +29,7 @@ import torch
 
 from ..ir import TransferTime
 
-__all__ = ["Recording", "Stamps", "now", "recording", "wanted"]
+__all__ = ["Recording", "Stamps", "compute_windows", "now", "recording", "wanted"]
 
 _open: list[Recording] = []
 
@@ -80,7 +86,20 @@ class Recording:
         self.issuing = False
         done = [s for s in (*self._offloads, *self._reloads.values()) if s.waited]
         self._offloads, self._reloads = [], {}
-        return [s.resolve() for s in done]
+        if not done:
+            return []
+        return compute_windows([s.resolve(origin=done[0].issue) for s in done])
+
+
+def compute_windows(resolved: list[tuple[TransferTime, float, float]]) -> list[TransferTime]:
+    """Each copy's window (from ``Stamps.resolve``: the copy, its issue and its wait's start) less the
+    stalls of the other waits that start inside it: what is left is compute."""
+    waits = [(at, t.stall_s) for t, _, at in resolved]
+    out = []
+    for t, issued, waited in resolved:
+        still = sum(stall for at, stall in waits if issued <= at < waited)
+        out.append(dataclasses.replace(t, window_s=max(0.0, t.window_s - still)))
+    return out
 
 
 def recording() -> bool:
@@ -151,7 +170,9 @@ class Stamps:
         self.wait_end = now(self.device)
         self.waited = True
 
-    def resolve(self) -> TransferTime:
+    def resolve(self, origin: Any) -> tuple[TransferTime, float, float]:
+        """The copy as measured, its issue and its wait's start in seconds from ``origin`` (a stamp
+        of the same recording); its window still holds whatever stalls happened inside it."""
         if self.device.type == "cpu":
             window = self.wait_start - self.issue
             copy = self.copy_s
@@ -160,6 +181,7 @@ class Stamps:
             stall = self.copy_end - self.wait_start
             wait_own = max(0.0, self.wait_end - self.wait_start - max(stall, 0.0))
             op = (self.left - self.entered if self.entered is not None and self.left is not None else 0.0) + wait_own
+            issued, waited = self.issue - origin, self.wait_start - origin
         else:
             self.wait_end.synchronize()
             self.copy_end.synchronize()
@@ -171,9 +193,11 @@ class Stamps:
             if self.entered is not None and self.left is not None:
                 self.left.synchronize()  # before ``wait_end`` on the compute stream: done already
                 op = self.entered.elapsed_time(self.left) / 1e3
-        return TransferTime(
+            issued, waited = origin.elapsed_time(self.issue) / 1e3, origin.elapsed_time(self.wait_start) / 1e3
+        measured = TransferTime(
             self.name, self.direction, self.nbytes, max(window, 0.0), max(copy, 0.0), max(stall, 0.0), max(op, 0.0)
         )
+        return measured, issued, waited
 
 
 def now(device: torch.device) -> Any:
