@@ -74,6 +74,7 @@ COLUMNS = (  # (row key, header, format); columns with no value in any row are l
     ("htod_GBps", "H2D GB/s", "{:.1f}"),
     ("dtoh_overlap", "D2H overlapped", "{:.0%}"),
     ("htod_overlap", "H2D overlapped", "{:.0%}"),
+    ("host_bound_share", "kernels waiting on the host", "{:.0%}"),
     ("note", "note", "{}"),
 )
 

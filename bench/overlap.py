@@ -23,9 +23,13 @@ from fxoffload.runtime import copy_engine
 from fxoffload.testing.models import GPT, GPTConfig, gpt_batch
 
 
+SETTLING_STEPS = 16
+
+
 def measure(model, args, steps: int = 3, **options) -> dict[str, float]:
-    """Per-step wait and copy seconds (d2h, h2d), copies per step, step seconds and the predicted
-    stall, after one warm-up step."""
+    """Per-step wait and copy seconds (d2h, h2d), copies per step, step seconds, the predicted stall
+    and the plans made again, after one warm-up step and those until ``backend.settled`` (``auto``
+    plans again where its first steps measured a copy stalling)."""
     backend = fxoffload.backend(offload_cpu=True, inner="inductor", **options)
     compiled = torch.compile(model, backend=backend)
 
@@ -33,7 +37,11 @@ def measure(model, args, steps: int = 3, **options) -> dict[str, float]:
         model.zero_grad(set_to_none=True)
         compiled(*args).backward()
 
-    step()  # compile and warm up
+    step()  # compile and warm up, then on until the first steps' measurements are acted on
+    for _ in range(SETTLING_STEPS):
+        if backend.settled:
+            break
+        step()
     copy_engine.reset_copy_stats()
     t0 = time.perf_counter()
     for _ in range(steps):
@@ -49,6 +57,7 @@ def measure(model, args, steps: int = 3, **options) -> dict[str, float]:
         "copy_h2d_s": stats.copy_seconds["h2d"] / steps,
         "copies": (stats.copies["d2h"] + stats.copies["h2d"]) / steps,
         "step_s": seconds,
+        "replans": sum(len(r.replans) for r in backend.reports),
     }
 
 

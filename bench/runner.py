@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 import fxoffload
-from fxoffload.measure.trace import Trace, overlap_share
+from fxoffload.measure.trace import Trace, host_bound_share, overlap_share
 from fxoffload.planning.budget import BUDGET_TOLERANCE
 
 from .methods import Context, Method, Skip, prepare
@@ -201,9 +201,13 @@ def copies_from_trace(trace: dict[str, Any]) -> dict[str, float]:
     bytes/s), and the share of that time a kernel ran beside them (``measure.trace.overlap_share``:
     issue 23 asks 90%), from the ``gpu_memcpy`` events of a Chrome trace (Kineto's "Memcpy DtoH
     (Device -> Pinned)" with ``args.bytes``, ``ts`` and ``dur`` in microseconds). Device-to-device
-    copies are left out."""
-    gpu = Trace(trace).gpu
+    copies are left out. And the share of the compute stream's kernels that started within 50 us of
+    their launch (``measure.trace.host_bound_share``): a host-bound step pays for every op call."""
+    parsed = Trace(trace)
+    gpu = parsed.gpu
     out: dict[str, float] = {}
+    if parsed.has_cpu_ops:  # the launches: how many kernels the device waited on the host for
+        out["host_bound_share"] = host_bound_share(parsed)
     for direction in ("DtoH", "HtoD"):
         nbytes = sum(g.nbytes for g in gpu if g.direction == direction)
         ms, _, share = overlap_share(gpu, direction)

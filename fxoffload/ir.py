@@ -127,6 +127,10 @@ class TransferTime:
     # the thread that makes the call; on an accelerator the gap between events recorded at the call's
     # start and end, zero while the host runs ahead of the device), and on a CPU its wait's work.
     op_s: float = 0.0
+    # On an accelerator, the host's time from the issue to the wait: where the window took about as
+    # long on the device, the device waited on the host to issue its kernels (a host-bound phase),
+    # and any host time of the op calls there is step time. None on a CPU (the host is the stream).
+    host_window_s: float | None = None
 
     @property
     def graph_id(self) -> int:

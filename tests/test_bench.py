@@ -241,6 +241,23 @@ def test_copies_from_trace_overlap():
     assert "dtoh_overlap" not in copies_from_trace({"traceEvents": []})
 
 
+def test_copies_from_trace_says_how_many_kernels_waited_on_the_host():
+    """Three kernels on the compute stream, launched 10 us, 10 us and 2 ms before they started: two
+    of three waited on the host. A trace without launches says nothing."""
+    def kernel(ts, corr):
+        return {"ph": "X", "cat": "kernel", "name": "k", "ts": ts, "dur": 5.0, "args": {"stream": 7, "correlation": corr}}
+
+    def launch(ts, corr):
+        return {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": ts, "dur": 2.0, "tid": 1,
+                "pid": 1, "args": {"correlation": corr}}
+
+    trace = {"traceEvents": [
+        launch(0.0, 1), kernel(10.0, 1), launch(20.0, 2), kernel(30.0, 2), launch(40.0, 3), kernel(2040.0, 3),
+    ]}  # fmt: skip
+    assert copies_from_trace(trace)["host_bound_share"] == pytest.approx(2 / 3)
+    assert "host_bound_share" not in copies_from_trace({"traceEvents": [kernel(0.0, 1)]})
+
+
 def test_memory_bench_rows(restore_threads):
     """``python -m bench.memory``'s rows: measured and predicted peaks of the same step agree on the
     MLP under aot_eager (the FX model is its prediction there), and the table says which model."""

@@ -170,7 +170,9 @@ def test_measured_waiting_matches_the_predicted_stall_and_auto_hides_its_copies(
     for the smallest offloadable 16 KiB), so the per-copy bound fails for a single un-hidden pick. A
     hidden one waits what the cost model got wrong about the compute it overlaps: 0.08 to 0.22 ms of
     its 0.8 ms here (CPU, 2 cores, the same at the start of 2026-11-23; 10% of the copy time was the
-    bound then, and a CI run measured 0.10 ms)."""
+    bound then, and a CI run measured 0.10 ms). Measured after ``auto`` settled: on a faster 2-core
+    machine (2026-11-27) its one pick, a 16 KiB tensor, stalled 0.45 ms in the first steps (the
+    forward ran 0.40x the model's time) and was kept on the device by the plan made again."""
     from bench.overlap import wait_per_copy
 
     every = _overlap("all")
@@ -178,10 +180,13 @@ def test_measured_waiting_matches_the_predicted_stall_and_auto_hides_its_copies(
     waited = every["wait_d2h_s"] + every["wait_h2d_s"]
     assert every["wait_d2h_s"] > 0 and every["wait_h2d_s"] > 0
     assert 0.5 * every["predicted_stall_s"] <= waited <= 2.0 * every["predicted_stall_s"], every
-    assert auto["predicted_stall_s"] == 0 and auto["offloaded"] > 0 and auto["copies"] > 0
+    assert auto["predicted_stall_s"] == 0
     assert auto["wait_d2h_s"] + auto["wait_h2d_s"] < 0.05 * waited, auto
-    copy_time = (auto["copy_d2h_s"] + auto["copy_h2d_s"]) / auto["copies"]
-    assert wait_per_copy(auto) < 0.5 * copy_time, auto
+    if auto["copies"]:
+        copy_time = (auto["copy_d2h_s"] + auto["copy_h2d_s"]) / auto["copies"]
+        assert wait_per_copy(auto) < 0.5 * copy_time, auto
+    else:  # its first plan's copy was measured stalling (the fixed CPU rates priced compute slow) and kept
+        assert auto["offloaded"] == 0 and auto["replans"] >= 1, auto
     assert wait_per_copy(every) > 0.5 * (every["copy_d2h_s"] + every["copy_h2d_s"]) / every["copies"], every
 
 

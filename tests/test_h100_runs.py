@@ -2,13 +2,15 @@
 what the watch measured with CUDA events at the copies' waits, checked against the device's own
 trace of a later step of the same code, with no GPU here."""
 
+import bisect
 import gzip
 import json
+import statistics
 from pathlib import Path
 
 import pytest
 
-from fxoffload.measure.trace import copy_stalls, load_trace, overlap_share
+from fxoffload.measure.trace import copy_stalls, host_bound_share, load_trace, overlap_share
 
 DATA = Path(__file__).parent / "data" / "h100-2026-11-26"
 
@@ -46,3 +48,30 @@ def test_the_copies_are_the_plans_and_their_overlap_is_the_rows():
         assert share == pytest.approx(row[key], abs=1e-9) and share < 0.9
         assert total_ms == pytest.approx(row[key.replace("overlap", "ms")], rel=1e-6)
 
+
+
+def test_gpt2_mediums_forward_kept_the_h100_waiting_on_its_host_and_llamas_did_not():
+    """Before its first reload (the forward), most of gpt2-medium's kernels started within 50 us of
+    their launch: the device waited on the host (Inductor's wrapper issued a kernel every 31 us),
+    so each offload's op calls were step time there; Llama-7B blocks'
+    host ran milliseconds ahead. Each offload widened the launch interval its copy was issued in by
+    a median 119 us. The runtime's own measure of it is each copy's host window
+    against its device window (``planning.measured.HOST_BOUND``); this is the trace's."""
+    shares = {}
+    for run in ("gpt2m", "llama7b"):
+        _, trace = _auto(run)
+        first_reload = min(g.start_us for g in trace.gpu if g.direction == "HtoD")
+        forward = [g for g in trace.gpu if g.start_us < first_reload]
+        shares[run] = host_bound_share(trace, forward)
+    assert shares["gpt2m"] > 0.5 and shares["llama7b"] < 0.05, shares
+    _, trace = _auto("gpt2m")
+    launches = sorted(trace.launch_time(g) for g in trace.gpu if g.cat == "kernel")
+    forward = [b - a for a, b in zip(launches, launches[1:]) if b < launches[0] + 17_000]
+    usual = statistics.median(forward)
+    assert 20 < usual < 45, "Inductor's wrapper: a kernel every 31-34 us"
+    # The launch interval each offload's copy was issued in, past the usual one: its host time.
+    extra = []
+    for copy in (trace.launch_time(g) for g in trace.gpu if g.direction == "DtoH"):
+        i = bisect.bisect_left(launches, copy)
+        extra.append(launches[i] - launches[i - 1] - usual)
+    assert len(extra) == 37 and 60 < statistics.median(extra) < 200, extra  # 119 us

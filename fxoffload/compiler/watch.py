@@ -54,9 +54,10 @@ from ..analysis.memory import CallOutside, with_held
 from ..analysis.output_code import reused_reloads
 from ..analysis.outside import OutsideMemory, graph_device, mark_call, read_outside_memory
 from ..ir import TransferTime, transfer_name
+from ..measure.op_time import host_op_seconds
 from ..options import OffloadOptions
 from ..planning.budget import BUDGET_TOLERANCE
-from ..planning.measured import Measured, measured_plan, stalled, switched_off
+from ..planning.measured import Measured, calls_over_allowance, measured_plan, stalled, switched_off
 from ..reporting.report import carry_measured, with_measured
 from ..reporting.rows import saved_rows
 from ..rewrite.host_copies import switched_off_held
@@ -330,6 +331,8 @@ class CallWatch:
         self.pair = dataclasses.replace(old, report=report)
         self.compiler.register.record(self.pair)
         measured = measured_plan(old.plan, times).merged(self.measured)
+        if measured.host_bound("d2h") or measured.host_bound("h2d"):  # the device waited on the host
+            measured = dataclasses.replace(measured, host_calls=host_op_seconds(self.timer.device))
         predicted = old.plan.stall * 1e3
         log.info(
             "fxoffload: graph %d: measured %d copies: %.3f ms of stall a step (%.3f ms predicted), compute %.2fx "
@@ -339,7 +342,10 @@ class CallWatch:
         # "auto"'s own choices: alone, or the offloads on top of torch's recomputation for a budget.
         options = self.options
         auto = options.base_policy == "auto" and (options.memory_budget is None or options.recompute == "inductor")
-        stalled_now = any(stalled(t) for t in times)
+        # Planned again where a copy stalled, or where the calls cost more of the step than allowed
+        # (at their measured price: not where the user set ``op_time``).
+        costly = options.op_time is None and calls_over_allowance(old.plan, measured)
+        stalled_now = any(stalled(t) for t in times) or costly
         if not auto or not stalled_now:
             return False
         can_compile = self.pristine is not None and self.replans < options.max_replans
@@ -362,14 +368,7 @@ class CallWatch:
         """The graph planned again with the model corrected by ``measured`` and compiled; False where
         that failed (the old plan runs on)."""
         old = self.pair
-        names = ", ".join(sorted(measured.stalls))
-        why = (
-            f"measured in the first steps: the copies of {names} stalled the compute stream "
-            f"{measured.stall_s * 1e3:.3g} ms a step (the plan predicted {predicted:.3g} ms), compute ran "
-            f"{measured.fw_scale:.2f}x / {measured.bw_scale:.2f}x the model's time (forward / backward); planned "
-            "again with the measured times, those tensors kept on the device"
-            + ("" if measured.only is None else f", and only the {len(measured.only)} measured to hide offloaded")
-        )
+        why = measured.why(predicted)
         log.info("fxoffload: graph %d: %s", old.graph_id, why)
         self.measured = measured
         return self.compile_again(args, why, outside=old.outside, measured=measured)

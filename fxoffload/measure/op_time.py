@@ -6,7 +6,11 @@ those calls, so their host time is step time whether or not the copies hide: the
 a Python kernel, the host pool, the copy engine's hand-off, the publishing copy at the wait (about
 0.4 ms a tensor on the 2-core development machine, ``python -m bench.op_overhead``). On an accelerator
 the host issues the calls ahead of the device while it has kernels queued, and they cost the compute
-stream nothing; that is the model's figure there (``DeviceRates.op_time`` = 0).
+stream nothing; that is the model's first figure there (``DeviceRates.op_time`` = 0). Not always: on
+an H100, gpt2-medium's forward (batch 8, bf16) kept the device waiting on the host, each kernel
+starting about 10 us after its launch (Inductor's wrapper issued one every 31 us), and there each
+offload added about 120 us of host time to the step (``tests/test_h100_runs.py``). Where the first
+steps measure a phase so bound (``planning.measured``), ``host_op_seconds`` is what its calls cost.
 
 ``op_call_seconds`` times each call on a small tensor (its own cost, not the copy's), a wait after
 its copy has finished (a wait that does not stall); ``measure_op_time`` is the four calls' sum, once
@@ -28,18 +32,20 @@ from ..runtime.transfers import switch_copies_off, switch_copies_on, track_relea
 
 log = logging.getLogger(__name__)
 
-__all__ = ["OP_CALLS", "forget_op_times", "measure_op_time", "op_call_seconds"]
+__all__ = ["OP_CALLS", "forget_op_times", "host_op_seconds", "measure_op_time", "op_call_seconds"]
 
 _NAME = ir.transfer_name(-1, "op_time")  # a graph id no compile uses: no recording takes its copies
 OP_CALLS = ("offload", "wait (d2h)", "reload", "wait (h2d)")  # one offloaded tensor's calls a step
 _PROBE_CYCLES = 30
 
 _measured: dict[str, float] = {}
+_host: dict[str, tuple[float, float]] = {}  # ``host_op_seconds``, by device
 
 
 def forget_op_times() -> None:
     """Forget every measured figure: the next plan for a device measures it again."""
     _measured.clear()
+    _host.clear()
 
 
 def _sync(device: torch.device) -> None:
@@ -95,6 +101,24 @@ def op_call_seconds(
         finally:
             switch_copies_on(_NAME)
     return out
+
+
+def host_op_seconds(device: torch.device) -> tuple[float, float]:
+    """Host seconds of one offloaded tensor's forward calls (its offload and that copy's wait) and
+    backward calls (its reload and that wait) on ``device``, measured once per device and process
+    (``op_call_seconds``, a few cycles): what they cost a phase the host bounds (``planning.measured``).
+    Zeros where they cannot be measured."""
+    key = str(device)
+    if key not in _host:
+        try:
+            seconds = op_call_seconds(device, calls=_PROBE_CYCLES, switched_off=False)
+        except RuntimeError as e:  # a measurement never fails a step
+            log.warning("fxoffload: could not time the transfer ops' host time on %s (%s)", device, e)
+            seconds = dict.fromkeys(OP_CALLS, 0.0)
+        _host[key] = (seconds["offload"] + seconds["wait (d2h)"], seconds["reload"] + seconds["wait (h2d)"])
+        log.info("fxoffload: one offloaded tensor's op calls take %.0f us of host time in the forward, %.0f us "
+                 "in the backward on %s", _host[key][0] * 1e6, _host[key][1] * 1e6, device)  # fmt: skip
+    return _host[key]
 
 
 def measure_op_time(device: torch.device) -> float:

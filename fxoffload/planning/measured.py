@@ -11,7 +11,10 @@ copy's window (the compute between its issue and its wait), its duration and the
   measurement has its model scaled already (``PlanCosts.scale``), and its ratios are taken back to
   the model as it came, so that the rounds' ratios are of one model and merge;
 - the bytes the copies moved over the time they took give the link's speed per direction;
-- the compute stream's own time in each tensor's calls gives the op calls' price (``op_time``);
+- the compute stream's own time in each tensor's calls gives the op calls' price (``op_time``); on
+  an accelerator, in a phase whose windows took the device about as long as the host took to issue
+  them (``HOST_BOUND``: the device waited on the host), the calls' host time (``host_calls``) where
+  more: every host microsecond is step time there;
 - every tensor whose copy stalled the compute stream is kept on the device, with that reason.
 
 A plan made again from these is what ``auto`` offloads knowing the device; its last re-plan offloads
@@ -30,14 +33,19 @@ from collections.abc import Mapping, Sequence
 from ..ir import TransferTime
 from ..reasons import Action, Reason, ReasonCode
 from .decisions import OffloadPlan, PlanCosts
-from .schedule import copy_windows
+from .schedule import OpAllowance, copy_windows
 
-__all__ = ["Measured", "STALL_FLOOR_S", "measured_plan", "switched_off"]
+__all__ = [
+    "HOST_BOUND", "Measured", "STALL_FLOOR_S", "calls_over_allowance", "host_ratio", "measured_plan", "switched_off",
+]
 
 # A copy stalled when the compute stream waited for it longer than this and than a tenth of the
 # copy: below, a wait's own cost (an event, a Python call) and the clocks' noise.
 STALL_FLOOR_S = 50e-6
 STALL_SHARE = 0.1
+# A phase is host-bound where its copies' windows took the device at most this many times the
+# host's time to issue them (summed): the device ran no faster than the host issued its work.
+HOST_BOUND = 1.1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,6 +61,14 @@ class Measured:
     stalls: Mapping[str, float]  # saved tensor -> seconds its copies stalled the compute stream
     # The last re-plan's: only these may be offloaded (those measured to hide); None: any.
     only: frozenset[str] | None = None
+    # Host seconds of one tensor's forward calls and backward calls (``measure.op_time.host_op_seconds``):
+    # what they cost a host-bound phase. None: not measured (a CPU, where ``op_s`` is host time).
+    host_calls: tuple[float, float] | None = None
+
+    def host_bound(self, direction: str) -> bool:
+        """Whether the phase of ``direction``'s copies was host-bound when measured (``host_ratio``)."""
+        ratio = host_ratio(self.times, direction)
+        return ratio is not None and ratio <= HOST_BOUND
 
     @property
     def fw_scale(self) -> float:
@@ -81,10 +97,15 @@ class Measured:
     @property
     def op_time(self) -> float | None:
         """The compute stream's time one offloaded tensor's calls took (the median over the tensors
-        measured both ways: ``DeviceRates.op_time`` as the device ran it); None: none measured."""
+        measured both ways: ``DeviceRates.op_time`` as the device ran it), each phase's calls at
+        their host time at least where the host bound it; None: none measured."""
+        host = {
+            d: self.host_calls[d == "h2d"] if self.host_calls is not None and self.host_bound(d) else 0.0
+            for d in ("d2h", "h2d")
+        }  # fmt: skip
         by: dict[str, dict[str, float]] = {}
         for t in self.times:
-            by.setdefault(t.tensor, {})[t.direction] = t.op_s
+            by.setdefault(t.tensor, {})[t.direction] = max(t.op_s, host[t.direction])
         both = [sum(d.values()) for d in by.values() if len(d) == 2]
         return statistics.median(both) if both else None
 
@@ -100,7 +121,7 @@ class Measured:
         }  # fmt: skip
         return Measured(
             self.times, earlier.fw_ratios + self.fw_ratios, earlier.bw_ratios + self.bw_ratios, moved,
-            {**earlier.stalls, **self.stalls},
+            {**earlier.stalls, **self.stalls}, host_calls=self.host_calls or earlier.host_calls,
         )  # fmt: skip
 
     def hidden_only(self, plan: OffloadPlan) -> Measured:
@@ -109,6 +130,28 @@ class Measured:
         link for the others (the rounds converge)."""
         hidden = frozenset(d.saved.name for d in plan.offloaded if d.saved.name not in self.stalls)
         return dataclasses.replace(self, only=hidden)
+
+    def why(self, predicted_ms: float) -> str:
+        """What a plan made again from this measurement was made for (the report's ``replans``);
+        ``predicted_ms``: the stall the measured plan predicted."""
+        said = []
+        if self.stalls:
+            said.append(
+                f"the copies of {', '.join(sorted(self.stalls))} stalled the compute stream {self.stall_s * 1e3:.3g} ms "
+                f"a step (the plan predicted {predicted_ms:.3g} ms)"
+            )
+        bound = " and ".join(p for p, d in (("forward", "d2h"), ("backward", "h2d")) if self.host_bound(d))
+        if bound and self.op_time is not None:
+            said.append(
+                f"the host bound the {bound} (the device waited on it), where each offloaded tensor's op calls "
+                f"cost {self.op_time * 1e3:.3g} ms of the step"
+            )
+        return (
+            f"measured in the first steps: {', '.join(said)}, compute ran {self.fw_scale:.2f}x / {self.bw_scale:.2f}x "
+            "the model's time (forward / backward); planned again with the measured times"
+            + (", those tensors kept on the device" if self.stalls else "")
+            + ("" if self.only is None else f", and only the {len(self.only)} measured to hide offloaded")
+        )
 
     def keep(self) -> dict[str, Reason]:
         """The tensors whose copies stalled, to keep on the device in the next plan."""
@@ -137,6 +180,25 @@ class Measured:
             costs, rates=rates, fw_starts=tuple(t * fw for t in costs.fw_starts),
             bw_starts=tuple(t * bw for t in costs.bw_starts), scale=(fw * costs.scale[0], bw * costs.scale[1]),
         )  # fmt: skip
+
+
+def host_ratio(times: Sequence[TransferTime], direction: str) -> float | None:
+    """The device's time over the host's across the windows of ``direction``'s copies (compute, both
+    summed); None where the host's was not measured (a CPU)."""
+    pairs = [(t.window_s, t.host_window_s) for t in times if t.direction == direction and t.host_window_s]
+    host = sum(h for _, h in pairs)
+    return sum(w for w, _ in pairs) / host if host > 0 else None
+
+
+def calls_over_allowance(plan: OffloadPlan, measured: Measured) -> bool:
+    """Whether ``plan``'s offloads' op calls, at the price measured (``op_time``, above the one planned
+    with), take more of the step than ``auto`` allows (``OpAllowance``): a plan to make again though no
+    copy stalled (on a phase the host bound, every host microsecond of the calls is step time)."""
+    op = measured.op_time
+    if op is None or plan.costs is None or op <= plan.costs.rates.op_time * 1.25:
+        return False
+    priced = dataclasses.replace(plan.costs, rates=dataclasses.replace(plan.costs.rates, op_time=op))
+    return len(plan.offloaded) * op > OpAllowance(priced).left
 
 
 def stalled(t: TransferTime) -> bool:

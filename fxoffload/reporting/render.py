@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 from tabulate import tabulate
 
 from ..planning.budget import BUDGET_TOLERANCE
+from ..planning.measured import HOST_BOUND
 from ..reasons import Action
 from ..sizes import fmt_bytes
 
@@ -203,6 +204,14 @@ def summary(report: OffloadReport) -> str:
         lines.append(
             f"  measured in a step: forward {report.measured_forward_ms or 0:.3f} ms, the compute stream waited "
             f"{report.measured_stall_ms:.3f} ms for copies"
+        )
+    ratios = (report.measured_host_ratio_fw, report.measured_host_ratio_bw)
+    if any(r is not None for r in ratios):
+        fw, bw = (f"{r:.2f}x" if r is not None else "-" for r in ratios)
+        bound = " and ".join(p for p, r in zip(("forward", "backward"), ratios) if r is not None and r <= HOST_BOUND)
+        lines.append(
+            f"  the copies' windows took the device {fw} / {bw} the host's time to issue them (forward / backward)"
+            + (f": the host bound the {bound}, where the op calls' host time is step time" if bound else "")
         )
     if report.offload_bound_bytes is not None:
         lines.append(

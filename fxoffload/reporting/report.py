@@ -128,6 +128,10 @@ class OffloadReport:
     measured_forward_ms: float | None = None
     measured_stall_ms: float | None = None
     offload_bound_bytes: int | None = None
+    # On an accelerator, the device's time over the host's across the copies' windows, forward and
+    # backward (``planning.measured.host_ratio``): at most ``HOST_BOUND``, the device waited on the host.
+    measured_host_ratio_fw: float | None = None
+    measured_host_ratio_bw: float | None = None
     # Saved tensors whose copies were switched off at run time after they stalled (``auto``): kept on
     # the device by the compiled code that still has their copies. ``memory_after`` and the replay
     # (``compiled_memory``) count them there, from their offload to their reload. Copied, with

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..ir import TransferTime
 from ..planning.decisions import OffloadPlan, PlanCosts
+from ..planning.measured import host_ratio
 from ..planning.schedule import copy_seconds, copy_windows, windows
 from ..reasons import Action
 
@@ -155,4 +156,5 @@ def with_measured(report: OffloadReport, times: Sequence[TransferTime], forward_
     return dataclasses.replace(
         report, saved=tuple(map(row, report.saved)), measured_stall_ms=sum(t.stall_s for t in times) * 1e3,
         measured_forward_ms=forward_s * 1e3 if forward_s is not None else None, offload_bound_bytes=bound,
+        measured_host_ratio_fw=host_ratio(times, "d2h"), measured_host_ratio_bw=host_ratio(times, "h2d"),
     )  # fmt: skip

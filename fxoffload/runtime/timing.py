@@ -8,6 +8,8 @@ the copy engine's link clock give the same figures::
     issue = event on the compute stream when the copy is issued     (its window opens)
     copy  = events on the transfer stream around the copy           (its duration)
     wait  = events on the compute stream before and after the wait  (window closes; the gap is the stall)
+    host  = the host's clock at the issue and at the wait               (how long the host took to issue
+                                                                         the window: ``host_window_s``)
 
 A window is the compute between a copy's issue and its wait: the stalls of the other copies' waits
 inside it are taken out (``Recording.stop``). The compute stream stood still there, and a plan that
@@ -128,6 +130,9 @@ class Stamps:
     waited: bool = False
     entered: Any = None  # the issuing call's start and end on the compute stream (``op_s``)
     left: Any = None
+    # On an accelerator, the host's clock at the issue and at the wait's start (``host_window_s``).
+    host_issue: float = 0.0
+    host_wait: float = 0.0
 
     @classmethod
     def at_issue(
@@ -142,6 +147,7 @@ class Stamps:
         for r in wanted:
             r.take(stamps)
         stamps.issue = now(device)
+        stamps.host_issue = time.perf_counter()
         return stamps
 
     def issued_on_cpu(self) -> None:
@@ -165,6 +171,7 @@ class Stamps:
 
     def before_wait(self) -> None:
         self.wait_start = now(self.device)
+        self.host_wait = time.perf_counter()
 
     def after_wait(self) -> None:
         self.wait_end = now(self.device)
@@ -182,6 +189,7 @@ class Stamps:
             wait_own = max(0.0, self.wait_end - self.wait_start - max(stall, 0.0))
             op = (self.left - self.entered if self.entered is not None and self.left is not None else 0.0) + wait_own
             issued, waited = self.issue - origin, self.wait_start - origin
+            host_window = None  # the compute stream is the host: ``window`` is its time
         else:
             self.wait_end.synchronize()
             self.copy_end.synchronize()
@@ -194,8 +202,10 @@ class Stamps:
                 self.left.synchronize()  # before ``wait_end`` on the compute stream: done already
                 op = self.entered.elapsed_time(self.left) / 1e3
             issued, waited = origin.elapsed_time(self.issue) / 1e3, origin.elapsed_time(self.wait_start) / 1e3
+            host_window = max(0.0, self.host_wait - self.host_issue)
         measured = TransferTime(
-            self.name, self.direction, self.nbytes, max(window, 0.0), max(copy, 0.0), max(stall, 0.0), max(op, 0.0)
+            self.name, self.direction, self.nbytes, max(window, 0.0), max(copy, 0.0), max(stall, 0.0), max(op, 0.0),
+            host_window,
         )
         return measured, issued, waited
 
