@@ -187,6 +187,17 @@ def _stepper(backend, bf16=False):
     return step
 
 
+def _stalled_rounds(bf16, steps):
+    """``steps`` steps of ``auto`` on copies that stall: the stepper, the report and its rounds of
+    plans made again from what was measured."""
+    backend = _backend("50MB", **STALLS)
+    step = _stepper(backend, bf16)
+    for _ in range(steps):
+        step()
+    (report,) = backend.reports
+    return step, report, [r for r in report.replans if r.startswith("measured in the first steps")]
+
+
 @pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16-autocast"])
 def test_auto_plans_again_from_what_stalled_and_compiles_it(bf16):
     """The mispriced plan's copies stall the step (waited on at once, on a 50 MB/s link): once
@@ -194,12 +205,7 @@ def test_auto_plans_again_from_what_stalled_and_compiles_it(bf16):
     compiled again (``max_replans`` (2) times at most); no copy is switched off (code with switched-off
     copies keeps a copy of each tensor: on an H100 it ran 1.15x Inductor's step for 8% more memory).
     The next step copies only what the last plan offloads."""
-    backend = _backend("50MB", **STALLS)
-    step = _stepper(backend, bf16)
-    for _ in range(8):
-        step()
-    (report,) = backend.reports
-    rounds = [r for r in report.replans if r.startswith("measured in the first steps")]
+    step, report, rounds = _stalled_rounds(bf16, steps=8)
     assert 1 <= len(rounds) <= 2 and all("planned again with the measured times" in r for r in rounds), report.replans
     assert report.timings.compiles >= 1 and not report.switched_off
     kept = [r for r in report.saved if r.reason_code == "measured_stall"]
@@ -216,12 +222,7 @@ def test_auto_switches_off_what_stalled_where_it_cannot_compile_again(bf16, cann
     """Where compiling again fails, the copies that stalled are switched off in the compiled code,
     their tensors kept on the device (``measured_stall``, their measured figures on their rows), and
     measured again, ``max_replans`` (2) times at most. The next step copies only what is left."""
-    backend = _backend("50MB", **STALLS)
-    step = _stepper(backend, bf16)
-    for _ in range(6):
-        step()
-    (report,) = backend.reports
-    rounds = [r for r in report.replans if r.startswith("measured in the first steps")]
+    step, report, rounds = _stalled_rounds(bf16, steps=6)
     assert 1 <= len(rounds) <= 2 and all("without compiling again" in r for r in rounds), report.replans
     assert report.timings.compiles == 1  # the first compile only
     kept = [r for r in report.saved if r.reason_code == "measured_stall"]
