@@ -89,7 +89,8 @@ _COLUMNS = (
     ("peak_alloc_MiB", "peak alloc MiB", "{:,.0f}"), ("measured_peak_MiB", "measured peak MiB", "{:,.2f}"),
     ("left_peak_MiB", "left the peak MiB", "{:,.1f}"), ("offload_bound_MiB", "bound MiB", "{:,.1f}"),
     ("bound_share", "of the bound", "{:.0%}"), ("dtoh_overlap", "D2H overlapped", "{:.0%}"),
-    ("htod_overlap", "H2D overlapped", "{:.0%}"), ("first_step_s", "1st step s", "{:.1f}"),
+    ("htod_overlap", "H2D overlapped", "{:.0%}"), ("host_bound_share", "kernels waiting on the host", "{:.0%}"),
+    ("first_step_s", "1st step s", "{:.1f}"),
     ("first_steps_s", "to settled s", "{:.1f}"),
     ("status", "status", "{}"),
 )  # fmt: skip
