@@ -87,7 +87,7 @@ def test_a_window_holds_compute_only_not_another_copys_stall():
     link and waited on at once (b's wait stalls for both copies, about 21 ms), then a waited on: a's
     window is the 2 ms of compute, not the 23 ms the compute thread spent between its issue and
     its wait. With b's stall left in, a plan that stalls teaches the model a slower compute (on an
-    H100: a step predicted 1.3-1.9x the device's) and the plan made from it stalls again."""
+    H100: a step predicted 1.4-1.9x the device's) and the plan made from it stalls again."""
     a, b = torch.randn(1 << 18), torch.randn(1 << 18)
     recording = Recording(ir.transfer_name(7, "")).start()
     host_a = ir.OFFLOAD(a, [], 100e6, ir.transfer_name(7, "a"))
@@ -103,6 +103,21 @@ def test_a_window_holds_compute_only_not_another_copys_stall():
     # On a loaded machine b's call may take milliseconds and its stall be shorter: still a stall.
     assert times["b"].stall_s > 0.005, times
     assert 0.002 <= times["a"].window_s <= between - times["b"].stall_s / 2, (between, times)
+
+
+def test_a_window_loses_what_the_other_copies_took_inside_it_and_nothing_else():
+    """Copy a's window, 10 ms from its issue (at 0) to its wait: b issued inside it (its call 0.3 ms)
+    and waited on inside it (a 2 ms stall, 0.1 ms of the wait's own work); c issued before a's issue
+    and waited on after a's wait. a keeps 10 - 0.3 - 2 - 0.1 = 7.6 ms; b's own window (1 ms) has
+    nothing of the others in it; c's loses a's and b's calls and b's stall, 3.1 ms."""
+    def copy(name, window, stall=0.0):
+        return ir.TransferTime(name, "d2h", 1, window, 1e-3, stall)
+
+    a = timing.Resolved(copy("a", 0.010), issued=0.0, waited=0.010, issue_op=0.5e-3, wait_op=0.2e-3)
+    b = timing.Resolved(copy("b", 0.001, stall=0.002), issued=0.002, waited=0.003, issue_op=0.3e-3, wait_op=0.1e-3)
+    c = timing.Resolved(copy("c", 0.020), issued=-0.001, waited=0.019)
+    out = {t.name: t.window_s for t in timing.compute_windows([a, b, c])}
+    assert out == pytest.approx({"a": 0.0076, "b": 0.001, "c": 0.020 - 0.0031}), out
 
 
 def test_a_measurement_of_a_plan_made_from_measurements_is_of_the_model_as_it_came():
@@ -158,8 +173,11 @@ def test_each_copy_is_measured_and_shown_beside_the_plan(link, bf16):
     assert report.measured_stall_ms == pytest.approx(stall_fw)
     # the link measured at its own speed (the engine's clock), to float rounding
     assert 0 < report.offload_bound_bytes <= LINKS[link] * report.measured_forward_ms / 1e3 * (1 + 1e-9)
+    # On a CPU the host is the compute stream: its time in the forward call is the forward's.
+    assert report.measured_forward_host_ms == pytest.approx(report.measured_forward_ms, rel=0.05)
     summary = report.summary()
     assert "measured in a step: forward" in summary and "that can leave without a stall" in summary
+    assert "(the host's call" in summary
     assert "measured copy ms out/in, stall pred/meas" in report.table(width=250)
 
 

@@ -323,11 +323,11 @@ class CallWatch:
         self.timer.restart()
         return True
 
-    def on_copy_times(self, times: list[TransferTime], forward_s: float | None, args: Any) -> bool:
+    def on_copy_times(self, times: list[TransferTime], forward: tuple[float, float] | None, args: Any) -> bool:
         """What the device measured of one call's copies: on the report; and, for "auto" (also on top
         of ``recompute="inductor"``), a plan made again where they stalled. True where the graph was planned again."""
         old = self.pair
-        report = with_measured(old.report, times, forward_s)
+        report = with_measured(old.report, times, *(forward or (None, None)))
         self.pair = dataclasses.replace(old, report=report)
         self.compiler.register.record(self.pair)
         measured = measured_plan(old.plan, times).merged(self.measured)
@@ -439,8 +439,7 @@ class _CopyTimer:
         self.calls = 0
         self.recording: Recording | None = None
         self.open_calls = 0
-        self.started: Any = None
-        self.forward: tuple[Any, Any] | None = None
+        self.forward: tuple[float, float] | None = None  # the timed call: its device time, its host time
         self.done = not self.watch.pair.plan.offloaded
 
     def before_call(self, inputs: Any) -> Any:
@@ -454,20 +453,21 @@ class _CopyTimer:
             return None
         self.device = graph_device(inputs)
         self.recording = Recording(transfer_name(self.watch.pair.graph_id, "")).start()
-        return now(self.device)
+        return now(self.device), time.perf_counter()
 
     def after_call(self, started: Any) -> None:
         if started is not None and self.recording is not None:
-            self.forward = (started, now(self.device))
+            (start, host), end = started, now(self.device)
+            self.forward = (start, end, time.perf_counter() - host)
             self.recording.close()
 
     def finish(self, inputs: Any) -> None:
         recording, self.recording = self.recording, None
         times = recording.stop()
-        forward_s = _elapsed(*self.forward) if self.forward is not None else None
+        forward = (_elapsed(*self.forward[:2]), self.forward[2]) if self.forward is not None else None
         self.done = True
         try:
-            self.watch.on_copy_times(times, forward_s, inputs)
+            self.watch.on_copy_times(times, forward, inputs)
         except Exception as e:  # a measurement never fails a step
             log.warning("fxoffload: graph %d: reading its copies' times failed (%s)", self.watch.pair.graph_id, e)
 

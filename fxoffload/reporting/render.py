@@ -202,8 +202,9 @@ def summary(report: OffloadReport) -> str:
             )
     if report.measured_stall_ms is not None:
         lines.append(
-            f"  measured in a step: forward {report.measured_forward_ms or 0:.3f} ms, the compute stream waited "
-            f"{report.measured_stall_ms:.3f} ms for copies"
+            f"  measured in a step: forward {report.measured_forward_ms or 0:.3f} ms"
+            + (f" (the host's call {host:.3f} ms)" if (host := report.measured_forward_host_ms) is not None else "")
+            + f", the compute stream waited {report.measured_stall_ms:.3f} ms for copies"
         )
     ratios = (report.measured_host_ratio_fw, report.measured_host_ratio_bw)
     if any(r is not None for r in ratios):

@@ -126,6 +126,7 @@ class OffloadReport:
     # compute stream waited for copies, and what can leave the peak without a stall: the host link's
     # measured device-to-host bytes/s times the forward's compute (its time less its waits).
     measured_forward_ms: float | None = None
+    measured_forward_host_ms: float | None = None  # the host's time in that forward call
     measured_stall_ms: float | None = None
     offload_bound_bytes: int | None = None
     # On an accelerator, the device's time over the host's across the copies' windows, forward and

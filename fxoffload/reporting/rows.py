@@ -124,10 +124,13 @@ def carry_measured(report: OffloadReport, earlier: OffloadReport) -> OffloadRepo
     return dataclasses.replace(report, saved=tuple(map(row, report.saved)))
 
 
-def with_measured(report: OffloadReport, times: Sequence[TransferTime], forward_s: float | None) -> OffloadReport:
+def with_measured(
+    report: OffloadReport, times: Sequence[TransferTime], forward_s: float | None, forward_host_s: float | None = None
+) -> OffloadReport:
     """``report`` with what the device measured of its copies in a step (``times``) on its rows, the
     step's stall, and the physical bound: the measured device-to-host link times the forward's compute
-    (``forward_s``, the forward's measured time, less its waits)."""
+    (``forward_s``, the forward's measured time, less its waits); ``forward_host_s``: the host's time
+    in that forward call."""
     by = {}
     for t in times:
         by.setdefault(t.tensor, {})[t.direction] = t
@@ -156,5 +159,6 @@ def with_measured(report: OffloadReport, times: Sequence[TransferTime], forward_
     return dataclasses.replace(
         report, saved=tuple(map(row, report.saved)), measured_stall_ms=sum(t.stall_s for t in times) * 1e3,
         measured_forward_ms=forward_s * 1e3 if forward_s is not None else None, offload_bound_bytes=bound,
+        measured_forward_host_ms=forward_host_s * 1e3 if forward_host_s is not None else None,
         measured_host_ratio_fw=host_ratio(times, "d2h"), measured_host_ratio_bw=host_ratio(times, "h2d"),
     )  # fmt: skip

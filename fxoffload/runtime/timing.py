@@ -11,11 +11,11 @@ the copy engine's link clock give the same figures::
     host  = the host's clock at the issue and at the wait               (how long the host took to issue
                                                                          the window: ``host_window_s``)
 
-A window is the compute between a copy's issue and its wait: the stalls of the other copies' waits
-inside it are taken out (``Recording.stop``). The compute stream stood still there, and a plan that
-stalls would otherwise measure its compute that much slower: on an H100 the windows of three presets
-taught the model a step 1.3-1.9x the device's (``tests/data/h100-2026-11-26``), and the plan made
-again from them stalled again.
+A window is the compute between a copy's issue and its wait: what the other copies took inside it
+(the stalls at their waits, their calls' own time) is taken out (``compute_windows``). That is no
+compute of the model's, and a plan that stalls would otherwise measure its compute that much
+slower: on an H100 the windows of three presets taught the model a step 1.4-1.9x the device's
+(``tests/data/h100-2026-11-26``), and the plan made again from them stalled again.
 
 A recording collects the copies whose ``name`` (``ir.transfer_name``) starts with its prefix: the
 transfers of one graph. What the plan predicted for the same copies is the planner's to compare.
@@ -31,7 +31,7 @@ import torch
 
 from ..ir import TransferTime
 
-__all__ = ["Recording", "Stamps", "compute_windows", "now", "recording", "wanted"]
+__all__ = ["Recording", "Resolved", "Stamps", "compute_windows", "now", "recording", "wanted"]
 
 _open: list[Recording] = []
 
@@ -93,14 +93,30 @@ class Recording:
         return compute_windows([s.resolve(origin=done[0].issue) for s in done])
 
 
-def compute_windows(resolved: list[tuple[TransferTime, float, float]]) -> list[TransferTime]:
-    """Each copy's window (from ``Stamps.resolve``: the copy, its issue and its wait's start) less the
-    stalls of the other waits that start inside it: what is left is compute."""
-    waits = [(at, t.stall_s) for t, _, at in resolved]
+@dataclasses.dataclass(frozen=True)
+class Resolved:
+    """One copy as measured (``Stamps.resolve``), and where its calls sat: its issue and its wait's
+    start in seconds from the recording's first stamp, and the compute stream's time in its issuing
+    call and in its wait's own work (stall apart)."""
+
+    time: TransferTime
+    issued: float
+    waited: float
+    issue_op: float = 0.0
+    wait_op: float = 0.0
+
+
+def compute_windows(resolved: list[Resolved]) -> list[TransferTime]:
+    """Each copy's window less what the compute stream spent inside it on the other copies: the
+    stalls at their waits and their calls' own time. What is left is compute, the model's figure."""
     out = []
-    for t, issued, waited in resolved:
-        still = sum(stall for at, stall in waits if issued <= at < waited)
-        out.append(dataclasses.replace(t, window_s=max(0.0, t.window_s - still)))
+    for r in resolved:
+        other = sum(
+            (u.issue_op if r.issued <= u.issued < r.waited else 0.0)
+            + (u.time.stall_s + u.wait_op if r.issued <= u.waited < r.waited else 0.0)
+            for u in resolved if u is not r
+        )  # fmt: skip
+        out.append(dataclasses.replace(r.time, window_s=max(0.0, r.time.window_s - other)))
     return out
 
 
@@ -177,9 +193,9 @@ class Stamps:
         self.wait_end = now(self.device)
         self.waited = True
 
-    def resolve(self, origin: Any) -> tuple[TransferTime, float, float]:
-        """The copy as measured, its issue and its wait's start in seconds from ``origin`` (a stamp
-        of the same recording); its window still holds whatever stalls happened inside it."""
+    def resolve(self, origin: Any) -> Resolved:
+        """The copy as measured, placed from ``origin`` (a stamp of the same recording); its window
+        still holds whatever the other copies took inside it (``compute_windows``)."""
         if self.device.type == "cpu":
             window = self.wait_start - self.issue
             copy = self.copy_s
@@ -187,7 +203,8 @@ class Stamps:
             # wait's own work of publishing the bytes (an emulation's, see ``copy_engine``) is not it.
             stall = self.copy_end - self.wait_start
             wait_own = max(0.0, self.wait_end - self.wait_start - max(stall, 0.0))
-            op = (self.left - self.entered if self.entered is not None and self.left is not None else 0.0) + wait_own
+            issue_op = self.left - self.entered if self.entered is not None and self.left is not None else 0.0
+            op = issue_op + wait_own
             issued, waited = self.issue - origin, self.wait_start - origin
             host_window = None  # the compute stream is the host: ``window`` is its time
         else:
@@ -197,17 +214,18 @@ class Stamps:
             copy = self.copy_start.elapsed_time(self.copy_end) / 1e3
             # The compute stream resumes at the later of the wait's start and the copy's end.
             stall = self.wait_start.elapsed_time(self.wait_end) / 1e3
-            op = 0.0
+            op = wait_own = 0.0
             if self.entered is not None and self.left is not None:
                 self.left.synchronize()  # before ``wait_end`` on the compute stream: done already
                 op = self.entered.elapsed_time(self.left) / 1e3
+            issue_op = op
             issued, waited = origin.elapsed_time(self.issue) / 1e3, origin.elapsed_time(self.wait_start) / 1e3
             host_window = max(0.0, self.host_wait - self.host_issue)
         measured = TransferTime(
             self.name, self.direction, self.nbytes, max(window, 0.0), max(copy, 0.0), max(stall, 0.0), max(op, 0.0),
             host_window,
         )
-        return measured, issued, waited
+        return Resolved(measured, issued, waited, max(issue_op, 0.0), wait_own)
 
 
 def now(device: torch.device) -> Any:
