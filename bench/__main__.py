@@ -65,6 +65,7 @@ COLUMNS = (  # (row key, header, format); columns with no value in any row are l
     ("predicted_after_MiB", "predicted peak MiB", "{:,.2f}"),
     ("offloaded_MiB", "offloaded MiB/step", "{:,.2f}"),
     ("time_x", "step time x baseline", "{:.2f}"),
+    ("model_x", "model's compute x baseline step", "{:.2f}"),
     ("left_peak_MiB", "left the peak MiB", "{:,.1f}"),
     ("offload_bound_MiB", "bound MiB (link x fw)", "{:,.1f}"),
     ("bound_share", "of the bound", "{:.0%}"),
@@ -98,7 +99,8 @@ def table(rows: list[dict[str, Any]], unit: str) -> str:
 
 
 def against_baseline(rows: list[dict[str, Any]]) -> None:
-    """Each row against the compiler alone ("inductor", else "eager"): its step time as a multiple, the
+    """Each row against the compiler alone ("inductor", else "eager"): its step time as a multiple (and
+    the compute its plan's model predicts, as corrected by the first steps, against the same step), the
     bytes its method took off the peak, and, for an offloading method, that against the bound it
     measured (bytes that can leave the peak without a stall: the link's bytes/s x the forward's time)."""
     base = next((r for r in rows if r["method"] == "inductor" and r["status"] == "ok"), None)
@@ -111,6 +113,8 @@ def against_baseline(rows: list[dict[str, Any]]) -> None:
             continue
         if r.get("step_ms") and base.get("step_ms"):
             r["time_x"] = r["step_ms"] / base["step_ms"]
+            if r.get("predicted_compute_ms"):  # how far the plan's model is from the device
+                r["model_x"] = r["predicted_compute_ms"] / base["step_ms"]
         if r.get(key) is not None and base.get(key) is not None:
             r["left_peak_MiB"] = base[key] - r[key]
             if r.get("offload_bound_MiB"):

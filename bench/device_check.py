@@ -86,6 +86,7 @@ DEFAULT = ("ops", "gpt2m", "llama", "tests")
 # The bench columns the issues judge, as summary.md shows them.
 _COLUMNS = (
     ("method", "method", "{}"), ("step_ms", "step ms", "{:.1f}"), ("time_x", "x Inductor", "{:.2f}"),
+    ("model_x", "model's compute x Inductor", "{:.2f}"),
     ("peak_alloc_MiB", "peak alloc MiB", "{:,.0f}"), ("measured_peak_MiB", "measured peak MiB", "{:,.2f}"),
     ("left_peak_MiB", "left the peak MiB", "{:,.1f}"), ("offload_bound_MiB", "bound MiB", "{:,.1f}"),
     ("bound_share", "of the bound", "{:.0%}"), ("dtoh_overlap", "D2H overlapped", "{:.0%}"),

@@ -87,6 +87,8 @@ def run_method(
         bounds = [r.offload_bound_bytes for r in reports if r.offload_bound_bytes is not None]
         if bounds:  # measured in the first steps: link x the forward's compute
             row["offload_bound_MiB"] = sum(bounds) / MiB
+        if any(r.predicted_compute_ms for r in reports):  # the model, as corrected by the first steps
+            row["predicted_compute_ms"] = sum(r.predicted_compute_ms for r in reports)
         stalls = [r.measured_stall_ms for r in reports if r.measured_stall_ms is not None]
         if stalls:
             row["measured_stall_ms"] = sum(stalls)

@@ -59,6 +59,10 @@ def test_bench_smoke(tmp_path, capsys, restore_threads):
         r["left_peak_MiB"] == pytest.approx(rows["eager"]["measured_peak_MiB"] - r["measured_peak_MiB"])
         for n, r in rows.items() if n != "eager"
     )  # fmt: skip
+    # The plan's model against the device: the compute it predicts over the baseline's measured step.
+    row = rows["fxoffload-all"]
+    assert row["predicted_compute_ms"] > 0 and "model_x" not in rows["eager"]
+    assert row["model_x"] == pytest.approx(row["predicted_compute_ms"] / rows["eager"]["step_ms"])
     assert rows["streamed"]["offloaded_MiB"] > 0 and "synchronous" in rows["streamed"]["note"]
     # torch's pass found the tensors by the names fxoffload gave them, and offloaded some of them.
     assert rows["intree"]["note"].startswith("tagged ")
@@ -429,3 +433,15 @@ def test_the_timed_steps_start_once_fxoffload_has_settled():
         assert row["settling_steps"] == want, (after, row)
         assert ("still measuring" in row["note"]) == (after > 100), row
         assert row["first_steps_s"] >= row["first_step_s"]
+
+
+def test_corrected_model_rows(capsys):
+    """``bench.corrected_model`` on one link and dtype: a row with the corrected model's compute against
+    the plain step; a bad dtype is refused by name."""
+    from bench.corrected_model import main, measure
+
+    m = measure(50e6, bf16=False, steps=2)
+    assert m["replans"] >= 1 and m["base_ms"] > 0 and m["model_x"] == pytest.approx(m["model_ms"] / m["base_ms"])
+    with pytest.raises(SystemExit):
+        main(["--links", "50MB", "--dtypes", "fp16"])
+    assert "'fp16' is not one of fp32, bf16" in capsys.readouterr().err
