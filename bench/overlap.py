@@ -58,6 +58,7 @@ def measure(model, args, steps: int = 3, **options) -> dict[str, float]:
         "copies": (stats.copies["d2h"] + stats.copies["h2d"]) / steps,
         "step_s": seconds,
         "replans": sum(len(r.replans) for r in backend.reports),
+        "kept_measured_stalling": sum(r.reason_code == "measured_stall" for rep in backend.reports for r in rep.saved),
     }
 
 

@@ -127,10 +127,15 @@ class TransferTime:
     # the thread that makes the call; on an accelerator the gap between events recorded at the call's
     # start and end, zero while the host runs ahead of the device), and on a CPU its wait's work.
     op_s: float = 0.0
-    # On an accelerator, the host's time from the issue to the wait: where the window took about as
-    # long on the device, the device waited on the host to issue its kernels (a host-bound phase),
-    # and any host time of the op calls there is step time. None on a CPU (the host is the stream).
+    # On an accelerator, the host's time from the issue to the wait: where the compute stream's own
+    # time from issue to wait (``stream_window_s``) was about as long, the device waited on the host
+    # to issue its kernels (a host-bound phase), and any host time of the op calls there is step time.
+    # None on a CPU (the host is the stream), and where the device had not yet reached the issue
+    # when the host reached the wait: it was a whole window behind, not waiting on the host.
     host_window_s: float | None = None
+    # The compute stream's time from issue to wait as it ran, the other copies' stalls and calls in
+    # it (``window_s`` is it less those); None: not measured apart.
+    stream_window_s: float | None = None
 
     @property
     def graph_id(self) -> int:

@@ -526,6 +526,13 @@ def test_a_phase_the_host_bound_charges_its_calls_their_host_time():
     on_cpu = measured.Measured(tuple(_times("a", None, None)), (), (), {}, {}, host_calls=(120e-6, 100e-6))
     assert not on_cpu.host_bound("d2h") and on_cpu.op_time == pytest.approx(25e-6)
     assert "the host bound the forward (the device waited on it)" in m.why(0.0)
+    # A window the stream spent mostly stalled is no sign of waiting on the host; nor is a device a
+    # whole window behind the host at the wait (its host window unmeasured) at half the copies.
+    stalled = [dataclasses.replace(t, stream_window_s=0.02) if t.direction == "d2h" else t for t in times]
+    assert not measured.Measured(tuple(stalled), (), (), {}, {}).host_bound("d2h")
+    behind = [dataclasses.replace(t, host_window_s=None) if t.tensor == "a" else t for t in times]
+    assert not measured.Measured(tuple(behind), (), (), {}, {}).host_bound("d2h")
+    assert measured.Measured(tuple(behind[1:] + times[2:]), (), (), {}, {}).host_bound("d2h")
 
 
 def test_auto_plans_again_where_the_host_bound_phase_makes_its_calls_cost_the_step(monkeypatch):
@@ -535,7 +542,8 @@ def test_auto_plans_again_where_the_host_bound_phase_makes_its_calls_cost_the_st
     keeps every tensor for that reason. The report says the host bound both phases."""
     real = timing.compute_windows
     monkeypatch.setattr(
-        timing, "compute_windows", lambda resolved: [dataclasses.replace(t, host_window_s=t.window_s) for t in real(resolved)]
+        timing, "compute_windows",
+        lambda resolved: [dataclasses.replace(t, host_window_s=t.stream_window_s) for t in real(resolved)],
     )  # fmt: skip
     monkeypatch.setattr(watch, "host_op_seconds", lambda device: (5e-3, 5e-3))
     for module in (watch, measured):  # nothing stalls: only the calls' price can make it plan again

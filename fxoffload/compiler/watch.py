@@ -342,9 +342,10 @@ class CallWatch:
         # "auto"'s own choices: alone, or the offloads on top of torch's recomputation for a budget.
         options = self.options
         auto = options.base_policy == "auto" and (options.memory_budget is None or options.recompute == "inductor")
-        # Planned again where a copy stalled, or where the calls cost more of the step than allowed
-        # (at their measured price: not where the user set ``op_time``).
-        costly = options.op_time is None and calls_over_allowance(old.plan, measured)
+        # Planned again where a copy stalled, or where, in a phase the host bound, the calls cost more of
+        # the step than auto allows (not where the user set ``op_time``, nor for a budget's offloads).
+        priced = options.op_time is None and options.memory_budget is None
+        costly = priced and calls_over_allowance(old.plan, measured)
         stalled_now = any(stalled(t) for t in times) or costly
         if not auto or not stalled_now:
             return False
@@ -439,7 +440,7 @@ class _CopyTimer:
         self.calls = 0
         self.recording: Recording | None = None
         self.open_calls = 0
-        self.forward: tuple[float, float] | None = None  # the timed call: its device time, its host time
+        self.forward: tuple[Any, Any, float] | None = None  # the timed call's start and end stamps, host seconds
         self.done = not self.watch.pair.plan.offloaded
 
     def before_call(self, inputs: Any) -> Any:

@@ -12,9 +12,9 @@ copy's window (the compute between its issue and its wait), its duration and the
   the model as it came, so that the rounds' ratios are of one model and merge;
 - the bytes the copies moved over the time they took give the link's speed per direction;
 - the compute stream's own time in each tensor's calls gives the op calls' price (``op_time``); on
-  an accelerator, in a phase whose windows took the device about as long as the host took to issue
-  them (``HOST_BOUND``: the device waited on the host), the calls' host time (``host_calls``) where
-  more: every host microsecond is step time there;
+  an accelerator, in a phase whose windows took the compute stream about as long as the host took
+  to issue them (``HOST_BOUND``: the device waited on the host; ``host_ratio``), the calls' host time
+  (``host_calls``) where more: every host microsecond is step time there;
 - every tensor whose copy stalled the compute stream is kept on the device, with that reason.
 
 A plan made again from these is what ``auto`` offloads knowing the device; its last re-plan offloads
@@ -43,8 +43,8 @@ __all__ = [
 # copy: below, a wait's own cost (an event, a Python call) and the clocks' noise.
 STALL_FLOOR_S = 50e-6
 STALL_SHARE = 0.1
-# A phase is host-bound where its copies' windows took the device at most this many times the
-# host's time to issue them (summed): the device ran no faster than the host issued its work.
+# A phase is host-bound where its copies' windows took the compute stream (stalls left in) at most
+# this many times the host's time to issue them (summed): the device ran no faster than its host.
 HOST_BOUND = 1.1
 
 
@@ -144,8 +144,10 @@ class Measured:
         if bound and self.op_time is not None:
             said.append(
                 f"the host bound the {bound} (the device waited on it), where each offloaded tensor's op calls "
-                f"cost {self.op_time * 1e3:.3g} ms of the step"
+                f"cost {self.op_time * 1e3:.3g} ms of the step, more than auto allows them"
             )
+        if not said:
+            said.append(f"each offloaded tensor's op calls took {(self.op_time or 0.0) * 1e3:.3g} ms of the step")
         return (
             f"measured in the first steps: {', '.join(said)}, compute ran {self.fw_scale:.2f}x / {self.bw_scale:.2f}x "
             "the model's time (forward / backward); planned again with the measured times"
@@ -183,21 +185,31 @@ class Measured:
 
 
 def host_ratio(times: Sequence[TransferTime], direction: str) -> float | None:
-    """The device's time over the host's across the windows of ``direction``'s copies (compute, both
-    summed); None where the host's was not measured (a CPU)."""
-    pairs = [(t.window_s, t.host_window_s) for t in times if t.direction == direction and t.host_window_s]
+    """The compute stream's time over the host's across the windows of ``direction``'s copies (each
+    as the stream ran it, stalls in it: a stall is no sign of waiting on the host); None where the
+    host's was not measured (a CPU), or where the device was a whole window behind the host at half
+    or more of those copies' waits (it was not waiting on the host)."""
+    mine = [t for t in times if t.direction == direction]
+    pairs = [(t.stream_window_s or t.window_s, t.host_window_s) for t in mine if t.host_window_s]
     host = sum(h for _, h in pairs)
-    return sum(w for w, _ in pairs) / host if host > 0 else None
+    if host <= 0 or 2 * len(pairs) <= len(mine):
+        return None
+    return sum(w for w, _ in pairs) / host
 
 
 def calls_over_allowance(plan: OffloadPlan, measured: Measured) -> bool:
-    """Whether ``plan``'s offloads' op calls, at the price measured (``op_time``, above the one planned
-    with), take more of the step than ``auto`` allows (``OpAllowance``): a plan to make again though no
-    copy stalled (on a phase the host bound, every host microsecond of the calls is step time)."""
+    """Whether ``plan``'s offloads' op calls, at the price measured in a phase the host bound
+    (``host_calls``, above the one planned with), take more of the step than ``auto`` allows
+    (``OpAllowance``), the step as the measurement prices it: a plan to make again though no copy
+    stalled (every host microsecond of the calls is step time there)."""
     op = measured.op_time
-    if op is None or plan.costs is None or op <= plan.costs.rates.op_time * 1.25:
+    costs = plan.costs
+    if measured.host_calls is None or op is None or costs is None or op <= costs.rates.op_time * 1.25:
         return False
-    priced = dataclasses.replace(plan.costs, rates=dataclasses.replace(plan.costs.rates, op_time=op))
+    fw = costs.fw_starts[-1] / costs.scale[0] * measured.fw_scale
+    bw = costs.bw_starts[-1] / costs.scale[1] * measured.bw_scale
+    rates = dataclasses.replace(costs.rates, op_time=op)
+    priced = dataclasses.replace(costs, rates=rates, fw_starts=(fw,), bw_starts=(bw,))
     return len(plan.offloaded) * op > OpAllowance(priced).left
 
 

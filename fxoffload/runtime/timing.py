@@ -96,8 +96,8 @@ class Recording:
 @dataclasses.dataclass(frozen=True)
 class Resolved:
     """One copy as measured (``Stamps.resolve``), and where its calls sat: its issue and its wait's
-    start in seconds from the recording's first stamp, and the compute stream's time in its issuing
-    call and in its wait's own work (stall apart)."""
+    start in seconds from one stamp of the recording (the first copy's issue), and the compute
+    stream's time in its issuing call and in its wait's own work (stall apart)."""
 
     time: TransferTime
     issued: float
@@ -149,6 +149,7 @@ class Stamps:
     # On an accelerator, the host's clock at the issue and at the wait's start (``host_window_s``).
     host_issue: float = 0.0
     host_wait: float = 0.0
+    behind: bool = False  # at the wait, the device had not reached the issue (``before_wait``)
 
     @classmethod
     def at_issue(
@@ -188,6 +189,8 @@ class Stamps:
     def before_wait(self) -> None:
         self.wait_start = now(self.device)
         self.host_wait = time.perf_counter()
+        if self.device.type != "cpu":  # still pending: the device is a whole window behind the host
+            self.behind = not self.issue.query()
 
     def after_wait(self) -> None:
         self.wait_end = now(self.device)
@@ -220,10 +223,10 @@ class Stamps:
                 op = self.entered.elapsed_time(self.left) / 1e3
             issue_op = op
             issued, waited = origin.elapsed_time(self.issue) / 1e3, origin.elapsed_time(self.wait_start) / 1e3
-            host_window = max(0.0, self.host_wait - self.host_issue)
+            host_window = None if self.behind else max(0.0, self.host_wait - self.host_issue)
         measured = TransferTime(
             self.name, self.direction, self.nbytes, max(window, 0.0), max(copy, 0.0), max(stall, 0.0), max(op, 0.0),
-            host_window,
+            host_window, max(window, 0.0),
         )
         return Resolved(measured, issued, waited, max(issue_op, 0.0), wait_own)
 
