@@ -6,8 +6,8 @@ copy's window (the compute between its issue and its wait), its duration and the
 (``runtime.timing``). From those:
 
 - the compute the model priced between each copy's issue and its wait, against the measured window
-  (the compute there: other copies' stalls taken out, ``runtime.timing``), gives one scale per phase
-  (the median ratio), applied to every node's predicted time; a plan made from an earlier
+  (the compute there: other copies' stalls and calls taken out, ``runtime.timing``), gives one
+  scale per phase (the median ratio), applied to every node's predicted time; a plan made from an earlier
   measurement has its model scaled already (``PlanCosts.scale``), and its ratios are taken back to
   the model as it came, so that the rounds' ratios are of one model and merge;
 - the bytes the copies moved over the time they took give the link's speed per direction;
@@ -144,7 +144,7 @@ class Measured:
         if bound and self.op_time is not None:
             said.append(
                 f"the host bound the {bound} (the device waited on it), where each offloaded tensor's op calls "
-                f"cost {self.op_time * 1e3:.3g} ms of the step, more than auto allows them"
+                f"cost {self.op_time * 1e3:.3g} ms of the step"
             )
         if not said:
             said.append(f"each offloaded tensor's op calls took {(self.op_time or 0.0) * 1e3:.3g} ms of the step")
