@@ -27,6 +27,8 @@ import fxoffload
 from fxoffload.options import parse_bytes
 from fxoffload.testing.models import GPT, GPTConfig, gpt_batch
 
+from .runner import settle
+
 MISPRICED = {"flops": 1e9, "memory_bandwidth": 1e8}
 SETTLING_STEPS = 16
 
@@ -60,10 +62,7 @@ def measure(link: float, bf16: bool, steps: int = 7) -> dict[str, float]:
     )  # fmt: skip
     step = _stepper(backend, bf16)
     step()
-    settling = 1
-    while not backend.settled and settling < SETTLING_STEPS:
-        step()
-        settling += 1
+    settling = 1 + settle(backend, step, SETTLING_STEPS - 1)
     auto = statistics.median(step() for _ in range(steps))
     compute = sum(r.predicted_compute_ms for r in backend.reports)
     return {

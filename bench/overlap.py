@@ -22,6 +22,7 @@ import fxoffload
 from fxoffload.runtime import copy_engine
 from fxoffload.testing.models import GPT, GPTConfig, gpt_batch
 
+from .runner import settle
 
 SETTLING_STEPS = 16
 
@@ -38,10 +39,7 @@ def measure(model, args, steps: int = 3, **options) -> dict[str, float]:
         compiled(*args).backward()
 
     step()  # compile and warm up, then on until the first steps' measurements are acted on
-    for _ in range(SETTLING_STEPS):
-        if backend.settled:
-            break
-        step()
+    settle(backend, step, SETTLING_STEPS)
     copy_engine.reset_copy_stats()
     t0 = time.perf_counter()
     for _ in range(steps):

@@ -39,6 +39,16 @@ MiB = 2**20
 MAX_SETTLING_STEPS = 64
 
 
+def settle(backend: Any, step: Callable[[], Any], limit: int = MAX_SETTLING_STEPS) -> int:
+    """Step until ``backend.settled`` (its copies timed and acted on, re-plans compiled), ``limit`` steps
+    at most; the steps taken."""
+    taken = 0
+    while not backend.settled and taken < limit:
+        step()
+        taken += 1
+    return taken
+
+
 def run_method(
     method: Method,
     workload: Workload,
@@ -128,10 +138,8 @@ def _measure(row, prepared, workload: Workload, ctx: Context, steps, warmup, see
         prepared.step()
     # fxoffload times its copies in the first steps and may plan again and compile: those steps are
     # first steps, not the steady state (on an H100 a re-plan fell in the timed steps of gpt2-medium).
-    backend, settling = prepared.backend, 0
-    while backend is not None and not backend.settled and settling < MAX_SETTLING_STEPS:
-        prepared.step()
-        settling += 1
+    backend = prepared.backend
+    settling = settle(backend, prepared.step) if backend is not None else 0
     _sync(ctx)
     if backend is not None:
         row["first_steps_s"] = time.perf_counter() - start

@@ -38,14 +38,12 @@ _NAME = ir.transfer_name(-1, "op_time")  # a graph id no compile uses: no record
 OP_CALLS = ("offload", "wait (d2h)", "reload", "wait (h2d)")  # one offloaded tensor's calls a step
 _PROBE_CYCLES = 30
 
-_measured: dict[str, float] = {}
-_host: dict[str, tuple[float, float]] = {}  # ``host_op_seconds``, by device
+_measured: dict[str, dict[str, float]] = {}  # ``op_call_seconds`` by device (``_probed``)
 
 
 def forget_op_times() -> None:
     """Forget every measured figure: the next plan for a device measures it again."""
     _measured.clear()
-    _host.clear()
 
 
 def _sync(device: torch.device) -> None:
@@ -103,22 +101,28 @@ def op_call_seconds(
     return out
 
 
+def _probed(device: torch.device) -> dict[str, float]:
+    """``op_call_seconds`` of ``device`` (a few cycles), once per device and process; zeros where the
+    calls cannot be timed (a measurement never fails a compile or a step: they are charged nothing)."""
+    key = str(device)
+    if key not in _measured:
+        try:
+            _measured[key] = op_call_seconds(device, calls=_PROBE_CYCLES, switched_off=False)
+        except RuntimeError as e:
+            log.warning("fxoffload: could not time the transfer ops on %s (%s); charging them nothing", device, e)
+            _measured[key] = dict.fromkeys(OP_CALLS, 0.0)
+        else:
+            log.info("fxoffload: one offloaded tensor's op calls take %.0f us of host time on %s",
+                     sum(_measured[key][k] for k in OP_CALLS) * 1e6, device)  # fmt: skip
+    return _measured[key]
+
+
 def host_op_seconds(device: torch.device) -> tuple[float, float]:
     """Host seconds of one offloaded tensor's forward calls (its offload and that copy's wait) and
-    backward calls (its reload and that wait) on ``device``, measured once per device and process
-    (``op_call_seconds``, a few cycles): what they cost a phase the host bounds (``planning.measured``).
-    Zeros where they cannot be measured."""
-    key = str(device)
-    if key not in _host:
-        try:
-            seconds = op_call_seconds(device, calls=_PROBE_CYCLES, switched_off=False)
-        except RuntimeError as e:  # a measurement never fails a step
-            log.warning("fxoffload: could not time the transfer ops' host time on %s (%s)", device, e)
-            seconds = dict.fromkeys(OP_CALLS, 0.0)
-        _host[key] = (seconds["offload"] + seconds["wait (d2h)"], seconds["reload"] + seconds["wait (h2d)"])
-        log.info("fxoffload: one offloaded tensor's op calls take %.0f us of host time in the forward, %.0f us "
-                 "in the backward on %s", _host[key][0] * 1e6, _host[key][1] * 1e6, device)  # fmt: skip
-    return _host[key]
+    backward calls (its reload and that wait) on ``device``, measured once per device and process:
+    what they cost a phase the host bounds (``planning.measured``). Zeros where they cannot be measured."""
+    seconds = _probed(device)
+    return seconds["offload"] + seconds["wait (d2h)"], seconds["reload"] + seconds["wait (h2d)"]
 
 
 def measure_op_time(device: torch.device) -> float:
@@ -126,14 +130,4 @@ def measure_op_time(device: torch.device) -> float:
     time, measured once per process (``op_call_seconds``, a few cycles); 0 on an accelerator."""
     if device.type != "cpu":
         return 0.0
-    if "cpu" not in _measured:
-        try:
-            seconds = op_call_seconds(device, calls=_PROBE_CYCLES, switched_off=False)
-        except RuntimeError as e:  # a measurement never fails a compile
-            log.warning("fxoffload: could not time the transfer ops on the CPU (%s); charging them nothing", e)
-            _measured["cpu"] = 0.0
-        else:
-            _measured["cpu"] = sum(seconds[k] for k in OP_CALLS)
-            log.info("fxoffload: one offloaded tensor's op calls take %.0f us of the CPU's compute thread",
-                     _measured["cpu"] * 1e6)  # fmt: skip
-    return _measured["cpu"]
+    return sum(_probed(device)[k] for k in OP_CALLS)

@@ -36,7 +36,8 @@ from .decisions import OffloadPlan, PlanCosts
 from .schedule import OpAllowance, copy_windows
 
 __all__ = [
-    "HOST_BOUND", "Measured", "STALL_FLOOR_S", "calls_over_allowance", "host_ratio", "measured_plan", "switched_off",
+    "HOST_BOUND", "Measured", "STALL_FLOOR_S", "calls_over_allowance", "host_bound", "host_ratio", "measured_plan",
+    "switched_off",
 ]
 
 # A copy stalled when the compute stream waited for it longer than this and than a tenth of the
@@ -67,8 +68,7 @@ class Measured:
 
     def host_bound(self, direction: str) -> bool:
         """Whether the phase of ``direction``'s copies was host-bound when measured (``host_ratio``)."""
-        ratio = host_ratio(self.times, direction)
-        return ratio is not None and ratio <= HOST_BOUND
+        return host_bound(host_ratio(self.times, direction))
 
     @property
     def fw_scale(self) -> float:
@@ -132,8 +132,9 @@ class Measured:
         return dataclasses.replace(self, only=hidden)
 
     def why(self, predicted_ms: float) -> str:
-        """What a plan made again from this measurement was made for (the report's ``replans``);
-        ``predicted_ms``: the stall the measured plan predicted."""
+        """What a plan made again from this measurement was made for (the report's ``replans``): copies
+        that stalled, or calls over the allowance in a phase the host bound (``calls_over_allowance``
+        needs one), the only two reasons to make it; ``predicted_ms``: the stall the plan predicted."""
         said = []
         if self.stalls:
             said.append(
@@ -146,8 +147,6 @@ class Measured:
                 f"the host bound the {bound} (the device waited on it), where each offloaded tensor's op calls "
                 f"cost {self.op_time * 1e3:.3g} ms of the step"
             )
-        if not said:
-            said.append(f"each offloaded tensor's op calls took {(self.op_time or 0.0) * 1e3:.3g} ms of the step")
         return (
             f"measured in the first steps: {', '.join(said)}, compute ran {self.fw_scale:.2f}x / {self.bw_scale:.2f}x "
             "the model's time (forward / backward); planned again with the measured times"
@@ -195,6 +194,11 @@ def host_ratio(times: Sequence[TransferTime], direction: str) -> float | None:
     if host <= 0 or 2 * len(pairs) <= len(mine):
         return None
     return sum(w for w, _ in pairs) / host
+
+
+def host_bound(ratio: float | None) -> bool:
+    """Whether a phase whose ``host_ratio`` is ``ratio`` was host-bound (``HOST_BOUND``)."""
+    return ratio is not None and ratio <= HOST_BOUND
 
 
 def calls_over_allowance(plan: OffloadPlan, measured: Measured) -> bool:

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 from tabulate import tabulate
 
 from ..planning.budget import BUDGET_TOLERANCE
-from ..planning.measured import HOST_BOUND
+from ..planning.measured import host_bound
 from ..reasons import Action
 from ..sizes import fmt_bytes
 
@@ -209,7 +209,7 @@ def summary(report: OffloadReport) -> str:
     ratios = (report.measured_host_ratio_fw, report.measured_host_ratio_bw)
     if any(r is not None for r in ratios):
         fw, bw = (f"{r:.2f}x" if r is not None else "-" for r in ratios)
-        bound = " and ".join(p for p, r in zip(("forward", "backward"), ratios) if r is not None and r <= HOST_BOUND)
+        bound = " and ".join(p for p, r in zip(("forward", "backward"), ratios) if host_bound(r))
         lines.append(
             f"  the copies' windows took the device {fw} / {bw} the host's time to issue them (forward / backward)"
             + (f": the host bound the {bound}, where the op calls' host time is step time" if bound else "")
