@@ -1,0 +1,178 @@
+"""The accelerator path of the transfer ops, run on a CPU: its streams and events, checked for order.
+
+On a CPU (``offload_cpu=True``) the ops take the copy engine's path; the accelerator's path
+(``runtime.transfers._device_copy`` and the event branch of ``wait``) ran only on a GPU
+(``tests/test_cuda.py``, under the CUDA sanitizer). Here that very code runs on ``meta`` tensors (a
+device that is not the CPU) with torch's stream and event calls replaced by recording ones; the
+recorded calls are read as a happens-before graph, as a GPU orders work: program order on each
+stream, ``record_event``/``wait_event`` and ``wait_stream`` edges between them. Each ordering rule is
+a reachability, and each has a test that breaks it on purpose and sees the check fail:
+
+- a copy runs after the kernel that wrote its source (the transfer stream waits on the compute
+  stream before copying);
+- every kernel the compute stream runs after a ``wait`` runs after the copy (the event recorded after
+  the copy, waited on by the compute stream), so the source's memory may be reused there and the
+  reloaded tensor read there.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+
+import pytest
+import torch
+
+from fxoffload.runtime import host_pool, transfers
+
+META = torch.device("meta")
+
+
+@dataclasses.dataclass(eq=False)
+class _Event:
+    id: int
+    at: int | None = None  # the position in the log of the record it holds
+
+
+class _Streams:
+    """Recording stand-ins for torch's stream and event calls; ``log`` holds (stream, what) in the
+    order the host issued them."""
+
+    def __init__(self) -> None:
+        self.log: list[tuple[str, str, object]] = []  # (stream, kind, detail)
+        self.compute = _Stream(self, "compute")
+        self.transfer = _Stream(self, "transfer")
+        self.current = [self.compute]
+        self._ids = itertools.count()
+
+    def kernel(self, label: str) -> int:
+        """A kernel the compute stream runs (a producer, a reuse of memory, a read)."""
+        self.log.append((self.current[-1].name, "kernel", label))
+        return len(self.log) - 1
+
+    def event(self, device: torch.device | None = None, **_: object) -> _Event:
+        return _Event(next(self._ids))
+
+    def happens_before(self, a: int, b: int) -> bool:
+        """Whether log entry ``a`` is ordered before ``b`` on the device (not merely issued before)."""
+        preds: dict[int, set[int]] = {i: set() for i in range(len(self.log))}
+        last: dict[str, int] = {}
+        for i, (stream, kind, detail) in enumerate(self.log):
+            if stream in last:
+                preds[i].add(last[stream])  # program order on a stream
+            last[stream] = i
+            if kind == "wait_event" and detail.at is not None:
+                preds[i].add(detail.at)
+            if kind == "wait_stream" and detail in last:
+                preds[i].add(last[detail])
+        seen, todo = set(), [b]
+        while todo:
+            for p in preds[todo.pop()]:
+                if p == a:
+                    return True
+                if p not in seen:
+                    seen.add(p)
+                    todo.append(p)
+        return False
+
+    def copies(self) -> list[int]:
+        return [i for i, (_, kind, _) in enumerate(self.log) if kind == "copy"]
+
+
+class _Stream:
+    def __init__(self, streams: _Streams, name: str) -> None:
+        self.streams, self.name = streams, name
+
+    def wait_stream(self, other: _Stream) -> None:
+        self.streams.log.append((self.name, "wait_stream", other.name))
+
+    def record_event(self, event: _Event | None = None) -> _Event:
+        event = event if event is not None else self.streams.event()
+        self.streams.log.append((self.name, "record", event))
+        event.at = len(self.streams.log) - 1
+        return event
+
+    def wait_event(self, event: _Event) -> None:
+        self.streams.log.append((self.name, "wait_event", event))
+
+    def __enter__(self) -> _Stream:
+        self.streams.current.append(self)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.streams.current.pop()
+
+
+@pytest.fixture
+def streams(monkeypatch):
+    s = _Streams()
+    monkeypatch.setattr(torch.accelerator, "current_stream", lambda device=None: s.current[-1])
+    monkeypatch.setattr(transfers, "_transfer_stream", lambda device: s.transfer)
+    monkeypatch.setattr(torch, "Event", s.event)
+
+    def copy_span(dest, src, non_blocking=False):
+        s.log.append((s.current[-1].name, "copy", (dest.device.type, src.device.type, non_blocking)))
+
+    monkeypatch.setattr(transfers, "copy_span", copy_span)
+    pool = host_pool.HostBufferPool()
+    pool._pin_failed = True  # no pinned memory without an accelerator: pageable buffers, no warning
+    monkeypatch.setattr(transfers, "HOST_POOL", pool)
+    yield s
+    transfers._pending.clear()
+
+
+def _offload(streams: _Streams, src: torch.Tensor) -> tuple[int, int, int]:
+    """Produce ``src``, offload it, wait, reuse its memory: the log positions of the three."""
+    produced = streams.kernel("produce src")
+    host = transfers._offload_impl(src, [], 0.0, "test:src")
+    transfers._wait_impl(host, src, [])
+    reused = streams.kernel("reuse src's memory")
+    (copy,) = streams.copies()
+    return produced, copy, reused
+
+
+def test_an_offload_copies_after_its_producer_and_before_the_memory_is_reused(streams):
+    src = torch.empty(4, 8, device=META)
+    produced, copy, reused = _offload(streams, src)
+    assert streams.log[copy] == ("transfer", "copy", ("cpu", "meta", True)), streams.log
+    assert streams.happens_before(produced, copy), streams.log
+    assert streams.happens_before(copy, reused), streams.log
+    assert not streams.happens_before(reused, copy)
+
+
+def test_a_reload_is_read_only_after_its_copy(streams):
+    src = torch.empty(4, 8, device=META)
+    host = transfers._wait_impl(transfers._offload_impl(src, [], 0.0, "test:src"), src, [])
+    streams.log.clear()
+    last = streams.kernel("the backward's last kernel before the reload")
+    dest = transfers._reload_impl(host, META, [], 0.0, "test:src")
+    assert dest.device == META and dest.shape == src.shape and dest.stride() == src.stride()
+    transfers._wait_impl(dest, host, [])
+    read = streams.kernel("read the reloaded tensor")
+    (copy,) = streams.copies()
+    assert streams.log[copy] == ("transfer", "copy", ("meta", "cpu", True)), streams.log
+    assert streams.happens_before(last, copy)  # dest's memory was allocated on the compute stream before
+    assert streams.happens_before(copy, read), streams.log
+
+
+def test_the_check_sees_a_copy_that_does_not_wait_for_its_producer(streams, monkeypatch):
+    monkeypatch.setattr(_Stream, "wait_stream", lambda self, other: None)  # broken on purpose
+    produced, copy, reused = _offload(streams, torch.empty(4, 8, device=META))
+    assert not streams.happens_before(produced, copy), streams.log
+    assert streams.happens_before(copy, reused)  # the other rule still holds
+
+
+def test_the_check_sees_memory_reused_before_the_copy_is_done(streams, monkeypatch):
+    monkeypatch.setattr(_Stream, "wait_event", lambda self, event: None)  # broken on purpose
+    produced, copy, reused = _offload(streams, torch.empty(4, 8, device=META))
+    assert streams.happens_before(produced, copy)
+    assert not streams.happens_before(copy, reused), streams.log
+
+
+def test_the_check_sees_an_event_recorded_before_the_copy(streams, monkeypatch):
+    """The event a wait waits on must be recorded after the copy on the transfer stream: one
+    recorded before it (here: on the compute stream) orders nothing after the copy."""
+    real = _Stream.record_event
+    monkeypatch.setattr(_Stream, "record_event", lambda self, event=None: real(streams.compute, event))
+    produced, copy, reused = _offload(streams, torch.empty(4, 8, device=META))
+    assert not streams.happens_before(copy, reused), streams.log
