@@ -43,6 +43,8 @@ def _one(method: str, layers: int, steps: int, link: str) -> dict:
     import fxoffload
     from fxoffload.testing.models import GPT, GPTConfig, gpt_batch
 
+    from .runner import settle
+
     torch.manual_seed(0)
     cfg = GPTConfig(layers=layers, dropout=0.0)
     model, batch = GPT(cfg), gpt_batch(cfg, 8)
@@ -53,17 +55,18 @@ def _one(method: str, layers: int, steps: int, link: str) -> dict:
         backend = fxoffload.backend(**options, offload_cpu=True, cpu_link_bandwidth=link, min_bytes=0)
         compiled = torch.compile(model, backend=backend)
     times = []
-    for _ in range(steps):
+
+    def step() -> None:
         start = time.perf_counter()
         compiled(*batch).backward()
         times.append(time.perf_counter() - start)
+
+    for _ in range(steps):
+        step()
     row = {"method": method, "steps_s": times}
     if options is not None:
         # On until the backend has timed and acted on its copies: a second re-plan compiles later.
-        while not backend.settled and len(times) < steps + 20:
-            start = time.perf_counter()
-            compiled(*batch).backward()
-            times.append(time.perf_counter() - start)
+        settle(backend, step, limit=20)
         row.update(settled_s=sum(times), settled_steps=len(times) if backend.settled else None)
         t = [r.timings for r in backend.reports if r.timings is not None]
         row.update(compiles=sum(x.compiles for x in t), compile_s=sum(x.compile_s for x in t),
