@@ -36,14 +36,17 @@ from .decisions import OffloadPlan, PlanCosts
 from .schedule import OpAllowance, copy_windows
 
 __all__ = [
-    "HOST_BOUND", "Measured", "STALL_FLOOR_S", "calls_over_allowance", "host_bound", "host_ratio", "measured_plan",
-    "switched_off",
+    "HOST_BOUND", "MEASURED_MARGIN", "Measured", "STALL_FLOOR_S", "calls_over_allowance", "host_bound", "host_ratio",
+    "measured_plan", "switched_off",
 ]
 
 # A copy stalled when the compute stream waited for it longer than this and than a tenth of the
 # copy: below, a wait's own cost (an event, a Python call) and the clocks' noise.
 STALL_FLOOR_S = 50e-6
 STALL_SHARE = 0.1
+# The copy margin a measured model keeps (``Measured.margin``): at least this (the clocks' and the
+# link's noise between steps), at most this much above the first guess's.
+MEASURED_MARGIN = (0.1, 1.0)
 # A phase is host-bound where its copies' windows took the compute stream (stalls left in) at most
 # this many times the host's time to issue them (summed): the device ran no faster than its host.
 HOST_BOUND = 1.1
@@ -78,6 +81,22 @@ class Measured:
     @property
     def bw_scale(self) -> float:
         return statistics.median(self.bw_ratios) if self.bw_ratios else 1.0
+
+    @property
+    def margin(self) -> float:
+        """The copy margin the corrected model keeps: one scale per phase (the median) leaves the copies
+        whose windows ran shorter than that scale says short by as much, so the margin is the spread
+        below the median, the lowest ratio's or, from ten copies, the lowest tenth's, in the phase
+        where it is widest (``MEASURED_MARGIN`` bounds it)."""
+        spread = 0.0
+        for ratios in (self.fw_ratios, self.bw_ratios):
+            if len(ratios) < 2:
+                continue
+            low = statistics.quantiles(ratios, n=10)[0] if len(ratios) >= 10 else min(ratios)
+            if low > 0:
+                spread = max(spread, statistics.median(ratios) / low - 1)
+        least, most = MEASURED_MARGIN
+        return min(max(spread, least), most)
 
     @property
     def d2h(self) -> float | None:
@@ -176,6 +195,7 @@ class Measured:
             op_time = self.op_time
         if op_time is not None:
             rates = dataclasses.replace(rates, op_time=op_time)
+        rates = dataclasses.replace(rates, copy_margin=self.margin)
         fw, bw = self.fw_scale, self.bw_scale
         return dataclasses.replace(
             costs, rates=rates, fw_starts=tuple(t * fw for t in costs.fw_starts),

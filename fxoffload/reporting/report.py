@@ -374,6 +374,8 @@ def _device_line(costs: PlanCosts | None) -> str:
     line = f"{r.name}: link {r.d2h / 1e9:.1f} GB/s out, {r.h2d / 1e9:.1f} GB/s in"
     if r.op_time:
         line += f"; op calls {r.op_time * 1e3:.3g} ms a tensor"
+    if r.copy_margin:
+        line += f"; copies planned {r.copy_margin:.0%} longer than predicted"
     if costs.calibrated:
         line += f"; {costs.calibrated} compute nodes timed (calibrate=True)"
     return line
