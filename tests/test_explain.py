@@ -74,6 +74,8 @@ def _cli(*argv, env=None):
     variables set for the call (``COLUMNS``)."""
     from fxoffload.tools.cli import main
 
+    if "--offload-cpu" in argv and "--device" not in argv:  # a CPU test: the CLI picks cuda where there is one
+        argv = (*argv, "--device", "cpu")
     out, err = io.StringIO(), io.StringIO()
     saved = {k: os.environ.get(k) for k in env or {}}
     os.environ.update(env or {})
