@@ -445,3 +445,19 @@ def test_corrected_model_rows(capsys):
     with pytest.raises(SystemExit):
         main(["--links", "50MB", "--dtypes", "fp16"])
     assert "'fp16' is not one of fp32, bf16" in capsys.readouterr().err
+
+
+def test_first_plan_rows(capsys):
+    """``bench.first_plan`` on one link and dtype: the first plan's stall and bytes, then auto as it
+    ships; the margin it was given is put back; a bad dtype is refused by name."""
+    from bench.first_plan import main, measure
+    from fxoffload.compiler import costs as compiler_costs
+
+    before = compiler_costs.FIRST_GUESS_MARGIN
+    m = measure(500e6, bf16=False, margin=0.6, steps=2)
+    assert compiler_costs.FIRST_GUESS_MARGIN == before
+    assert m["base_ms"] > 0 and m["first_mib"] > 0 and m["first_stall_ms"] >= 0 and m["settling"] >= 1
+    assert m["replans"] > 0 or m["mib"] == m["first_mib"]  # not planned again: the first plan stays
+    with pytest.raises(SystemExit):
+        main(["--links", "50MB", "--dtypes", "fp16"])
+    assert "'fp16' is not one of fp32, bf16" in capsys.readouterr().err
