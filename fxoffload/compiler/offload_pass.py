@@ -55,8 +55,9 @@ def offload_pass(
     ``outside``: what code before the pair holds through it, "outside" in every timeline and so in
     the budget. ``budget_target``: the peak the budget fit aims at, below ``memory_budget`` when the
     compiler plans again after a miss. ``graph_id`` names the copies; ``measured``: what the device
-    measured of this graph's copies under an earlier plan, which corrects the cost model and keeps
-    on the device every tensor whose copy stalled.
+    measured of this graph's copies under an earlier plan, which corrects the cost model (the tensors
+    whose copies stalled are judged again on it; the last plan made from measurements keeps them, and
+    the last re-plan of ``auto`` offloads only what hid).
     The pair is rewritten in place unless the plan recomputes something: then the returned pair is
     the new partition. The predicted memory before any change is ``(plan.partition_costs or
     plan.costs).baseline``; ``plan.costs.baseline`` is that of the pair the plan was made for.
@@ -71,7 +72,8 @@ def offload_pass(
     costs = plan_costs(fw, bw, lifetimes, options, num_fwd_outputs, static, outside)
     keep: dict[str, Reason] = {}
     if measured is not None:
-        costs, keep = measured.corrected(costs, options.op_time), measured.keep()
+        costs = measured.corrected(costs, options.op_time)  # the tensors that stalled judged again on it,
+        keep = measured.keep() if measured.final else {}  # but by the last plan made from measurements
         if measured.only is not None:
             keep.update(_not_measured(lifetimes, options, measured.only, keep))
     context = _Context(options, num_fwd_outputs, static, outside, host_bytes_available)

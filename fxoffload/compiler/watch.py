@@ -363,7 +363,8 @@ class CallWatch:
         # With a budget, one plan made again from measurements (a second measurement is reported, not
         # acted on: the plans would take turns), compiled: the peak it reaches is the code's; and
         # within ``max_replans``, with the re-plans for outside memory.
-        return can_compile and self.measured is None and self._compile_measured(measured, predicted, args)
+        final = dataclasses.replace(measured, final=True)  # the only one: the tensors that stalled kept
+        return can_compile and self.measured is None and self._compile_measured(final, predicted, args)
 
     def _compile_measured(self, measured: Measured, predicted: float, args: Any) -> bool:
         """The graph planned again with the model corrected by ``measured`` and compiled; False where

@@ -15,7 +15,15 @@ copy's window (the compute between its issue and its wait), its duration and the
   an accelerator, in a phase whose windows took the compute stream about as long as the host took
   to issue them (``HOST_BOUND``: the device waited on the host; ``host_ratio``), the calls' host time
   (``host_calls``) where more: every host microsecond is step time there;
-- every tensor whose copy stalled the compute stream is kept on the device, with that reason.
+- every tensor whose copy stalled the compute stream is named (``stalls``) and, but in the last plan
+  made from measurements (``final``: there it is kept on the device), judged again by the corrected
+  model: a stall measures the window the plan placed the copy in, which a model that
+  priced the device slow placed short (a reload issued too late, a wait too early); the corrected
+  model places it again, and a copy that still cannot hide stays on the device (``not_hidden``).
+  Keeping every tensor that stalled settled gpt2-medium's ``auto`` on the H100 at 4% of what could
+  leave the peak, and a CPU run at 1.0 MiB where a plan that had not stalled kept 2.5
+  (docs/results.md). Where copies are switched off instead (no plan made again), the ones that
+  stalled are the ones switched off (``switched_off``).
 
 A plan made again from these is what ``auto`` offloads knowing the device; its last re-plan offloads
 only what was measured to hide (``hidden_only``): taking copies away only frees the link for the
@@ -65,6 +73,9 @@ class Measured:
     stalls: Mapping[str, float]  # saved tensor -> seconds its copies stalled the compute stream
     # The last re-plan's: only these may be offloaded (those measured to hide); None: any.
     only: frozenset[str] | None = None
+    # The last plan made from measurements (no round after it to judge a tensor judged again): the
+    # tensors whose copies stalled are kept on the device (``keep``), not judged again.
+    final: bool = False
     # Host seconds of one tensor's forward calls and backward calls (``measure.op_time.host_op_seconds``):
     # what they cost a host-bound phase. None: not measured (a CPU, where ``op_s`` is host time).
     host_calls: tuple[float, float] | None = None
@@ -148,7 +159,7 @@ class Measured:
         to hide: it brings no copy that was not measured, and taking copies away only frees the
         link for the others (the rounds converge)."""
         hidden = frozenset(d.saved.name for d in plan.offloaded if d.saved.name not in self.stalls)
-        return dataclasses.replace(self, only=hidden)
+        return dataclasses.replace(self, only=hidden, final=True)
 
     def why(self, predicted_ms: float) -> str:
         """What a plan made again from this measurement was made for (the report's ``replans``): copies
@@ -169,12 +180,14 @@ class Measured:
         return (
             f"measured in the first steps: {', '.join(said)}, compute ran {self.fw_scale:.2f}x / {self.bw_scale:.2f}x "
             "the model's time (forward / backward); planned again with the measured times"
-            + (", those tensors kept on the device" if self.stalls else "")
+            + ((", those tensors kept on the device" if self.final else ", those tensors judged again on them")
+               if self.stalls else "")
             + ("" if self.only is None else f", and only the {len(self.only)} measured to hide offloaded")
         )
 
     def keep(self) -> dict[str, Reason]:
-        """The tensors whose copies stalled, to keep on the device in the next plan."""
+        """The tensors whose copies stalled, kept on the device by the last plan made from measurements
+        (``final``) and where their copies are switched off."""
         return {
             name: Reason(
                 ReasonCode.MEASURED_STALL,
