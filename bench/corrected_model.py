@@ -19,6 +19,7 @@ import argparse
 import statistics
 import sys
 import time
+from collections.abc import Iterator
 
 import torch
 from tabulate import tabulate
@@ -33,10 +34,12 @@ MISPRICED = {"flops": 1e9, "memory_bandwidth": 1e8}
 SETTLING_STEPS = 16
 
 
-def _stepper(backend, bf16: bool):
+def gpt_stepper(backend, bf16: bool, cfg: GPTConfig | None = None):
+    """A timed training step of a GPT on the CPU (``cfg``: 2 blocks by default, dropout 0; batch 8)
+    compiled with ``backend``, under bf16 autocast where asked: a function returning its seconds."""
     torch._dynamo.reset()
     torch.manual_seed(0)
-    cfg = GPTConfig(layers=2, dropout=0.0)
+    cfg = cfg or GPTConfig(layers=2, dropout=0.0)
     model, batch = GPT(cfg), gpt_batch(cfg, 8)
     compiled = torch.compile(model, backend=backend)
 
@@ -54,13 +57,13 @@ def _stepper(backend, bf16: bool):
 def measure(link: float, bf16: bool, steps: int = 7) -> dict[str, float]:
     """One row: the baseline's median step, ``auto``'s steps to settle, plans made again, tensors
     offloaded, the corrected model's compute and its ratio to the baseline's step, and ``auto``'s step."""
-    plain = _stepper(fxoffload.backend(policy="none", inner="aot_eager"), bf16)
+    plain = gpt_stepper(fxoffload.backend(policy="none", inner="aot_eager"), bf16)
     base = statistics.median([plain() for _ in range(steps + 1)][1:])
     backend = fxoffload.backend(
         offload_cpu=True, policy="auto", min_bytes="16KiB", cpu_link_bandwidth=link, inner="aot_eager",
         compute_rates=MISPRICED, prefetch=0,
     )  # fmt: skip
-    step = _stepper(backend, bf16)
+    step = gpt_stepper(backend, bf16)
     step()
     settling = 1 + settle(backend, step, SETTLING_STEPS - 1)
     auto = statistics.median(step() for _ in range(steps))
@@ -72,20 +75,33 @@ def measure(link: float, bf16: bool, steps: int = 7) -> dict[str, float]:
     }  # fmt: skip
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def link_dtype_parser(description: str) -> argparse.ArgumentParser:
+    """A command line with ``--links`` and ``--dtypes`` (``links_and_dtypes`` reads them)."""
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--links", default="50MB,500MB,5GB", help="emulated link speeds (default: %(default)s)")
     parser.add_argument("--dtypes", default="fp32,bf16", help="fp32 and/or bf16 (autocast)")
-    parser.add_argument("--steps", type=int, default=7, help="timed steps of each (median)")
-    args = parser.parse_args(argv)
-    rows = []
+    return parser
+
+
+def links_and_dtypes(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Iterator[tuple[str, float, str]]:
+    """Each (link as given, its bytes/s, dtype) of ``--links`` x ``--dtypes``; a dtype other than fp32
+    or bf16 is refused by name."""
     for link in args.links.split(","):
         for dtype in args.dtypes.split(","):
             if dtype not in ("fp32", "bf16"):
                 parser.error(f"--dtypes: {dtype!r} is not one of fp32, bf16")
-            m = measure(parse_bytes(link, "--links"), dtype == "bf16", args.steps)
-            rows.append([link, dtype, f"{m['base_ms']:.2f}", m["settling"], m["replans"], m["offloaded"],
-                         f"{m['model_ms']:.1f}", f"{m['model_x']:.2f}", f"{m['auto_ms']:.2f}"])  # fmt: skip
+            yield link, parse_bytes(link, "--links"), dtype
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = link_dtype_parser(__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=7, help="timed steps of each (median)")
+    args = parser.parse_args(argv)
+    rows = []
+    for link, rate, dtype in links_and_dtypes(parser, args):
+        m = measure(rate, dtype == "bf16", args.steps)
+        rows.append([link, dtype, f"{m['base_ms']:.2f}", m["settling"], m["replans"], m["offloaded"],
+                     f"{m['model_ms']:.1f}", f"{m['model_x']:.2f}", f"{m['auto_ms']:.2f}"])  # fmt: skip
     headers = ["link /s", "dtype", "plain step ms", "steps to settle", "replans", "offloaded",
                "corrected model's compute ms", "x plain step", "auto step ms"]  # fmt: skip
     print(tabulate(rows, headers=headers))

@@ -13,46 +13,27 @@ plain one)::
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
-import time
 
 import torch
 from tabulate import tabulate
 
 import fxoffload
 from fxoffload.compiler import costs as compiler_costs
-from fxoffload.options import parse_bytes
-from fxoffload.testing.models import GPT, GPTConfig, gpt_batch
+from fxoffload.testing.models import GPTConfig
 
+from .corrected_model import gpt_stepper, link_dtype_parser, links_and_dtypes
 from .runner import settle
 
 SETTLING_STEPS = 16
 
 
-def _stepper(backend, bf16: bool, layers: int):
-    torch._dynamo.reset()
-    torch.manual_seed(0)
-    cfg = GPTConfig(layers=layers, dropout=0.0, dim=128, seq=128)
-    model, batch = GPT(cfg), gpt_batch(cfg, 8)
-    compiled = torch.compile(model, backend=backend)
-
-    def step() -> float:
-        start = time.perf_counter()
-        model.zero_grad(set_to_none=True)
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
-            loss = compiled(*batch)
-        loss.backward()
-        return time.perf_counter() - start
-
-    return step
-
-
 def measure(link: float, bf16: bool, margin: float, layers: int = 2, steps: int = 5) -> dict[str, float]:
     """One row: the plain step, the first plan's offloaded MiB and measured stall, then ``auto`` as it
     ships: steps to settle, plans made again, offloaded MiB and its settled step."""
-    plain = _stepper(fxoffload.backend(policy="none", inner="aot_eager"), bf16, layers)
+    cfg = GPTConfig(layers=layers, dropout=0.0, dim=128, seq=128)
+    plain = gpt_stepper(fxoffload.backend(policy="none", inner="aot_eager"), bf16, cfg)
     base = statistics.median([plain() for _ in range(steps + 1)][1:])
     saved, compiler_costs.FIRST_GUESS_MARGIN = compiler_costs.FIRST_GUESS_MARGIN, margin
     try:
@@ -63,7 +44,7 @@ def measure(link: float, bf16: bool, margin: float, layers: int = 2, steps: int 
                 offload_cpu=True, policy="auto", min_bytes="16KiB", cpu_link_bandwidth=link, inner="aot_eager",
                 op_time=0.0, **options,
             )  # fmt: skip
-            step = _stepper(backend, bf16, layers)
+            step = gpt_stepper(backend, bf16, cfg)
             step()
             settling = 1 + settle(backend, step, SETTLING_STEPS - 1)
             (report,) = backend.reports
@@ -79,24 +60,19 @@ def measure(link: float, bf16: bool, margin: float, layers: int = 2, steps: int 
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--links", default="50MB,500MB,5GB", help="emulated link speeds (default: %(default)s)")
-    parser.add_argument("--dtypes", default="fp32,bf16", help="fp32 and/or bf16 (autocast)")
+    parser = link_dtype_parser(__doc__.splitlines()[0])
     parser.add_argument("--margins", default=f"0,{compiler_costs.FIRST_GUESS_MARGIN}",
                         help="first-guess copy margins to compare (default: %(default)s)")  # fmt: skip
     parser.add_argument("--layers", type=int, default=2, help="GPT blocks (dim 128, seq 128, batch 8)")
     parser.add_argument("--steps", type=int, default=5, help="timed steps of each (median)")
     args = parser.parse_args(argv)
     rows = []
-    for link in args.links.split(","):
-        for dtype in args.dtypes.split(","):
-            if dtype not in ("fp32", "bf16"):
-                parser.error(f"--dtypes: {dtype!r} is not one of fp32, bf16")
-            for margin in args.margins.split(","):
-                m = measure(parse_bytes(link, "--links"), dtype == "bf16", float(margin), args.layers, args.steps)
-                rows.append([link, dtype, margin, f"{m['base_ms']:.1f}", f"{m['first_mib']:.2f}",
-                             f"{m['first_stall_ms']:.2f}", m["settling"], m["replans"], f"{m['mib']:.2f}",
-                             f"{m['auto_x']:.2f}"])  # fmt: skip
+    for link, rate, dtype in links_and_dtypes(parser, args):
+        for margin in args.margins.split(","):
+            m = measure(rate, dtype == "bf16", float(margin), args.layers, args.steps)
+            rows.append([link, dtype, margin, f"{m['base_ms']:.1f}", f"{m['first_mib']:.2f}",
+                         f"{m['first_stall_ms']:.2f}", m["settling"], m["replans"], f"{m['mib']:.2f}",
+                         f"{m['auto_x']:.2f}"])  # fmt: skip
     headers = ["link /s", "dtype", "margin", "plain step ms", "1st plan MiB", "1st plan stall ms",
                "steps to settle", "replans", "settled MiB", "settled step x plain"]  # fmt: skip
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, GPT {args.layers} blocks, aot_eager")

@@ -22,24 +22,23 @@ def _capture_graphs(model, args, **options):
     return report, fw, bw
 
 
-def _ancestors(node: fx.Node) -> set[fx.Node]:
+def _reach(node: fx.Node, step) -> set[fx.Node]:
+    """Every node reached from ``node`` by ``step`` (a node's inputs, or its users), transitively."""
     seen, stack = set(), [node]
     while stack:
-        for inp in stack.pop().all_input_nodes:
-            if inp not in seen:
-                seen.add(inp)
-                stack.append(inp)
+        for other in step(stack.pop()):
+            if other not in seen:
+                seen.add(other)
+                stack.append(other)
     return seen
+
+
+def _ancestors(node: fx.Node) -> set[fx.Node]:
+    return _reach(node, lambda n: n.all_input_nodes)
 
 
 def _descendants(node: fx.Node) -> set[fx.Node]:
-    seen, stack = {node}, [node]
-    while stack:
-        for user in stack.pop().users:
-            if user not in seen:
-                seen.add(user)
-                stack.append(user)
-    return seen
+    return _reach(node, lambda n: n.users) | {node}
 
 
 def _by_target(gm, target):
