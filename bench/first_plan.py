@@ -20,7 +20,7 @@ import torch
 from tabulate import tabulate
 
 import fxoffload
-from fxoffload.compiler import costs as compiler_costs
+from fxoffload.analysis import cost
 from fxoffload.testing.models import GPTConfig
 
 from .corrected_model import gpt_stepper, link_dtype_parser, links_and_dtypes
@@ -35,7 +35,7 @@ def measure(link: float, bf16: bool, margin: float, layers: int = 2, steps: int 
     cfg = GPTConfig(layers=layers, dropout=0.0, dim=128, seq=128)
     plain = gpt_stepper(fxoffload.backend(policy="none", inner="aot_eager"), bf16, cfg)
     base = statistics.median([plain() for _ in range(steps + 1)][1:])
-    saved, compiler_costs.FIRST_GUESS_MARGIN = compiler_costs.FIRST_GUESS_MARGIN, margin
+    saved, cost.FIRST_GUESS_MARGIN = cost.FIRST_GUESS_MARGIN, margin
     try:
         out = {"base_ms": base * 1e3}
         for replans in (0, None):
@@ -55,13 +55,13 @@ def measure(link: float, bf16: bool, margin: float, layers: int = 2, steps: int 
                 auto = statistics.median(step() for _ in range(steps))
                 out.update(settling=settling, replans=len(report.replans), mib=mib, auto_x=auto / base)
     finally:
-        compiler_costs.FIRST_GUESS_MARGIN = saved
+        cost.FIRST_GUESS_MARGIN = saved
     return out
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = link_dtype_parser(__doc__.splitlines()[0])
-    parser.add_argument("--margins", default=f"0,{compiler_costs.FIRST_GUESS_MARGIN}",
+    parser.add_argument("--margins", default=f"0,{cost.FIRST_GUESS_MARGIN}",
                         help="first-guess copy margins to compare (default: %(default)s)")  # fmt: skip
     parser.add_argument("--layers", type=int, default=2, help="GPT blocks (dim 128, seq 128, batch 8)")
     parser.add_argument("--steps", type=int, default=5, help="timed steps of each (median)")

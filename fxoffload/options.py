@@ -226,6 +226,12 @@ class OffloadOptions:
         return "auto" if callable(self.policy) else self.policy
 
     @property
+    def plans_from_measurements(self) -> bool:
+        """Whether the first steps' measurements of the copies plan the graph again: ``auto``'s own
+        choices, alone or as the offloads on top of torch's recomputation for a budget."""
+        return self.base_policy == "auto" and (self.memory_budget is None or self.recompute == "inductor")
+
+    @property
     def policy_name(self) -> str:
         """The policy as reports print it: "auto", "all", "none", or the function's name."""
         if not callable(self.policy):

@@ -451,11 +451,11 @@ def test_first_plan_rows(capsys):
     """``bench.first_plan`` on one link and dtype: the first plan's stall and bytes, then auto as it
     ships; the margin it was given is put back; a bad dtype is refused by name."""
     from bench.first_plan import main, measure
-    from fxoffload.compiler import costs as compiler_costs
+    from fxoffload.analysis import cost
 
-    before = compiler_costs.FIRST_GUESS_MARGIN
+    before = cost.FIRST_GUESS_MARGIN
     m = measure(500e6, bf16=False, margin=0.6, steps=2)
-    assert compiler_costs.FIRST_GUESS_MARGIN == before
+    assert cost.FIRST_GUESS_MARGIN == before
     assert m["base_ms"] > 0 and m["first_mib"] > 0 and m["first_stall_ms"] >= 0 and m["settling"] >= 1
     assert m["replans"] > 0 or m["mib"] == m["first_mib"]  # not planned again: the first plan stays
     with pytest.raises(SystemExit):

@@ -117,8 +117,11 @@ def streams(monkeypatch):
     pool = host_pool.HostBufferPool()
     pool._pin_failed = True  # no pinned memory without an accelerator: pageable buffers, no warning
     monkeypatch.setattr(transfers, "HOST_POOL", pool)
+    origins = set(transfers._origin)
     yield s
     transfers._pending.clear()
+    for key in set(transfers._origin) - origins:  # the meta device of this test's host buffers
+        del transfers._origin[key]
 
 
 def _offload(streams: _Streams, src: torch.Tensor) -> tuple[int, int, int]:

@@ -16,7 +16,7 @@ import torch
 
 import fxoffload
 from fxoffload.analysis import cost
-from fxoffload.compiler import costs as compiler_costs
+from fxoffload.ir import TransferTime
 from fxoffload.planning.decisions import PlanCosts
 from fxoffload.planning.measured import MEASURED_MARGIN, Measured
 from fxoffload.testing.models import GPT, GPTConfig, gpt_batch
@@ -66,10 +66,12 @@ def _one_thread():
 
 
 def _first_plan(**options):
-    """``auto``'s first plan (never made again), trained until its copies were timed: its report."""
+    """``auto``'s first plan (never made again; or ``options``'), trained until its copies were timed:
+    its report."""
     model, batch = _gpt()
+    options = {"policy": "auto", **options}
     backend = fxoffload.backend(
-        offload_cpu=True, cpu_link_bandwidth=200e6, policy="auto", min_bytes="16KiB", op_time=0.0, max_replans=0,
+        offload_cpu=True, cpu_link_bandwidth=200e6, min_bytes="16KiB", op_time=0.0, max_replans=0,
         inner="aot_eager", **options,
     )  # fmt: skip
     compiled = torch.compile(model, backend=backend)
@@ -83,12 +85,35 @@ def _first_plan(**options):
     return report
 
 
-@pytest.mark.parametrize("given", [False, True])
-def test_only_a_plan_priced_from_the_built_in_figures_keeps_the_first_guess_margin(given):
-    rates = {"compute_rates": {"flops": 1e12, "memory_bandwidth": 2e10}} if given else {}
-    report = _first_plan(**rates)
+@pytest.mark.parametrize(
+    ("options", "margin"),
+    [
+        ({}, True),
+        ({"compute_rates": {"flops": 1e12, "memory_bandwidth": 2e10}}, False),  # the user's rates
+        ({"policy": "all"}, False),  # never planned again from measurements: placed on the figures
+        ({"memory_budget": 0.7, "recompute": "fxoffload"}, False),  # the same
+    ],
+    ids=["auto", "rates-given", "all", "budget"],
+)
+def test_only_a_plan_priced_from_the_built_in_figures_and_made_again_from_measurements_keeps_the_margin(
+    options, margin
+):
+    report = _first_plan(**options)
     said = f"copies planned {cost.FIRST_GUESS_MARGIN:.0%} longer than predicted"
-    assert (said in report.summary()) is not given, report.summary()
+    assert (said in report.summary()) is margin, report.summary()
+
+
+def test_a_tensor_measured_again_without_a_stall_is_no_longer_one_that_stalled():
+    """Round 0: A and B stall; judged again, A is offloaded again and hides in round 1 while C stalls:
+    the last re-plan may offload A (and whatever else hid), keeps B and C."""
+
+    def time(tensor, stall):
+        return TransferTime(f"0:{tensor}", "d2h", 1 << 20, 1e-3, 1e-4, stall)
+
+    first = Measured((time("A", 1e-3), time("B", 1e-3)), (), (), {}, {"A": 1e-3, "B": 1e-3})
+    second = Measured((time("A", 0.0), time("C", 1e-3)), (), (), {}, {"C": 1e-3}).merged(first)
+    assert second.stalls.keys() == {"B", "C"}
+    assert second.keep().keys() == {"B", "C"}
 
 
 def _priced(monkeypatch, ratio: float, by=min, margin: float | None = None):
@@ -102,7 +127,7 @@ def _priced(monkeypatch, ratio: float, by=min, margin: float | None = None):
         rates, flops=rates.flops / slow, memory_bandwidth=rates.memory_bandwidth / slow
     ))  # fmt: skip
     if margin is not None:
-        monkeypatch.setattr(compiler_costs, "FIRST_GUESS_MARGIN", margin)
+        monkeypatch.setattr(cost, "FIRST_GUESS_MARGIN", margin)
     torch._dynamo.reset()
 
 

@@ -50,9 +50,10 @@ class DeviceRates:
     launch: float = 5e-6  # seconds per kernel launch
     # Slack a copy must leave to be called hidden: it must fit its window at (1 + copy_margin) times
     # its predicted time, and its wait goes where that longer copy would be done. For the error the
-    # model does not see: ``FIRST_GUESS_MARGIN`` where compute is priced from the built-in figures,
-    # the measured spread of the copies' windows once the first steps have timed them
-    # (``planning.measured``), 0 where the user gave the rates.
+    # model does not see: ``FIRST_GUESS_MARGIN`` where compute is priced from the built-in figures
+    # and the first steps' measurements plan again (``auto``), the measured spread of the copies'
+    # windows once they have (``planning.measured``); 0 where the user gave the rates, with
+    # ``calibrate`` (compute timed on the device) and for plans never made again.
     copy_margin: float = 0.0
     # Seconds of the compute stream's time one offloaded tensor's op calls take (offload, reload and
     # their waits), stall apart: on a CPU the calls run on the compute thread; on an accelerator the

@@ -12,7 +12,8 @@ import torch
 import torch.fx as fx
 
 from .. import _compat
-from ..analysis.cost import FIRST_GUESS_MARGIN, device_rates, node_start_times
+from ..analysis import cost
+from ..analysis.cost import device_rates, node_start_times
 from ..analysis.lifetimes import GraphLifetimes
 from ..analysis.memory import kept_saved_bytes, simulate
 from ..analysis.outside import OutsideMemory, graph_device, read_outside_memory
@@ -52,8 +53,10 @@ def plan_costs(
     if wants_measure and device.type != "cpu" and not {"d2h", "h2d"} <= overrides.keys():
         link = probe(device)
     rates = device_rates(device, overrides, link)
-    if not options.compute_rates and not options.calibrate:  # compute priced from the built-in figures
-        rates = dataclasses.replace(rates, copy_margin=FIRST_GUESS_MARGIN)
+    if not options.compute_rates and not options.calibrate and options.plans_from_measurements:
+        # Compute priced from the built-in figures, until the first steps measure it and plan again: a
+        # plan never made again (policy "all", fxoffload's own budget fit) is placed on the figures.
+        rates = dataclasses.replace(rates, copy_margin=cost.FIRST_GUESS_MARGIN)
     if options.op_time is not None:
         rates = dataclasses.replace(rates, op_time=options.op_time)
     elif wants_measure and device.type == "cpu" and options.offload_cpu:

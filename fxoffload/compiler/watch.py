@@ -341,7 +341,7 @@ class CallWatch:
         )  # fmt: skip
         # "auto"'s own choices: alone, or the offloads on top of torch's recomputation for a budget.
         options = self.options
-        auto = options.base_policy == "auto" and (options.memory_budget is None or options.recompute == "inductor")
+        auto = options.plans_from_measurements
         # Planned again where a copy stalled, or where, in a phase the host bound, the calls cost more of
         # the step than auto allows (not where the user set ``op_time``, nor for a budget's offloads).
         priced = options.op_time is None and options.memory_budget is None

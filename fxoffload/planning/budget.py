@@ -18,7 +18,7 @@ from ..analysis.recompute import RecomputeOption
 from ..options import OffloadOptions
 from ..sizes import fmt_bytes
 from .decisions import OffloadPlan, PlanCosts, planned_host_bytes
-from .schedule import TransferTiming, copy_seconds, schedule_transfers, windows
+from .schedule import TransferTiming, copy_seconds, padded_copy_seconds, schedule_transfers, windows
 from .trees import MinTree
 
 __all__ = ["BUDGET_TOLERANCE", "BudgetFit", "budget_bytes", "fit_budget", "off_device", "planned_memory", "unreachable_budget"]
@@ -130,7 +130,7 @@ class _Fit:
         self.stall_estimate = {t.name: self._standalone_cost(t) for t in (*left, *later)}
         # Of ``later``, those whose copies hide on their own are placed as hidden ones; the others
         # are candidates like ``left``'s.
-        self.later = {t.name for t in later if self.stall_estimate[t.name] <= costs.rates.op_time}
+        self.later = {t.name for t in later if self._standalone_cost(t, padded=True) <= costs.rates.op_time}
         self.recomputes: dict[str, RecomputeOption] = dict(recomputed)
         self.chosen = list(chosen)
         self.taken = {t.name for t in chosen} | set(self.recomputes)  # offloaded or recomputed
@@ -151,8 +151,10 @@ class _Fit:
         # there has earlier calls. Tracked per phase by the bytes off the device per call.
         self.repeated = any(c.repeats for c in costs.calls)
 
-    def _standalone_cost(self, t: SavedTensor) -> float:
-        d2h, h2d = copy_seconds(t, self.costs.rates)
+    def _standalone_cost(self, t: SavedTensor, padded: bool = False) -> float:
+        """``t``'s predicted stall alone (its copies against its whole windows) and its calls; ``padded``:
+        with the copies ``copy_margin`` longer, as the hidden-set check counts them."""
+        d2h, h2d = (padded_copy_seconds if padded else copy_seconds)(t, self.costs.rates)
         fw_window, bw_window = windows(t, self.costs.fw_starts, self.costs.bw_starts)
         return max(0.0, d2h - fw_window) + max(0.0, h2d - bw_window) + self.costs.rates.op_time
 

@@ -52,8 +52,8 @@ __all__ = [
 # copy: below, a wait's own cost (an event, a Python call) and the clocks' noise.
 STALL_FLOOR_S = 50e-6
 STALL_SHARE = 0.1
-# The copy margin a measured model keeps (``Measured.margin``): at least this (the clocks' and the
-# link's noise between steps), at most this much above the first guess's.
+# The copy margin a measured model keeps (``Measured.margin``): at least the first (the clocks' and
+# the link's noise between steps), at most the second.
 MEASURED_MARGIN = (0.1, 1.0)
 # A phase is host-bound where its copies' windows took the compute stream (stalls left in) at most
 # this many times the host's time to issue them (summed): the device ran no faster than its host.
@@ -141,7 +141,9 @@ class Measured:
 
     def merged(self, earlier: Measured | None) -> Measured:
         """This measurement and an earlier one of the same graph: every ratio, every byte moved and
-        every tensor that stalled (a tensor kept because it stalled is not measured again)."""
+        every tensor that stalled, but those this one timed again without a stall (judged again, a
+        tensor that stalled is offloaded again where the corrected model says it hides: hiding now, it
+        is no longer one that stalled)."""
         if earlier is None:
             return self
         moved = {
@@ -151,7 +153,8 @@ class Measured:
         }  # fmt: skip
         return Measured(
             self.times, earlier.fw_ratios + self.fw_ratios, earlier.bw_ratios + self.bw_ratios, moved,
-            {**earlier.stalls, **self.stalls}, host_calls=self.host_calls or earlier.host_calls,
+            {**{k: v for k, v in earlier.stalls.items() if k not in {t.tensor for t in self.times}}, **self.stalls},
+            host_calls=self.host_calls or earlier.host_calls,
         )  # fmt: skip
 
     def hidden_only(self, plan: OffloadPlan) -> Measured:

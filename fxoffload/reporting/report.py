@@ -171,7 +171,7 @@ class OffloadReport:
             graph_id, plan.policy, rows, plan.note, fw.code, bw.code,
             len(fw.graph.nodes), len(bw.graph.nodes),
             host_budget, host_bytes_before + plan.host_bytes, memory_before, memory_after,
-            plan.stall * 1e3, plan.memory_budget, _device_line(costs), plan.recompute_seconds * 1e3,
+            plan.stall * 1e3, plan.memory_budget, _device_line(costs, bool(plan.offloaded)), plan.recompute_seconds * 1e3,
             graphs=(fw, bw), **fields,
         )  # fmt: skip
 
@@ -367,14 +367,14 @@ class OffloadReport:
         return render.table(self)
 
 
-def _device_line(costs: PlanCosts | None) -> str:
+def _device_line(costs: PlanCosts | None, offloaded: bool = True) -> str:
     if costs is None:
         return ""
     r = costs.rates
     line = f"{r.name}: link {r.d2h / 1e9:.1f} GB/s out, {r.h2d / 1e9:.1f} GB/s in"
     if r.op_time:
         line += f"; op calls {r.op_time * 1e3:.3g} ms a tensor"
-    if r.copy_margin:
+    if r.copy_margin and offloaded:
         line += f"; copies planned {r.copy_margin:.0%} longer than predicted"
     if costs.calibrated:
         line += f"; {costs.calibrated} compute nodes timed (calibrate=True)"
