@@ -151,9 +151,10 @@ class Measured:
                 self.moved.get(k, (0, 0.0))[1] + earlier.moved.get(k, (0, 0.0))[1])
             for k in {*self.moved, *earlier.moved}
         }  # fmt: skip
+        timed_now = {t.tensor for t in self.times}
+        stalls = {**{k: v for k, v in earlier.stalls.items() if k not in timed_now}, **self.stalls}
         return Measured(
-            self.times, earlier.fw_ratios + self.fw_ratios, earlier.bw_ratios + self.bw_ratios, moved,
-            {**{k: v for k, v in earlier.stalls.items() if k not in {t.tensor for t in self.times}}, **self.stalls},
+            self.times, earlier.fw_ratios + self.fw_ratios, earlier.bw_ratios + self.bw_ratios, moved, stalls,
             host_calls=self.host_calls or earlier.host_calls,
         )  # fmt: skip
 
