@@ -57,7 +57,7 @@ from ..ir import TransferTime, transfer_name
 from ..measure.op_time import host_op_seconds
 from ..options import OffloadOptions
 from ..planning.budget import BUDGET_TOLERANCE
-from ..planning.measured import Measured, calls_over_allowance, measured_plan, stalled, switched_off
+from ..planning.measured import Measured, calls_over_allowance, measured_plan, room, stalled, switched_off
 from ..reporting.report import carry_measured, with_measured
 from ..reporting.rows import saved_rows
 from ..rewrite.host_copies import switched_off_held
@@ -347,9 +347,13 @@ class CallWatch:
         priced = options.op_time is None and options.memory_budget is None
         costly = priced and calls_over_allowance(old.plan, measured)
         stalled_now = any(stalled(t) for t in times) or costly
-        if not auto or not stalled_now:
+        if not auto:
             return False
         can_compile = self.pristine is not None and self.replans < options.max_replans
+        if not stalled_now:  # every copy hid: planned again where more would hide, a round left to take back
+            last = self.replans >= options.max_replans - 1  # what stalls (``hidden_only``); not for a budget
+            grows = room(old.plan, measured, options) if can_compile and not last and options.memory_budget is None else 0
+            return bool(grows) and self._compile_measured(dataclasses.replace(measured, grows=grows), predicted, args)
         if options.memory_budget is None:
             # Planned again and compiled (the stalled tensors kept, stalls summed over the rounds), the
             # last time offloading only what was measured to hide; switched off only where it cannot

@@ -19,9 +19,9 @@ from ..sizes import CUDA_BLOCK_BYTES, fmt_bytes
 from .budget import budget_bytes, fit_budget, planned_memory
 from .decisions import Decision, OffloadPlan, PlanCosts, planned_host_bytes
 from .policy import user_choice
-from .schedule import HiddenSetChecker, OpAllowance, TransferTiming, not_hidden, schedule_transfers
+from .schedule import HiddenSetChecker, OpAllowance, TransferTiming, fmt_ms, not_hidden, schedule_transfers
 
-__all__ = ["MIN_COPY_BYTES", "ineligible_reason", "plan_offloads", "replan_after_recompute"]
+__all__ = ["MIN_COPY_BYTES", "auto_offload_bytes", "ineligible_reason", "plan_offloads", "replan_after_recompute"]
 
 # Below this many bytes a tensor is never copied, whatever ``min_bytes`` says: the CUDA caching
 # allocator hands out no block smaller than 512 bytes, so a copy of a smaller tensor frees at most
@@ -243,6 +243,17 @@ def _pick(
     return picks
 
 
+def auto_offload_bytes(plan: OffloadPlan, costs: PlanCosts, options: OffloadOptions) -> int:
+    """The bytes "auto"'s pick (``_pick``) offloads of ``plan``'s tensors under ``costs``, host_budget aside:
+    those it judged (offloaded, or kept as not hidden or over the calls' allowance) judged again, the
+    user's offloads sharing the link as before. What a plan made again with ``costs`` offloads."""
+    judged = {ReasonCode.HIDDEN, ReasonCode.NOT_HIDDEN, ReasonCode.OP_TIME}
+    asked = [d.saved for d in plan.offloaded if d.reason.code not in judged]
+    picks = _pick(_Asked(asked, {}, set()), [d.saved for d in plan.decisions if d.reason.code in judged], costs,
+                  options, None, {})  # fmt: skip
+    return sum(t.nbytes for t in picks.chosen)
+
+
 def _say_budget_choices(
     fit,
     budget: int,
@@ -253,24 +264,24 @@ def _say_budget_choices(
 ) -> None:
     """The reasons of what the budget fit added; its recomputations join ``recomputed``."""
     for t in fit.hidden:
-        cost = _ms(fit.stall_estimate[t.name])
+        cost = fmt_ms(fit.stall_estimate[t.name])
         text = f"memory_budget {fmt_bytes(budget)}: offloaded, its copies placed to hide (~{cost} with its op calls)"
         reasons[t.name] = Reason(ReasonCode.BUDGET_OFFLOAD, text)
     for t in fit.offloads:
         text = f"memory_budget {fmt_bytes(budget)}: offloaded although its copies stall"
         if t.name in recompute:
-            text += f" (~{_ms(fit.stall_estimate[t.name])} with its op calls, cheaper than recomputing it)"
+            text += f" (~{fmt_ms(fit.stall_estimate[t.name])} with its op calls, cheaper than recomputing it)"
         reasons[t.name] = Reason(ReasonCode.BUDGET_OFFLOAD, text)
     for name, option in fit.recomputes.items():
         if name in asked.recomputes:
             continue
         recomputed[name] = option
         cost = fit.stall_estimate.get(name)
-        alternative = f", cheaper than an offload costing ~{_ms(cost)} (stall and op calls)" if cost is not None else ""
+        alternative = f", cheaper than an offload costing ~{fmt_ms(cost)} (stall and op calls)" if cost is not None else ""
         reasons[name] = Reason(
             ReasonCode.BUDGET_RECOMPUTE,
             f"memory_budget {fmt_bytes(budget)}: recomputed in the backward by {option.op} from "
-            f"{', '.join(option.sources) or 'parameters'} (~{_ms(option.seconds)}{alternative})",
+            f"{', '.join(option.sources) or 'parameters'} (~{fmt_ms(option.seconds)}{alternative})",
         )
 
 
@@ -487,7 +498,3 @@ def _readers(sources: Mapping[str, Sequence[str]]) -> dict[str, list[str]]:
         for source in reads:
             out.setdefault(source, []).append(name)
     return out
-
-
-def _ms(seconds: float) -> str:
-    return f"{seconds * 1e3:.3g} ms"

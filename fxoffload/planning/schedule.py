@@ -283,12 +283,12 @@ def not_hidden(t: SavedTensor, costs: PlanCosts) -> Reason:
     margin = costs.rates.copy_margin
     return Reason(
         ReasonCode.NOT_HIDDEN,
-        f"its copies cannot be hidden: {_ms(d2h)} out in {_ms(fw_window)} of forward compute after "
-        f"its last use, {_ms(h2d)} back in {_ms(bw_window)} of backward compute before its first "
+        f"its copies cannot be hidden: {fmt_ms(d2h)} out in {fmt_ms(fw_window)} of forward compute after "
+        f"its last use, {fmt_ms(h2d)} back in {fmt_ms(bw_window)} of backward compute before its first "
         "use, sharing the link with the tensors already chosen"
         + (f" (copy times with the device's {margin:.0%} margin)" if margin else ""),
     )
 
 
-def _ms(seconds: float) -> str:
+def fmt_ms(seconds: float) -> str:
     return f"{seconds * 1e3:.3g} ms"
