@@ -151,3 +151,30 @@ def test_the_last_replan_never_offloads_more(monkeypatch, max_replans):
     backend, _ = _train(max_replans=max_replans, steps=5)
     (report,) = backend.reports
     assert not report.replans and backend.settled, report.replans
+
+
+def test_a_plan_made_for_more_that_then_stalls_gives_back_no_more_than_it_took(monkeypatch):
+    """Round 1: every copy hid (windows forced 4x the model's), planned again for more. Round 2: every
+    copy of the grown plan stalled (forced). The last re-plan offloads only what was measured to hide:
+    the first plan's tensors, measured hiding together, not nothing. Broken on purpose without
+    ``hidden_only``'s ``earlier``: every tensor kept."""
+    rounds: list[frozenset[str]] = []
+    original = watch.measured_plan
+
+    def forced(plan, times):
+        m = original(plan, times)
+        rounds.append(frozenset(d.saved.name for d in plan.offloaded))
+        slow = {"fw_ratios": tuple(r * 4 for r in m.fw_ratios), "bw_ratios": tuple(r * 4 for r in m.bw_ratios)}
+        stalls = {n: 1e-3 for n in rounds[-1]} if len(rounds) == 2 else {}
+        return dataclasses.replace(m, stalls=stalls, **slow)
+
+    monkeypatch.setattr(watch, "measured_plan", forced)
+    monkeypatch.setattr(watch, "stalled", lambda t: len(rounds) == 2)
+    backend, _ = _train(max_replans=2, steps=10)
+    (report,) = backend.reports
+    assert len(rounds) == 3 and rounds[0] < rounds[1], rounds  # the third: the last plan's, timed
+    assert len(report.replans) == 2 and "only the" in report.replans[1], report.replans
+    now = {r.name for r in report.offloaded}
+    assert now and now <= rounds[0], (now, rounds[0])
+    codes = {r.name: r.reason_code for r in report.saved}
+    assert {codes[n] for n in rounds[1] - rounds[0]} <= {"measured_stall"}, codes

@@ -57,6 +57,7 @@ from ..ir import TransferTime, transfer_name
 from ..measure.op_time import host_op_seconds
 from ..options import OffloadOptions
 from ..planning.budget import BUDGET_TOLERANCE
+from ..planning.decisions import OffloadPlan
 from ..planning.measured import Measured, calls_over_allowance, measured_plan, room, stalled, switched_off
 from ..reporting.report import carry_measured, with_measured
 from ..reporting.rows import saved_rows
@@ -123,6 +124,7 @@ class CallWatch:
             self.left = 0  # nothing was read at the compile: nothing to compare with
         self.timer = _CopyTimer(self)
         self.measured: Measured | None = None  # what the device measured, once a plan was made from it
+        self.hid: OffloadPlan | None = None  # the plan of the most bytes measured with no copy stalling
 
     @property
     def settled(self) -> bool:
@@ -339,19 +341,18 @@ class CallWatch:
             "the model's in the forward, %.2fx in the backward", old.graph_id, len(times), measured.stall_s * 1e3,
             predicted, measured.fw_scale, measured.bw_scale,
         )  # fmt: skip
-        # "auto"'s own choices: alone, or the offloads on top of torch's recomputation for a budget.
         options = self.options
-        auto = options.plans_from_measurements
+        if not options.plans_from_measurements:  # "auto"'s own choices: alone, or on top of torch's recompute
+            return False
         # Planned again where a copy stalled, or where, in a phase the host bound, the calls cost more of
         # the step than auto allows (not where the user set ``op_time``, nor for a budget's offloads).
         priced = options.op_time is None and options.memory_budget is None
         costly = priced and calls_over_allowance(old.plan, measured)
         stalled_now = any(stalled(t) for t in times) or costly
-        if not auto:
-            return False
         can_compile = self.pristine is not None and self.replans < options.max_replans
         if not stalled_now:  # every copy hid: planned again where more would hide, a round left to take back
-            last = self.replans >= options.max_replans - 1  # what stalls (``hidden_only``); not for a budget
+            self.hid = max(old.plan, self.hid or old.plan, key=lambda p: p.offloaded_bytes)  # what stalls
+            last = self.replans >= options.max_replans - 1  # (``hidden_only``); not for a budget
             grows = room(old.plan, measured, options) if can_compile and not last and options.memory_budget is None else 0
             return bool(grows) and self._compile_measured(dataclasses.replace(measured, grows=grows), predicted, args)
         if options.memory_budget is None:
@@ -360,7 +361,7 @@ class CallWatch:
             # be compiled: code with its copies switched off keeps a copy of each tensor and calls the
             # transfer ops (gpt2-medium on an H100: 1.15x Inductor's step, 8% more memory).
             if can_compile and self.replans == options.max_replans - 1:
-                measured = measured.hidden_only(old.plan)
+                measured = measured.hidden_only(old.plan, self.hid)
             return (can_compile and self._compile_measured(measured, predicted, args)) or self.switch_off(
                 measured, predicted
             )
