@@ -155,9 +155,10 @@ def test_the_last_replan_never_offloads_more(monkeypatch, max_replans):
 
 def test_a_plan_made_for_more_that_then_stalls_gives_back_no_more_than_it_took(monkeypatch):
     """Round 1: every copy hid (windows forced 4x the model's), planned again for more. Round 2: every
-    copy of the grown plan stalled (forced). The last re-plan offloads only what was measured to hide:
-    the first plan's tensors, measured hiding together, not nothing. Broken on purpose without
-    ``hidden_only``'s ``earlier``: every tensor kept."""
+    copy of that plan stalled (forced). The last re-plan is the first plan again, as it was: what hid
+    together, where the tensors that hid under the plan made for more are none. Broken on purpose
+    without ``CallWatch.back_to_hidden``: every tensor kept (on this CPU, without the forcing, 500
+    MB/s in bf16 settled at 0.12-0.59 MiB where the first plan's 1.09 MiB had hid)."""
     rounds: list[frozenset[str]] = []
     original = watch.measured_plan
 
@@ -170,11 +171,10 @@ def test_a_plan_made_for_more_that_then_stalls_gives_back_no_more_than_it_took(m
 
     monkeypatch.setattr(watch, "measured_plan", forced)
     monkeypatch.setattr(watch, "stalled", lambda t: len(rounds) == 2)
-    backend, _ = _train(max_replans=2, steps=10)
+    backend, result = _train(max_replans=2, steps=10)
     (report,) = backend.reports
     assert len(rounds) == 3 and rounds[0] < rounds[1], rounds  # the third: the last plan's, timed
-    assert len(report.replans) == 2 and "only the" in report.replans[1], report.replans
-    now = {r.name for r in report.offloaded}
-    assert now and now <= rounds[0], (now, rounds[0])
-    codes = {r.name: r.reason_code for r in report.saved}
-    assert {codes[n] for n in rounds[1] - rounds[0]} <= {"measured_stall"}, codes
+    assert len(report.replans) == 2 and "made again as it was" in report.replans[1], report.replans
+    assert {r.name for r in report.offloaded} == rounds[0] == rounds[2]
+    model, batch = _gpt()
+    assert_same(result, train_step(model, batch, None, steps=10))

@@ -25,7 +25,7 @@ backward apart) plus what it held beyond the plan's count.
 
 Reading costs about 20 us per autograd node, at most ``SECONDS`` per graph, and nothing after.
 
-The same wrapper times the plan's copies on the device (``_CopyTimer``, ``runtime.timing``): at the
+The same wrapper times the plan's copies on the device (``copy_timer.CopyTimer``, ``runtime.timing``): at the
 second call after each compile, one call's offloads and a reload of each. The measured windows, copy
 times and stalls go on the report's rows. Where a copy of ``auto``'s stalled the compute stream, the
 graph is planned again with the model corrected by what was measured (``planning.measured``: compute
@@ -63,10 +63,10 @@ from ..reporting.report import carry_measured, with_measured
 from ..reporting.rows import saved_rows
 from ..rewrite.host_copies import switched_off_held
 from ..runtime.host_pool import host_buffer_ranges
-from ..runtime.timing import Recording, now
 from ..runtime.transfers import switch_copies_off, switch_copies_on
 from ..sizes import fmt_bytes
 from .compile import GraphCompiler, copy_graph_module
+from .copy_timer import CopyTimer
 from .pair import PlannedPair
 from .refine import Trial, attempt_quietly, say
 
@@ -122,9 +122,10 @@ class CallWatch:
         self.mark = object()  # on the backward node of each call read (``mark_call``)
         if pair.outside is None:
             self.left = 0  # nothing was read at the compile: nothing to compare with
-        self.timer = _CopyTimer(self)
+        self.timer = CopyTimer(self)
         self.measured: Measured | None = None  # what the device measured, once a plan was made from it
-        self.hid: OffloadPlan | None = None  # the plan of the most bytes measured with no copy stalling
+        # The plan of the most bytes measured with no copy stalling, and what it was made from (None: the model).
+        self.hid: tuple[OffloadPlan, Measured | None] | None = None
 
     @property
     def settled(self) -> bool:
@@ -351,8 +352,9 @@ class CallWatch:
         stalled_now = any(stalled(t) for t in times) or costly
         can_compile = self.pristine is not None and self.replans < options.max_replans
         if not stalled_now:  # every copy hid: planned again where more would hide, a round left to take back
-            self.hid = max(old.plan, self.hid or old.plan, key=lambda p: p.offloaded_bytes)  # what stalls
-            last = self.replans >= options.max_replans - 1  # (``hidden_only``); not for a budget
+            if self.hid is None or old.plan.offloaded_bytes > self.hid[0].offloaded_bytes:  # what stalls
+                self.hid = (old.plan, self.measured)  # (``hidden_only``, ``back_to_hidden``); not for a budget
+            last = self.replans >= options.max_replans - 1
             grows = room(old.plan, measured, options) if can_compile and not last and options.memory_budget is None else 0
             return bool(grows) and self._compile_measured(dataclasses.replace(measured, grows=grows), predicted, args)
         if options.memory_budget is None:
@@ -361,7 +363,10 @@ class CallWatch:
             # be compiled: code with its copies switched off keeps a copy of each tensor and calls the
             # transfer ops (gpt2-medium on an H100: 1.15x Inductor's step, 8% more memory).
             if can_compile and self.replans == options.max_replans - 1:
-                measured = measured.hidden_only(old.plan, self.hid)
+                measured = measured.hidden_only(old.plan)
+                hid = sum(d.saved.nbytes for d in old.plan.offloaded if d.saved.name in (measured.only or ()))
+                if self.hid is not None and self.hid[0].offloaded_bytes > hid:
+                    return self.back_to_hidden(args)
             return (can_compile and self._compile_measured(measured, predicted, args)) or self.switch_off(
                 measured, predicted
             )
@@ -370,6 +375,20 @@ class CallWatch:
         # within ``max_replans``, with the re-plans for outside memory.
         final = dataclasses.replace(measured, final=True)  # the only one: the tensors that stalled kept
         return can_compile and self.measured is None and self._compile_measured(final, predicted, args)
+
+    def back_to_hidden(self, args: Any) -> bool:
+        """The last re-plan where a plan made for more (``planning.measured.room``) stalled, and what hid
+        under it is fewer bytes than the plan of ``hid``, all of whose copies hid: that plan, made again
+        from what it was made from (the same model, so the same plan), not planned anew."""
+        plan, measured = self.hid
+        why = (
+            f"measured in the first steps: copies of the plan made for more stalled, and those that hid are fewer "
+            f"bytes than the {fmt_bytes(plan.offloaded_bytes)} of the plan before it, all of whose copies hid; "
+            "made again as it was"
+        )  # fmt: skip
+        log.info("fxoffload: graph %d: %s", self.pair.graph_id, why)
+        self.measured = measured
+        return self.compile_again(args, why, outside=self.pair.outside, measured=measured)
 
     def _compile_measured(self, measured: Measured, predicted: float, args: Any) -> bool:
         """The graph planned again with the model corrected by ``measured`` and compiled; False where
@@ -430,60 +449,6 @@ class CallWatch:
         self.compiler.register.record(self.pair)
         self.timer.restart()
         return True
-
-
-class _CopyTimer:
-    """Times one call's copies at the second call after each compile (``runtime.timing``): its
-    forward's offloads and a reload of each, and the forward's own time; hands them to the watch."""
-
-    MAX_OPEN_CALLS = 64  # a recording not complete after this many more calls is read as it is
-
-    def __init__(self, watch: CallWatch) -> None:
-        self.watch = watch
-        self.restart()
-
-    def restart(self) -> None:
-        self.calls = 0
-        self.recording: Recording | None = None
-        self.open_calls = 0
-        self.forward: tuple[Any, Any, float] | None = None  # the timed call's start and end stamps, host seconds
-        self.done = not self.watch.pair.plan.offloaded
-
-    def before_call(self, inputs: Any) -> Any:
-        """Read a recording whose copies have all been waited on; start one at the second call."""
-        if self.recording is not None:
-            self.open_calls += 1
-            if self.recording.complete or self.open_calls > self.MAX_OPEN_CALLS:
-                self.finish(inputs)
-        self.calls += 1
-        if self.done or self.recording is not None or self.calls != 2:
-            return None
-        self.device = graph_device(inputs)
-        self.recording = Recording(transfer_name(self.watch.pair.graph_id, "")).start()
-        return now(self.device), time.perf_counter()
-
-    def after_call(self, started: Any) -> None:
-        if started is not None and self.recording is not None:
-            (start, host), end = started, now(self.device)
-            self.forward = (start, end, time.perf_counter() - host)
-            self.recording.close()
-
-    def finish(self, inputs: Any) -> None:
-        recording, self.recording = self.recording, None
-        times = recording.stop()
-        forward = (_elapsed(*self.forward[:2]), self.forward[2]) if self.forward is not None else None
-        self.done = True
-        try:
-            self.watch.on_copy_times(times, forward, inputs)
-        except Exception as e:  # a measurement never fails a step
-            log.warning("fxoffload: graph %d: reading its copies' times failed (%s)", self.watch.pair.graph_id, e)
-
-
-def _elapsed(start: Any, end: Any) -> float:
-    if isinstance(start, float):
-        return end - start
-    end.synchronize()
-    return start.elapsed_time(end) / 1e3
 
 
 @torch.compiler.disable

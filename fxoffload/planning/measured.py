@@ -28,8 +28,9 @@ copy's window (the compute between its issue and its wait), its duration and the
   plan priced before measurements keeps a margin for a device faster than its model, and kept them
   on the device for it (at 5 GB/s in bf16, 6.44 MiB offloaded where 8.59 hid without the margin:
   docs/results.md). Planned again for them, but never by the last re-plan: a round must be left
-  to take back what stalls, and it gives back no more than was taken (``hidden_only``: the earlier
-  plan, all of whose copies hid, where that offloads more).
+  to take back what stalls, and it gives back no more than was taken (where what hid under a plan
+  made for more is fewer bytes than the plan before it, all of whose copies hid, the last re-plan
+  is that plan, made again from the measurement it was made from: ``compiler.watch``).
 
 A plan made again from these is what ``auto`` offloads knowing the device; its last re-plan offloads
 only what was measured to hide (``hidden_only``): taking copies away only frees the link for the
@@ -173,16 +174,12 @@ class Measured:
             host_calls=self.host_calls or earlier.host_calls,
         )  # fmt: skip
 
-    def hidden_only(self, plan: OffloadPlan, earlier: OffloadPlan | None = None) -> Measured:
+    def hidden_only(self, plan: OffloadPlan) -> Measured:
         """This measurement, the next plan to offload only what ``plan`` offloaded and was measured
         to hide: it brings no copy that was not measured, and taking copies away only frees the
-        link for the others (the rounds converge). Or the offloads of ``earlier``, a plan whose copies
-        were all measured hiding, where those are more bytes: a plan made for more (``room``) whose
-        copies then stalled gives back no more than it took."""
-        hidden = {d.saved.name: d.saved.nbytes for d in plan.offloaded if d.saved.name not in self.stalls}
-        if earlier is not None and earlier.offloaded_bytes > sum(hidden.values()):
-            hidden = {d.saved.name: d.saved.nbytes for d in earlier.offloaded}
-        return dataclasses.replace(self, only=frozenset(hidden), final=True)
+        link for the others (the rounds converge)."""
+        hidden = frozenset(d.saved.name for d in plan.offloaded if d.saved.name not in self.stalls)
+        return dataclasses.replace(self, only=hidden, final=True)
 
     def why(self, predicted_ms: float) -> str:
         """What a plan made again from this measurement was made for (the report's ``replans``): copies
@@ -214,15 +211,13 @@ class Measured:
 
     def keep(self) -> dict[str, Reason]:
         """The tensors whose copies stalled, kept on the device by the last plan made from measurements
-        (``final``) and where their copies are switched off; not those it may offload (``only``: an
-        earlier plan measured them hiding together, ``hidden_only``)."""
+        (``final``) and where their copies are switched off."""
         return {
             name: Reason(
                 ReasonCode.MEASURED_STALL,
                 f"measured: its copies stalled the compute stream {stall * 1e3:.3g} ms a step",
             )
             for name, stall in self.stalls.items()
-            if self.only is None or name not in self.only
         }
 
     def corrected(self, costs: PlanCosts, op_time: float | None = None) -> PlanCosts:

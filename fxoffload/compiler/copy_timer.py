@@ -1,0 +1,73 @@
+"""Times a compiled graph's copies on the device for its ``CallWatch`` (``runtime.timing``): one call's
+offloads and a reload of each, at the second call after each compile, and that forward's own time."""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING, Any
+
+from ..analysis.outside import graph_device
+from ..ir import transfer_name
+from ..runtime.timing import Recording, now
+
+if TYPE_CHECKING:
+    from .watch import CallWatch
+
+log = logging.getLogger(__name__)
+
+__all__ = ["CopyTimer"]
+
+
+class CopyTimer:
+    """Times one call's copies at the second call after each compile (``runtime.timing``): its
+    forward's offloads and a reload of each, and the forward's own time; hands them to the watch."""
+
+    MAX_OPEN_CALLS = 64  # a recording not complete after this many more calls is read as it is
+
+    def __init__(self, watch: CallWatch) -> None:
+        self.watch = watch
+        self.restart()
+
+    def restart(self) -> None:
+        self.calls = 0
+        self.recording: Recording | None = None
+        self.open_calls = 0
+        self.forward: tuple[Any, Any, float] | None = None  # the timed call's start and end stamps, host seconds
+        self.done = not self.watch.pair.plan.offloaded
+
+    def before_call(self, inputs: Any) -> Any:
+        """Read a recording whose copies have all been waited on; start one at the second call."""
+        if self.recording is not None:
+            self.open_calls += 1
+            if self.recording.complete or self.open_calls > self.MAX_OPEN_CALLS:
+                self.finish(inputs)
+        self.calls += 1
+        if self.done or self.recording is not None or self.calls != 2:
+            return None
+        self.device = graph_device(inputs)
+        self.recording = Recording(transfer_name(self.watch.pair.graph_id, "")).start()
+        return now(self.device), time.perf_counter()
+
+    def after_call(self, started: Any) -> None:
+        if started is not None and self.recording is not None:
+            (start, host), end = started, now(self.device)
+            self.forward = (start, end, time.perf_counter() - host)
+            self.recording.close()
+
+    def finish(self, inputs: Any) -> None:
+        recording, self.recording = self.recording, None
+        times = recording.stop()
+        forward = (_elapsed(*self.forward[:2]), self.forward[2]) if self.forward is not None else None
+        self.done = True
+        try:
+            self.watch.on_copy_times(times, forward, inputs)
+        except Exception as e:  # a measurement never fails a step
+            log.warning("fxoffload: graph %d: reading its copies' times failed (%s)", self.watch.pair.graph_id, e)
+
+
+def _elapsed(start: Any, end: Any) -> float:
+    if isinstance(start, float):
+        return end - start
+    end.synchronize()
+    return start.elapsed_time(end) / 1e3
