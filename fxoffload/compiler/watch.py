@@ -351,9 +351,11 @@ class CallWatch:
         costly = priced and calls_over_allowance(old.plan, measured)
         stalled_now = any(stalled(t) for t in times) or costly
         can_compile = self.pristine is not None and self.replans < options.max_replans
-        if not stalled_now:  # every copy hid: planned again where more would hide, a round left to take back
-            if self.hid is None or old.plan.offloaded_bytes > self.hid[0].offloaded_bytes:  # what stalls
-                self.hid = (old.plan, self.measured)  # (``hidden_only``, ``back_to_hidden``); not for a budget
+        if not stalled_now:
+            # Every copy hid: kept in mind (``back_to_hidden``), and planned again where more would hide
+            # (``room``); not for a budget, nor by the last re-plan, which is left to take back what stalls.
+            if self.hid is None or old.plan.offloaded_bytes > self.hid[0].offloaded_bytes:
+                self.hid = (old.plan, self.measured)
             last = self.replans >= options.max_replans - 1
             grows = room(old.plan, measured, options) if can_compile and not last and options.memory_budget is None else 0
             return bool(grows) and self._compile_measured(dataclasses.replace(measured, grows=grows), predicted, args)
@@ -377,14 +379,15 @@ class CallWatch:
         return can_compile and self.measured is None and self._compile_measured(final, predicted, args)
 
     def back_to_hidden(self, args: Any) -> bool:
-        """The last re-plan where a plan made for more (``planning.measured.room``) stalled, and what hid
-        under it is fewer bytes than the plan of ``hid``, all of whose copies hid: that plan, made again
-        from what it was made from (the same model, so the same plan), not planned anew."""
+        """The last re-plan where the copies of a plan made for more (``planning.measured.room``), or of
+        one made after it, stalled, and those that hid are fewer bytes than the plan of ``hid``, all of
+        whose copies hid: that plan, made again from what it was made from (the same model, so the same
+        plan), not planned anew."""
         plan, measured = self.hid
         why = (
-            f"measured in the first steps: copies of the plan made for more stalled, and those that hid are fewer "
-            f"bytes than the {fmt_bytes(plan.offloaded_bytes)} of the plan before it, all of whose copies hid; "
-            "made again as it was"
+            f"measured in the first steps: copies stalled, and those that hid are fewer bytes than the "
+            f"{fmt_bytes(plan.offloaded_bytes)} an earlier plan offloaded, all of whose copies hid; that plan made "
+            "again as it was"
         )  # fmt: skip
         log.info("fxoffload: graph %d: %s", self.pair.graph_id, why)
         self.measured = measured
