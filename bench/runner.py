@@ -102,6 +102,7 @@ def run_method(
         stalls = [r.measured_stall_ms for r in reports if r.measured_stall_ms is not None]
         if stalls:
             row["measured_stall_ms"] = sum(stalls)
+        row["replans"] = sum(len(r.replans) for r in reports)  # the reasons: in "reports" below
         # What each plan did and why, for the JSON (a GPU run's only detail once the machine is gone).
         row["reports"] = [r.summary() + "\n" + r.table(width=250) for r in reports]
     if prepared.late_note is not None:

@@ -365,10 +365,10 @@ def test_device_check_summary_rows(tmp_path):
     path.write_text(json.dumps({"conditions": {"command": "python -m bench x"}, "rows": [
         {"method": "inductor", "status": "ok", "step_ms": 47.4, "peak_alloc_MiB": 9955.0},
         {"method": "fxoffload-auto", "status": "ok", "step_ms": 49.0, "time_x": 1.034, "peak_alloc_MiB": 9000.0,
-         "left_peak_MiB": 955.0, "bound_share": 0.61, "dtoh_overlap": 0.93, "htod_overlap": 0.972},
+         "left_peak_MiB": 955.0, "bound_share": 0.61, "dtoh_overlap": 0.93, "htod_overlap": 0.972, "replans": 1},
     ]}))  # fmt: skip
     text = device_check.bench_rows(str(path))
-    assert "| fxoffload-auto | 49.0 | 1.03 | 9,000 | 955.0 | 61% | 93% | 97% | ok |" in text, text
+    assert "| fxoffload-auto | 49.0 | 1.03 | 9,000 | 955.0 | 61% | 93% | 97% | 1 | ok |" in text, text
     assert "`python -m bench x`" in text and device_check.bench_rows(str(tmp_path / "none.json")) == ""
 
 

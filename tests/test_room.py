@@ -159,12 +159,14 @@ def test_a_plan_made_for_more_that_then_stalls_gives_back_no_more_than_it_took(m
     together, where the tensors that hid under the plan made for more are none. Broken on purpose
     without ``CallWatch.back_to_hidden``: every tensor kept (on this CPU, without the forcing, 500
     MB/s in bf16 settled at 0.12-0.59 MiB where the first plan's 1.09 MiB had hid)."""
-    rounds: list[frozenset[str]] = []
+    rounds: list[frozenset[str]] = []  # the offloads of each plan measured, and their bytes
+    nbytes: list[int] = []
     original = watch.measured_plan
 
     def forced(plan, times):
         m = original(plan, times)
         rounds.append(frozenset(d.saved.name for d in plan.offloaded))
+        nbytes.append(plan.offloaded_bytes)
         slow = {"fw_ratios": tuple(r * 4 for r in m.fw_ratios), "bw_ratios": tuple(r * 4 for r in m.bw_ratios)}
         stalls = {n: 1e-3 for n in rounds[-1]} if len(rounds) == 2 else {}
         return dataclasses.replace(m, stalls=stalls, **slow)
@@ -173,7 +175,8 @@ def test_a_plan_made_for_more_that_then_stalls_gives_back_no_more_than_it_took(m
     monkeypatch.setattr(watch, "stalled", lambda t: len(rounds) == 2)
     backend, result = _train(max_replans=2, steps=10)
     (report,) = backend.reports
-    assert len(rounds) == 3 and rounds[0] < rounds[1], rounds  # the third: the last plan's, timed
+    # the third: the last plan's, timed. Made anew, the plan for more need not hold all the first's.
+    assert len(rounds) == 3 and nbytes[0] < nbytes[1], (rounds, nbytes)
     assert len(report.replans) == 2 and "made again as it was" in report.replans[1], report.replans
     assert {r.name for r in report.offloaded} == rounds[0] == rounds[2]
     model, batch = _gpt()
