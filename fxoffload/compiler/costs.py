@@ -13,7 +13,6 @@ import torch.fx as fx
 
 from .. import _compat
 from ..analysis import cost
-from ..analysis.cost import device_rates, node_start_times
 from ..analysis.lifetimes import GraphLifetimes
 from ..analysis.memory import kept_saved_bytes, simulate
 from ..analysis.outside import OutsideMemory, graph_device, read_outside_memory
@@ -52,7 +51,7 @@ def plan_costs(
     link = None
     if wants_measure and device.type != "cpu" and not {"d2h", "h2d"} <= overrides.keys():
         link = probe(device)
-    rates = device_rates(device, overrides, link)
+    rates = cost.device_rates(device, overrides, link)
     if not options.compute_rates and not options.calibrate and options.plans_from_measurements:
         # Compute priced from the built-in figures, until the first steps measure it and plan again: a
         # plan never made again (policy "all", fxoffload's own budget fit) is placed on the figures.
@@ -74,8 +73,8 @@ def plan_costs(
     baseline = simulate(fw, bw, num_fwd_outputs, static, temporaries, held, later)
     return PlanCosts(
         rates,
-        tuple(node_start_times(fw, rates, fw_times)),
-        tuple(node_start_times(bw, rates, bw_times)),
+        tuple(cost.node_start_times(fw, rates, fw_times)),
+        tuple(cost.node_start_times(bw, rates, bw_times)),
         baseline,
         calibrated=len(fw_times or ()) + len(bw_times or ()),
         temporaries=temporaries,
