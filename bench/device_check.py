@@ -91,7 +91,7 @@ _COLUMNS = (
     ("left_peak_MiB", "left the peak MiB", "{:,.1f}"), ("offload_bound_MiB", "bound MiB", "{:,.1f}"),
     ("bound_share", "of the bound", "{:.0%}"), ("dtoh_overlap", "D2H overlapped", "{:.0%}"),
     ("htod_overlap", "H2D overlapped", "{:.0%}"), ("host_bound_share", "kernels waiting on the host", "{:.0%}"),
-    ("replans", "planned again", "{}"), ("first_step_s", "1st step s", "{:.1f}"),
+    ("replans", "re-plans (any kind)", "{}"), ("first_step_s", "1st step s", "{:.1f}"),
     ("first_steps_s", "to settled s", "{:.1f}"),
     ("status", "status", "{}"),
 )  # fmt: skip

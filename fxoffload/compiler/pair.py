@@ -146,6 +146,11 @@ class PairRegister:
         those of ``except_graph`` (the graph being planned again)."""
         return sum(p.plan.host_bytes for gid, p in self._pairs.items() if gid != except_graph)
 
+    def host_left(self, host_budget: int | None, graph_id: int) -> int | None:
+        """What ``host_budget`` leaves graph ``graph_id``'s plan once the other pairs' offloads have
+        theirs (None: no budget)."""
+        return None if host_budget is None else max(0, host_budget - self.host_bytes_planned(except_graph=graph_id))
+
     def pairs(self) -> list[PlannedPair]:
         return list(self._pairs.values())
 

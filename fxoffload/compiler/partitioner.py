@@ -117,8 +117,8 @@ class OffloadPartitioner(_compat.CustomPartitionerFn):
         num_fwd_outputs = kwargs["num_fwd_outputs"]
         static = tuple(kwargs.get("static_lifetime_input_indices") or ())
         graph_id = self.graph_id if self.graph_id is not None else new_graph_id()
-        host_before = self.register.host_bytes_planned(except_graph=graph_id)
-        host_left = None if self.options.host_budget is None else max(0, self.options.host_budget - host_before)
+        host_before = self.register.host_bytes_planned(except_graph=graph_id)  # the report says it
+        host_left = self.register.host_left(self.options.host_budget, graph_id)
         # 3. The pass: lifetimes, costs, plan, rewrite.
         start = time.perf_counter()
         fw, bw, plan = offload_pass(

@@ -349,15 +349,17 @@ class CallWatch:
         # the step than auto allows (not where the user set ``op_time``, nor for a budget's offloads).
         priced = options.op_time is None and options.memory_budget is None
         costly = priced and calls_over_allowance(old.plan, measured)
-        stalled_now = any(stalled(t) for t in times) or costly
+        copies_stalled = any(stalled(t) for t in times)
+        stalled_now = copies_stalled or costly
         can_compile = self.pristine is not None and self.replans < options.max_replans
         if not stalled_now:
             # Every copy hid: kept in mind (``back_to_hidden``), and planned again where more would hide
             # (``room``); not for a budget, nor by the last re-plan, which is left to take back what stalls.
             if self.hid is None or old.plan.offloaded_bytes > self.hid[0].offloaded_bytes:
                 self.hid = (old.plan, self.measured)
-            last = self.replans >= options.max_replans - 1
-            grows = room(old.plan, measured, options) if can_compile and not last and options.memory_budget is None else 0
+            if not can_compile or self.replans >= options.max_replans - 1 or options.memory_budget is not None:
+                return False
+            grows = room(old.plan, measured, options, self.compiler.register.host_left(options.host_budget, old.graph_id))
             return bool(grows) and self._compile_measured(dataclasses.replace(measured, grows=grows), predicted, args)
         if options.memory_budget is None:
             # Planned again and compiled (the stalled tensors kept, stalls summed over the rounds), the
@@ -368,7 +370,8 @@ class CallWatch:
                 measured = measured.hidden_only(old.plan)
                 hid = sum(d.saved.nbytes for d in old.plan.offloaded if d.saved.name in (measured.only or ()))
                 if self.hid is not None and self.hid[0].offloaded_bytes > hid:
-                    return self.back_to_hidden(args)
+                    said = "copies stalled" if copies_stalled else "its op calls cost more of the step than auto allows"
+                    return self.back_to_hidden(args, said)
             return (can_compile and self._compile_measured(measured, predicted, args)) or self.switch_off(
                 measured, predicted
             )
@@ -378,14 +381,16 @@ class CallWatch:
         final = dataclasses.replace(measured, final=True)  # the only one: the tensors that stalled kept
         return can_compile and self.measured is None and self._compile_measured(final, predicted, args)
 
-    def back_to_hidden(self, args: Any) -> bool:
+    def back_to_hidden(self, args: Any, what: str) -> bool:
         """The last re-plan where the copies of a plan made for more (``planning.measured.room``), or of
         one made after it, stalled, and those that hid are fewer bytes than the plan of ``hid``, all of
         whose copies hid: that plan, made again from what it was made from (the same model, so the same
-        plan), not planned anew."""
+        plan, but where the other graphs' offloads now take more of a host_budget, or ``calibrate`` times
+        the ops again), not planned anew;
+        ``what`` the last plan did (its copies stalled, or its calls cost more than auto allows)."""
         plan, measured = self.hid
         why = (
-            f"measured in the first steps: copies stalled, and those that hid are fewer bytes than the "
+            f"measured in the first steps: {what}, and the copies that hid are fewer bytes than the "
             f"{fmt_bytes(plan.offloaded_bytes)} an earlier plan offloaded, all of whose copies hid; that plan made "
             "again as it was"
         )  # fmt: skip

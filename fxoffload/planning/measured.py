@@ -274,10 +274,10 @@ def calls_over_allowance(plan: OffloadPlan, measured: Measured) -> bool:
     return len(plan.offloaded) * op > OpAllowance(priced).left
 
 
-def room(plan: OffloadPlan, measured: Measured, options: OffloadOptions) -> int:
+def room(plan: OffloadPlan, measured: Measured, options: OffloadOptions, host: int | None = None) -> int:
     """Bytes more than ``plan``'s that ``auto`` offloads when planned again with the model ``measured``
-    corrects (``auto_offload_bytes``), where that is worth a compile (at least ``ROOM_SHARE`` of the
-    pair's saved bytes), else 0. A plan made from the model before measurements keeps a margin for
+    corrects and ``host`` bytes of host_budget left it (``auto_offload_bytes``), where that is worth a
+    compile (at least ``ROOM_SHARE`` of the pair's saved bytes), else 0. A plan made from the model before measurements keeps a margin for
     a device faster than the model (``cost.FIRST_GUESS_MARGIN``); where its copies then hid, what
     the margin kept on the device may hide too, and the corrected model says so."""
     costs = plan.costs
@@ -288,7 +288,7 @@ def room(plan: OffloadPlan, measured: Measured, options: OffloadOptions) -> int:
         costs, fw_starts=tuple(t / fw for t in costs.fw_starts), bw_starts=tuple(t / bw for t in costs.bw_starts),
         scale=(1.0, 1.0),
     )  # fmt: skip
-    more = auto_offload_bytes(plan, measured.corrected(raw, options.op_time), options) - plan.offloaded_bytes
+    more = auto_offload_bytes(plan, measured.corrected(raw, options.op_time), options, host) - plan.offloaded_bytes
     return more if more >= ROOM_SHARE * sum(d.saved.nbytes for d in plan.decisions) else 0
 
 

@@ -243,14 +243,13 @@ def _pick(
     return picks
 
 
-def auto_offload_bytes(plan: OffloadPlan, costs: PlanCosts, options: OffloadOptions) -> int:
-    """The bytes "auto"'s pick (``_pick``) offloads of ``plan``'s tensors under ``costs``, host_budget aside:
-    those it judged (offloaded, or kept as not hidden or over the calls' allowance) judged again, the
-    user's offloads sharing the link as before. What a plan made again with ``costs`` offloads."""
-    judged = {ReasonCode.HIDDEN, ReasonCode.NOT_HIDDEN, ReasonCode.OP_TIME}
+def auto_offload_bytes(plan: OffloadPlan, costs: PlanCosts, options: OffloadOptions, host: int | None) -> int:
+    """The bytes "auto"'s pick offloads of ``plan``'s tensors under ``costs`` and ``host`` bytes of host_budget
+    (what a plan made again offloads): those it judged (``_pick``), judged again; the user's offloads as before."""
+    judged = {ReasonCode.HIDDEN, ReasonCode.NOT_HIDDEN, ReasonCode.OP_TIME, ReasonCode.HOST_BUDGET}
     asked = [d.saved for d in plan.offloaded if d.reason.code not in judged]
     picks = _pick(_Asked(asked, {}, set()), [d.saved for d in plan.decisions if d.reason.code in judged], costs,
-                  options, None, {})  # fmt: skip
+                  options, host, {d.saved.name: d.reason for d in plan.decisions})  # fmt: skip
     return sum(t.nbytes for t in picks.chosen)
 
 
