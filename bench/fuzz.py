@@ -9,7 +9,8 @@ Each case is a small training model drawn from ``(seed, case)``: a stack of bloc
 chains, LayerNorm/RMSNorm, activations, residual adds, hand-written and SDPA attention, conv2d +
 BatchNorm stems, views/transposes/slices, argsort/gather and max indices, bool masks, in-place buffer
 updates read by the loss, bf16 autocast and bf16/float64 pieces, graph breaks, several outputs). It
-trains two steps (plain SGD in between, the seed fixed before each step) under
+trains two steps (plain SGD in between, the seed fixed before each step; ``LONG_STEPS`` on weights
+held for the option sets whose plans the first steps' measurements make again, ``REPLANNING``) under
 
 - eager,
 - the inner compiler alone (``backend="aot_eager"`` or ``"inductor"``),
@@ -88,9 +89,26 @@ OPTION_SETS: dict[str, dict[str, Any]] = {
     "all-slow": {**BASE, "policy": "all", "verify_peak": False, "cpu_link_bandwidth": 2e8, "prefetch": 1},
     # torch's default partitioner saves what min-cut would recompute: other saved sets.
     "all-default-part": {**BASE, "policy": "all", "verify_peak": False, "partitioner": "default"},
+    # auto, the model priced 1000x slow (it offloads what cannot hide), each wait at once after its copy
+    # on a 50 MB/s link: the copies stall, and the graph is planned again from what was measured, twice.
+    "auto-stalls": {**BASE, "policy": "auto", "op_time": 0.0, "cpu_link_bandwidth": 5e7, "prefetch": 0,
+                    "compute_rates": {"flops": 1e9, "memory_bandwidth": 1e8}},
+    # auto, the model priced fast (it offloads little): the copies hide with room, and the graph is
+    # planned again for more (``planning.measured.room``), then again where those stall.
+    "auto-grows": {**BASE, "policy": "auto", "op_time": 0.0, "cpu_link_bandwidth": 5e8,
+                   "compute_rates": {"flops": 1e13, "memory_bandwidth": 1e12}},
 }
+# The option sets whose plans are made again from the first steps' measurements: a graph's copies are
+# timed at its second call after each compile and acted on at its third, ``max_replans`` (2) times,
+# then the last plan runs. They train LONG_STEPS steps, and so do the runs they are compared with.
+REPLANNING = frozenset({"auto-stalls", "auto-grows"})
+LONG_STEPS = 7
 
-LR = 0.05  # SGD step between the two steps, so the second step runs on other weights
+# SGD step between the two steps, so the second step runs on other weights. None over LONG_STEPS: the
+# later steps compare the code planned again on the same weights (0.05, or 0.014, on each of seven sent
+# some models' losses from 36 to 1e17 and then NaN, where rounding alone set eager, the compiler and
+# fxoffload apart by more than the values themselves).
+LR = 0.05
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -686,6 +704,7 @@ class RunResult:
     offloaded: int = 0  # saved tensors fxoffload offloaded, summed over graphs (0 without fxoffload)
     recomputed: int = 0
     graphs: int = 0
+    replans: int = 0  # plans made again (``report.replans``), summed over graphs
 
 
 def outputs_loss(outs: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -699,7 +718,7 @@ def outputs_loss(outs: Sequence[torch.Tensor]) -> torch.Tensor:
 
 
 def train(case: Case, backend: Any = None, steps: int = 2) -> RunResult:
-    """Two SGD steps of the case's model under ``backend`` (None: eager); everything they produce."""
+    """``steps`` SGD steps of the case's model under ``backend`` (None: eager); everything they produce."""
     model, batches = build(case, steps)
     torch._dynamo.reset()  # each run compiles afresh: no graph of another backend is reused
     fn = model if backend is None else torch.compile(model, backend=backend)
@@ -735,7 +754,7 @@ def train(case: Case, backend: Any = None, steps: int = 2) -> RunResult:
         with torch.no_grad():
             for p in model.parameters():
                 if p.grad is not None:
-                    p.sub_(LR * p.grad)
+                    p.sub_((LR if steps <= 2 else 0.0) * p.grad)
                 p.grad = None
     for name, b in model.named_buffers():
         tensors[f"buffer.{name}"] = b.detach().clone()
@@ -744,6 +763,7 @@ def train(case: Case, backend: Any = None, steps: int = 2) -> RunResult:
         result.graphs += 1
         result.offloaded += len(report.offloaded)
         result.recomputed += len(report.recomputed)
+        result.replans += len(report.replans)
     return result
 
 
@@ -839,6 +859,7 @@ class Outcome:
     offloaded: int = 0
     recomputed: int = 0
     graphs: int = 0
+    replans: int = 0
     seconds: float = 0.0
 
     def repro(self, inner: str) -> str:
@@ -905,20 +926,24 @@ def run_case(
     with warnings.catch_warnings():
         # fxoffload warns where a budget is not met on these tiny graphs; that is not a result.
         warnings.simplefilter("ignore")
-        eager = _attempt(lambda: train(case))
-        reference = _attempt(lambda: train(case, inner))
+        references: dict[int, tuple[Ref, Ref]] = {}  # eager's and the compiler's alone, by steps
         factories = {name: (lambda o=opts: fxoffload.backend(**{**o, "inner": inner}))
                      for name, opts in option_sets.items()}
         factories.update(backends or {})
         outcomes = []
         for name, factory in factories.items():
+            steps = LONG_STEPS if name in REPLANNING else 2
+            if steps not in references:
+                references[steps] = (_attempt(lambda: train(case, steps=steps)),
+                                     _attempt(lambda: train(case, inner, steps)))  # fmt: skip
+            eager, reference = references[steps]
             start = time.perf_counter()
-            got = _attempt(lambda f=factory: train(case, f()))
+            got = _attempt(lambda f=factory: train(case, f(), steps))
             status, detail = classify(eager, reference, got, tol)
             outcome = Outcome(case, name, status, detail, seconds=time.perf_counter() - start)
             if isinstance(got, RunResult):
                 outcome.offloaded, outcome.recomputed = got.offloaded, got.recomputed
-                outcome.graphs = got.graphs
+                outcome.graphs, outcome.replans = got.graphs, got.replans
             elif status == ERROR:
                 log.debug("%s raised:\n%s", name, getattr(got, "__fuzz_traceback__", ""))
             outcomes.append(outcome)
@@ -934,9 +959,9 @@ def summary(outcomes: Sequence[Outcome]) -> str:
         mine = [o for o in outcomes if o.options == name]
         counts = Counter(o.status for o in mine)
         rows.append([name, len(mine), *(counts[s] for s in STATUSES), sum(o.graphs for o in mine),
-                     sum(o.offloaded for o in mine), sum(o.recomputed for o in mine),
+                     sum(o.offloaded for o in mine), sum(o.recomputed for o in mine), sum(o.replans for o in mine),
                      f"{sum(o.seconds for o in mine):.0f}"])
-    headers = ["options", "cases", *STATUSES, "graphs", "offloaded", "recomputed", "s"]
+    headers = ["options", "cases", *STATUSES, "graphs", "offloaded", "recomputed", "replans", "s"]
     return tabulate(rows, headers=headers)
 
 

@@ -24,6 +24,15 @@ from bench import fuzz
 AOT_EAGER_CASES = [(89, "auto"), (129, "all"), (238, "budget"), (63, "all-slow"), (36, "all-default-part"),
                    (68, "budget-recompute")]
 INDUCTOR_CASES = [(78, "all"), (288, "all-slow")]
+# Plans made again from the first steps' measurements (``fuzz.REPLANNING``, seven steps): copies that
+# stall, compiled again (9) or, with a dynamic batch, switched off (17); copies that hid with room,
+# planned for more (9; 19 with two micro-batches through one graph). Under Inductor, seed 2 case 11:
+# a conv stem whose forward copies its channels-last output's host copy into the contiguous layout
+# traced, a copy a switched-off offload must not be (``output_code.read_offloads``): its gradients
+# were wrong before that.
+REPLANNED_CASES = [(0, 9, "auto-stalls", "aot_eager"), (0, 17, "auto-stalls", "aot_eager"),
+                   (0, 9, "auto-grows", "aot_eager"), (0, 19, "auto-grows", "aot_eager"),
+                   (2, 11, "auto-stalls", "inductor")]
 
 
 def _check(outcomes, inner):
@@ -45,6 +54,13 @@ def test_fuzz_inductor(index, options):
     (outcome,) = fuzz.run_case(fuzz.make_case(0, index), "inductor", {options: fuzz.OPTION_SETS[options]})
     _check([outcome], "inductor")
     assert outcome.offloaded > 0
+
+
+@pytest.mark.parametrize("seed,index,options,inner", REPLANNED_CASES)
+def test_fuzz_replanned(seed, index, options, inner):
+    (outcome,) = fuzz.run_case(fuzz.make_case(seed, index), inner, {options: fuzz.OPTION_SETS[options]})
+    _check([outcome], inner)
+    assert outcome.replans > 0, "no plan was made again: the comparison says nothing of the re-plans"
 
 
 def _result(**tensors):

@@ -157,6 +157,32 @@ def test_a_reload_whose_memory_the_code_reuses_is_found():
     assert codecheck.reused_reloads(code.replace("; del buf6  # reuse", "")) == set()
 
 
+def test_an_offload_whose_host_copy_the_forward_reads_is_found():
+    """``read_offloads``: the offloads whose host copy (through its wait or an alias) a call of the code
+    reads. Inductor's forward of a convolution laid out channels-last copies the host copy into the
+    contiguous layout the saved tensor was traced with (the code below is cut from one, fuzz seed 2
+    case 11): a copy switched off at run time would hand that kernel a handle with no bytes (``watch``)."""
+    code = (
+        "def call(self, args):\n"
+        "    buf7 = torch.ops.fxoffload.offload.default(buf2, [], 50000000.0, '5:convolution')\n"
+        "    buf8 = buf7\n"
+        "    assert_size_stride(buf8, (s40, 4, 6, 6), (144, 1, 24, 4), 'torch.ops.fxoffload.offload.default')\n"
+        "    del buf7\n"
+        "    buf9 = torch.ops.fxoffload.wait.default(buf8, buf2, [])\n"
+        "    buf10 = buf9\n"
+        "    buf11 = empty_strided_cpu((s40, 4, 6, 6), (144, 36, 6, 1), torch.float32)\n"
+        "    buf12 = buf2; del buf2  # reuse\n"
+        "    cpp_fused_relu_2(buf12, buf10, buf11, s40)\n"
+        "    buf14 = torch.ops.fxoffload.offload.default(buf13, [], 50000000.0, '5:getitem_3')\n"
+        "    buf18 = torch.ops.fxoffload.wait.default(buf14, buf13, [])\n"
+        "    del buf13\n"
+        "    return (buf11, buf18, s40, )\n"
+    )
+    assert codecheck.read_offloads(code) == {"5:convolution"}  # returned as it is: no read
+    assert codecheck.read_offloads(code.replace("cpp_fused_relu_2(buf12, buf10, buf11, s40)", "")) == set()
+    assert codecheck.reused_reloads(code) == set()  # offloads are not reloads
+
+
 def test_lines_are_read_for_the_op_they_run_and_the_buffers_they_pass():
     """What ``measure.kernel_times`` lines a trace up with: the op a line names, whether it may launch
     anything, and which lines pass a buffer (or an alias of it) to an op."""

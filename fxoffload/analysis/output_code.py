@@ -23,7 +23,7 @@ import collections
 import dataclasses
 import functools
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import NamedTuple
 
 import torch
@@ -33,7 +33,7 @@ from ..sizes import span_bytes
 __all__ = [
     "Statement", "Transfer", "arg_names", "asserted_layouts", "base_name", "call_body", "eval_ints", "is_kernel",
     "is_materialised_call", "may_launch", "module_args", "op_name", "parse_dtype", "readers",
-    "returned_names", "reused_reloads", "split_args", "statements", "transfers", "triton_kernel",
+    "read_offloads", "returned_names", "reused_reloads", "split_args", "statements", "transfers", "triton_kernel",
 ]  # fmt: skip
 
 _KERNEL = re.compile(
@@ -412,22 +412,43 @@ def reused_reloads(code: str) -> frozenset[str]:
     """The transfer ``name`` of every reload in Inductor's wrapper ``code`` whose result's memory the
     code hands on to another buffer (a ``# reuse`` line: Inductor's buffer reuse and its in-place
     updates alike), through the result, its wait or an alias of either."""
-    names: dict[str, str] = {}  # a reload's result, or a name aliasing it -> the reload's transfer name
-    reused: set[str] = set()
+    return _copies_where(code, "reload", lambda line: _DEL.findall(line) if "# reuse" in line else ())
+
+
+def read_offloads(code: str) -> frozenset[str]:
+    """The transfer ``name`` of every offload in Inductor's wrapper ``code`` whose host copy a call of
+    the code reads, through the result, its wait or an alias of either: Inductor copying it into the
+    layout the saved tensor was traced with, where it laid the source out otherwise (a convolution's
+    output channels-last, the tensor saved contiguous). The host copy must hold the bytes there: a copy
+    switched off at run time returns a handle that holds none (``runtime.host_pool.keep_on_device``)."""
+
+    def args_read(line: str) -> list[str]:
+        if "fxoffload" in line or not may_launch(line):
+            return []
+        return [base_name(a) for a in split_args(line[line.index("(") + 1 : line.rindex(")")])]
+
+    return _copies_where(code, "offload", args_read)
+
+
+def _copies_where(code: str, op: str, hit: Callable[[str], Iterable[str]]) -> frozenset[str]:
+    """The transfer names of the ``op`` copies (offload or reload) of ``code`` whose result, its wait or
+    an alias of either is among the names ``hit`` finds on a line of ``call``."""
+    names: dict[str, str] = {}  # a copy's result, or a name aliasing it -> the copy's transfer name
+    found: set[str] = set()
     for line in call_body(code):
         stmt = line.split(";")[0]
-        if (m := _COPY.match(stmt)) and m.group(2) == "reload":
-            if found := _NAME_ARG.search(m.group(3)):
-                names[m.group(1)] = found.group(1)
-        elif "# reuse" in line:
-            reused.update(names[n] for n in _DEL.findall(line) if n in names)
+        if (m := _COPY.match(stmt)) and m.group(2) == op:
+            if named := _NAME_ARG.search(m.group(3)):
+                names[m.group(1)] = named.group(1)
+        elif hits := [names[n] for n in hit(line) if n in names]:
+            found.update(hits)
         elif m := _WAIT.match(stmt):
             first = base_name(split_args(m.group(2))[0])
             if first in names:
                 names[m.group(1)] = names[first]
         elif (m := _VIEW_ALIAS.match(line)) and m.group(2) in names:
             names[m.group(1)] = names[m.group(2)]
-    return frozenset(reused)
+    return frozenset(found)
 
 
 def _reads(line: str, names: re.Pattern[str]) -> bool:

@@ -51,7 +51,7 @@ import torch
 import torch.fx as fx
 
 from ..analysis.memory import CallOutside, with_held
-from ..analysis.output_code import reused_reloads
+from ..analysis.output_code import read_offloads, reused_reloads
 from ..analysis.outside import OutsideMemory, graph_device, mark_call, read_outside_memory
 from ..ir import TransferTime, transfer_name
 from ..measure.op_time import host_op_seconds
@@ -411,20 +411,22 @@ class CallWatch:
         """``auto``'s plan made again from what was measured, without compiling again: the copies that
         stalled are switched off in the compiled code (``runtime.transfers.switch_copies_off``), their
         tensors kept on the device, and the next calls measured again; at most ``max_replans`` times
-        (taking copies away frees the link for the others: it converges). A copy whose reload result
-        Inductor's backward hands on to another buffer stays on: the copy a switched-off reload
-        gives back must be intact for a second backward (``retain_graph``)."""
+        (taking copies away frees the link for the others: it converges). A copy stays on where
+        Inductor's backward hands its reload result on to another buffer (the copy a switched-off
+        reload gives back must be intact for a second backward, ``retain_graph``), or where its forward
+        reads the host copy (a switched-off offload's handle holds no bytes: ``read_offloads``)."""
         old = self.pair
         if self.replans >= self.options.max_replans:
             return False
-        reused = reused_reloads(old.output_code.get("backward", ""))
+        code = old.output_code
+        reused = reused_reloads(code.get("backward", "")) | read_offloads(code.get("forward", ""))
         offloaded = {d.saved.name for d in old.plan.offloaded}
         stalls = {t: s for t, s in measured.stalls.items() if t in offloaded}
         stuck = sorted(t for t in stalls if transfer_name(old.graph_id, t) in reused)
         if stuck:
             log.info(
-                "fxoffload: graph %d: the copies of %s stalled but stay on: Inductor's backward reuses the memory "
-                "of their reloads", old.graph_id, ", ".join(stuck),
+                "fxoffload: graph %d: the copies of %s stalled but stay on: Inductor's code reuses the memory of "
+                "their reloads or reads their host copies", old.graph_id, ", ".join(stuck),
             )  # fmt: skip
         off = {t: s for t, s in stalls.items() if t not in stuck}
         if not off:
