@@ -359,7 +359,8 @@ class CallWatch:
                 self.hid = (old.plan, self.measured)
             if not can_compile or self.replans >= options.max_replans - 1 or options.memory_budget is not None:
                 return False
-            grows = room(old.plan, measured, options, self.compiler.register.host_left(options.host_budget, old.graph_id))
+            host = self.compiler.register.host_left(options.host_budget, old.graph_id)
+            grows = room(old.plan, measured, options, host)
             return bool(grows) and self._compile_measured(dataclasses.replace(measured, grows=grows), predicted, args)
         if options.memory_budget is None:
             # Planned again and compiled (the stalled tensors kept, stalls summed over the rounds), the
@@ -383,11 +384,11 @@ class CallWatch:
 
     def back_to_hidden(self, args: Any, what: str) -> bool:
         """The last re-plan where the copies of a plan made for more (``planning.measured.room``), or of
-        one made after it, stalled, and those that hid are fewer bytes than the plan of ``hid``, all of
-        whose copies hid: that plan, made again from what it was made from (the same model, so the same
-        plan, but where the other graphs' offloads now take more of a host_budget, or ``calibrate`` times
-        the ops again), not planned anew;
-        ``what`` the last plan did (its copies stalled, or its calls cost more than auto allows)."""
+        one made after it, stalled (``what`` the last plan did: its copies stalled, or its calls cost
+        more than auto allows), and those that hid are fewer bytes than the plan of ``hid``, all of
+        whose copies hid: that plan, made again from what it was made from, not planned anew. The same
+        model gives the same plan, but where the other graphs' offloads now take more of a host_budget,
+        or ``calibrate`` times the ops again."""
         plan, measured = self.hid
         why = (
             f"measured in the first steps: {what}, and the copies that hid are fewer bytes than the "
