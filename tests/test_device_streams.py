@@ -12,7 +12,10 @@ a reachability, and each has a test that breaks it on purpose and sees the check
   stream before copying);
 - every kernel the compute stream runs after a ``wait`` runs after the copy (the event recorded after
   the copy, waited on by the compute stream), so the source's memory may be reused there and the
-  reloaded tensor read there.
+  reloaded tensor read there;
+- code on the host that reads a host copy after its wait (Inductor's forward copying it into the
+  layout the tensor was traced with) runs after the copy: the wait of such a transfer makes the host
+  wait on the event too (``transfers.wait_on_host``). The host is a stream of its own here.
 """
 
 from __future__ import annotations
@@ -32,6 +35,10 @@ META = torch.device("meta")
 class _Event:
     id: int
     at: int | None = None  # the position in the log of the record it holds
+    log: list | None = None
+
+    def synchronize(self) -> None:  # the host waits for what the event records
+        self.log.append(("host", "wait_event", self))
 
 
 class _Streams:
@@ -51,7 +58,7 @@ class _Streams:
         return len(self.log) - 1
 
     def event(self, device: torch.device | None = None, **_: object) -> _Event:
-        return _Event(next(self._ids))
+        return _Event(next(self._ids), log=self.log)
 
     def happens_before(self, a: int, b: int) -> bool:
         """Whether log entry ``a`` is ordered before ``b`` on the device (not merely issued before)."""
@@ -117,6 +124,7 @@ def streams(monkeypatch):
     pool = host_pool.HostBufferPool()
     pool._pin_failed = True  # no pinned memory without an accelerator: pageable buffers, no warning
     monkeypatch.setattr(transfers, "HOST_POOL", pool)
+    monkeypatch.setattr(transfers, "_host_reads", set())
     origins = set(transfers._origin)
     yield s
     transfers._pending.clear()
@@ -179,3 +187,56 @@ def test_the_check_sees_an_event_recorded_before_the_copy(streams, monkeypatch):
     monkeypatch.setattr(_Stream, "record_event", lambda self, event=None: real(streams.compute, event))
     produced, copy, reused = _offload(streams, torch.empty(4, 8, device=META))
     assert not streams.happens_before(copy, reused), streams.log
+
+
+def _read_on_host(streams: _Streams, name: str) -> tuple[int, int]:
+    """Offload, wait, then read the host copy on the host: the log positions of the copy and the read."""
+    src = torch.empty(4, 8, device=META)
+    streams.kernel("produce src")
+    transfers._wait_impl(transfers._offload_impl(src, [], 0.0, name), src, [])
+    streams.log.append(("host", "kernel", "read the host copy"))
+    (copy,) = streams.copies()
+    return copy, len(streams.log) - 1
+
+
+def test_a_host_copy_the_code_reads_on_the_host_is_read_after_its_copy(streams):
+    transfers.wait_on_host(["test:read"])
+    copy, read = _read_on_host(streams, "test:read")
+    assert streams.happens_before(copy, read), streams.log
+
+
+def test_the_check_sees_a_host_read_racing_its_copy(streams):
+    """Broken on purpose: a transfer not said to be read on the host. Its wait orders the compute stream
+    alone, and the host's read races the copy (what ``wait_on_host`` is for)."""
+    copy, read = _read_on_host(streams, "test:other")
+    assert not streams.happens_before(copy, read), streams.log
+
+
+def test_the_compiler_says_which_host_copies_the_forward_reads(streams, caplog):
+    """``partitioner._host_reads``: the offloads of accelerator tensors whose host copy the forward's
+    code reads (``output_code.read_offloads``) wait on the host, and the log says so; a CPU tensor's
+    wait blocks the host anyway (the copy engine's), and is left alone."""
+    import types
+
+    from fxoffload.compiler import partitioner
+
+    def decision(name, device):
+        return types.SimpleNamespace(saved=types.SimpleNamespace(name=name, device=torch.device(device)))
+
+    code = (
+        "def call(self, args):\n"
+        "    buf7 = torch.ops.fxoffload.offload.default(buf2, [], 0.0, '5:conv')\n"
+        "    buf9 = torch.ops.fxoffload.wait.default(buf7, buf2, [])\n"
+        "    buf3 = torch.ops.fxoffload.offload.default(buf1, [], 0.0, '5:other')\n"
+        "    buf4 = torch.ops.fxoffload.wait.default(buf3, buf1, [])\n"
+        "    cpp_fused_0(buf9, buf4, buf11)\n"
+        "    return (buf11, )\n"
+    )
+    for device, said in (("cuda", {"5:conv", "5:other"}), ("cpu", set())):
+        transfers._host_reads.clear()
+        caplog.clear()
+        pair = types.SimpleNamespace(graph_id=5, plan=types.SimpleNamespace(
+            offloaded=(decision("conv", device), decision("other", device))))  # fmt: skip
+        partitioner._host_reads(pair, code)
+        assert transfers._host_reads == said
+        assert ("reads the host copies of conv, other" in caplog.text) is bool(said), caplog.text

@@ -29,7 +29,7 @@ from .timing import Stamps, now, recording, wanted
 
 log = logging.getLogger(__name__)
 
-__all__ = ["copies_switched_off", "switch_copies_off", "switch_copies_on", "track_releases"]
+__all__ = ["copies_switched_off", "switch_copies_off", "switch_copies_on", "track_releases", "wait_on_host"]
 
 _transfer_streams: dict[torch.device, torch.Stream] = {}
 
@@ -47,6 +47,7 @@ class _Pending:
     device: torch.device  # the device whose compute stream must wait
     job: CopyJob | None = None  # a CPU copy: the copy engine's job
     stamps: Stamps | None = None  # its times, while a recording wants them (``timing``)
+    name: str = ""  # the transfer's name (``ir.transfer_name``)
 
 
 # Keyed by the data pointer of a transfer's destination: unique while that destination is alive,
@@ -62,6 +63,10 @@ _origin: dict[int, torch.device] = {}
 # copy back. No transfer, no stream, no copy engine: what the code does without offloading, plus one
 # copy on the device, since the compiled code reuses the source's memory after the wait.
 _off: set[str] = set()
+
+# Offloads whose host copy code on the host reads after their wait, by transfer name (``wait_on_host``):
+# their wait makes the host wait for the copy as well as the compute stream.
+_host_reads: set[str] = set()
 
 # Opt-in record of released source storages, read by tests to prove the release really happened.
 _release_log: list[tuple[int, object]] | None = None
@@ -107,6 +112,14 @@ def switch_copies_on(prefix: str) -> None:
     _off.difference_update([n for n in _off if n.startswith(prefix)])
 
 
+def wait_on_host(names: Sequence[str]) -> None:
+    """The waits of these transfers (``ir.transfer_name``) make the host wait for the copy too, not
+    only the compute stream: code on the host reads their host copies next (Inductor's forward
+    copying one into the layout the tensor was traced with, ``output_code.read_offloads``), which a
+    wait that orders the device alone leaves racing the copy."""
+    _host_reads.update(names)
+
+
 def copies_switched_off(prefix: str = "") -> frozenset[str]:
     return frozenset(n for n in _off if n.startswith(prefix))
 
@@ -139,7 +152,9 @@ def _pop(dest: torch.Tensor) -> _Pending:
         ) from None
 
 
-def _device_copy(src: torch.Tensor, dest: torch.Tensor, device: torch.device, stamps: Stamps | None) -> None:
+def _device_copy(
+    src: torch.Tensor, dest: torch.Tensor, device: torch.device, stamps: Stamps | None, name: str
+) -> None:
     """``dest <- src`` on ``device``'s transfer stream, after what the compute stream has issued."""
     compute = torch.accelerator.current_stream(device)
     transfer = _transfer_stream(device)
@@ -152,7 +167,7 @@ def _device_copy(src: torch.Tensor, dest: torch.Tensor, device: torch.device, st
         transfer.record_event(event)
         if stamps is not None:
             stamps.around_copy(transfer, start=False)
-    _register(dest, _Pending(event, device, stamps=stamps))
+    _register(dest, _Pending(event, device, stamps=stamps, name=name))
 
 
 def _offload_impl(
@@ -174,7 +189,7 @@ def _offload_impl(
         if stamps is not None:
             stamps.issued_on_cpu()
     else:
-        _device_copy(src, host, src.device, stamps)
+        _device_copy(src, host, src.device, stamps, name)
     if stamps is not None:
         stamps.issued()
     return host
@@ -207,7 +222,7 @@ def _reload_impl(
         if stamps is not None:
             stamps.issued_on_cpu()
     else:
-        _device_copy(host, dest, origin, stamps)
+        _device_copy(host, dest, origin, stamps, name)
     if stamps is not None:
         stamps.issued()
     return dest
@@ -224,6 +239,8 @@ def _wait_impl(dest: torch.Tensor, keepalive: torch.Tensor, after: Sequence[torc
             stamps.link_times(pending.job.start, pending.job.seconds)
     elif pending.event is not None:
         torch.accelerator.current_stream(pending.device).wait_event(pending.event)
+        if pending.name in _host_reads:  # the host reads the copy next (``wait_on_host``)
+            pending.event.synchronize()
     if stamps is not None:
         stamps.after_wait()
     # ``keepalive`` ends here: its storage may be freed and reused from now on, which is safe
