@@ -100,13 +100,34 @@ def _windows(m: Measured, factor: float) -> dict:
     return {"fw_ratios": (factor,) * len(m.fw_ratios), "bw_ratios": (factor,) * len(m.bw_ratios)}
 
 
+def _rounds(monkeypatch, plan_round):
+    """Each plan's measurement forced: ``plan_round(k, offloaded, earlier)`` gives the k-th plan measured
+    (its offloads, and the earlier plans') a factor on its windows and the tensors reported stalled.
+    The offloads of each plan measured, and their bytes."""
+    rounds: list[frozenset[str]] = []
+    nbytes: list[int] = []
+    stalling: set[str] = set()
+    original = watch.measured_plan
+
+    def forced(plan, times):
+        m = original(plan, times)
+        names = frozenset(d.saved.name for d in plan.offloaded)
+        factor, stalls = plan_round(len(rounds), plan, rounds)
+        stalling.clear()
+        stalling.update(stalls)
+        rounds.append(names)
+        nbytes.append(plan.offloaded_bytes)
+        return dataclasses.replace(m, stalls={n: 1e-3 for n in stalls}, **_windows(m, factor))
+
+    monkeypatch.setattr(watch, "measured_plan", forced)
+    monkeypatch.setattr(watch, "stalled", lambda t: t.tensor in stalling)
+    return rounds, nbytes
+
+
 def _measured_slow(monkeypatch, factor: float):
     """Every window measured ``factor`` times the model's (a device that much slower than the model),
     nothing reported stalled."""
-    original = watch.measured_plan
-    monkeypatch.setattr(watch, "measured_plan", lambda plan, times: dataclasses.replace(
-        original(plan, times), stalls={}, **_windows(original(plan, times), factor)))  # fmt: skip
-    monkeypatch.setattr(watch, "stalled", lambda t: False)
+    _rounds(monkeypatch, lambda k, plan, earlier: (factor, set()))
 
 
 def _train(max_replans: int, steps: int = 8):
@@ -169,19 +190,8 @@ def test_a_plan_made_for_more_that_then_stalls_gives_back_no_more_than_it_took(m
     together, where the tensors that hid under the plan made for more are none. Broken on purpose
     without ``CallWatch.back_to_hidden``: every tensor kept (on this CPU, without the forcing, 500
     MB/s in bf16 settled at 0.12-0.59 MiB where the first plan's 1.09 MiB had hid)."""
-    rounds: list[frozenset[str]] = []  # the offloads of each plan measured, and their bytes
-    nbytes: list[int] = []
-    original = watch.measured_plan
-
-    def forced(plan, times):
-        m = original(plan, times)
-        rounds.append(frozenset(d.saved.name for d in plan.offloaded))
-        nbytes.append(plan.offloaded_bytes)
-        stalls = {n: 1e-3 for n in rounds[-1]} if len(rounds) == 2 else {}
-        return dataclasses.replace(m, stalls=stalls, **_windows(m, 4.0))
-
-    monkeypatch.setattr(watch, "measured_plan", forced)
-    monkeypatch.setattr(watch, "stalled", lambda t: len(rounds) == 2)
+    rounds, nbytes = _rounds(monkeypatch, lambda k, plan, earlier: (
+        4.0, {d.saved.name for d in plan.offloaded} if k == 1 else set()))  # fmt: skip
     backend, result = _train(max_replans=2, steps=10)
     (report,) = backend.reports
     # the third: the last plan's, timed. Made anew, the plan for more need not hold all the first's.
@@ -190,30 +200,6 @@ def test_a_plan_made_for_more_that_then_stalls_gives_back_no_more_than_it_took(m
     assert {r.name for r in report.offloaded} == rounds[0] == rounds[2]
     model, batch = _gpt()
     assert_same(result, train_step(model, batch, None, steps=10))
-
-
-def _rounds(monkeypatch, plan_round):
-    """Each plan's measurement forced: ``plan_round(k, offloaded, earlier)`` gives the k-th plan measured
-    (its offloads, and the earlier plans') a factor on its windows and the tensors reported stalled.
-    The offloads of each plan measured, and their bytes."""
-    rounds: list[frozenset[str]] = []
-    nbytes: list[int] = []
-    stalling: set[str] = set()
-    original = watch.measured_plan
-
-    def forced(plan, times):
-        m = original(plan, times)
-        names = frozenset(d.saved.name for d in plan.offloaded)
-        factor, stalls = plan_round(len(rounds), plan, rounds)
-        stalling.clear()
-        stalling.update(stalls)
-        rounds.append(names)
-        nbytes.append(plan.offloaded_bytes)
-        return dataclasses.replace(m, stalls={n: 1e-3 for n in stalls}, **_windows(m, factor))
-
-    monkeypatch.setattr(watch, "measured_plan", forced)
-    monkeypatch.setattr(watch, "stalled", lambda t: t.tensor in stalling)
-    return rounds, nbytes
 
 
 def test_the_plan_gone_back_to_may_be_one_made_from_a_measurement(monkeypatch):
