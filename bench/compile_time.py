@@ -5,7 +5,7 @@ Steps 1-3 are timed apart: the first compiles (the plan, and whatever ``verify_p
 judge it), the second times the copies on the device, and a plan made again from those times
 compiles at the third; an fxoffload method then steps on until ``backend.settled`` ("settled s":
 every step's time until then, a second re-plan's compile included). fxoffload's own figures are from ``report.timings``: how many times the inner
-compiler ran per graph and the seconds they took.
+compiler ran per graph and the seconds they took, and each compile by what it was for (``spent``).
 
     python -m bench.compile_time                       # the 12-block GPT, returning its loss
     python -m bench.compile_time --layers 4 --methods inductor,fxoffload-all,fxoffload-all-noverify
@@ -69,9 +69,10 @@ def _one(method: str, layers: int, steps: int, link: str) -> dict:
         settle(backend, step, limit=20)
         row.update(settled_s=sum(times), settled_steps=len(times) if backend.settled else None)
         t = [r.timings for r in backend.reports if r.timings is not None]
-        row.update(compiles=sum(x.compiles for x in t), compile_s=sum(x.compile_s for x in t),
+        row.update(compiles=sum(len(x.spent) or x.compiles for x in t), compile_s=sum(x.spent_s for x in t),
                    pass_s=sum(x.pass_s + x.repartition_s + x.simulate_s for x in t),
-                   offloaded=sum(len(r.offloaded) for r in backend.reports), replans=sum(len(r.replans) for r in backend.reports))  # fmt: skip
+                   offloaded=sum(len(r.offloaded) for r in backend.reports), replans=sum(len(r.replans) for r in backend.reports),
+                   spent=[f"graph {r.graph_id}: {r.timings.spent_text()}" for r in backend.reports if r.timings is not None])  # fmt: skip
     return row
 
 
@@ -110,9 +111,13 @@ def main(argv: list[str] | None = None) -> None:
         table.append([r["method"], steps, f"{first3:.2f}", ratio, settled, r.get("compiles", "-"),
                       f"{r['compile_s']:.2f}" if "compile_s" in r else "-", f"{r['pass_s']:.2f}" if "pass_s" in r else "-",
                       r.get("offloaded", "-"), r.get("replans", "-")])  # fmt: skip
-    headers = ["method", "steps 1/2/3 s", "sum s", "x inductor", "settled s (steps)", "compiles", "compile s", "pass s", "offloaded", "replans"]
+    headers = ["method", "steps 1/2/3 s", "sum s", "x inductor", "settled s (steps)", "compile runs", "compile s", "pass s", "offloaded", "replans"]
     print(f"GPT, {args.layers} blocks (dim 64, seq 64, batch 8), returning its loss; cold Inductor cache per method")
     print(tabulate(table, headers=headers))
+    print("\nWhere each method's compiles went (report.timings.spent; after the table's steps):")
+    for r in rows:
+        for line in r.get("spent", ()):
+            print(f"  {r['method']}, {line}")
 
 
 if __name__ == "__main__":

@@ -27,6 +27,11 @@ pytestmark = pytest.mark.skipif(
 )
 
 
+STOPPED = "the plan, stopped before lowering: it changes nothing"
+AS_INDUCTOR = "without offloading, as Inductor compiles it"
+VERIFY = "verify_peak: the code without offloading, not built"
+
+
 @pytest.fixture
 def counted(monkeypatch):
     """Counts of Inductor's lowerings ("codegen") and module loads ("load"), its FX graph cache off."""
@@ -81,6 +86,11 @@ def test_a_plan_that_changes_nothing_is_lowered_once(counted):
     assert counted == {"codegen": 2, "load": 2}, counted
     assert report.timings.compiles == 1
     assert set(report.output_code) == {"forward", "backward"}  # Inductor's code is on the report all the same
+    # Where the time went: the plan's trace and partition, stopped, then Inductor's own compile.
+    spent = report.timings.spent
+    assert [s.what for s in spent] == [STOPPED, AS_INDUCTOR], spent
+    assert all(s.seconds > 0 and s.round == 0 for s in spent)
+    assert report.timings.spent_s == pytest.approx(report.timings.compile_s)
 
 
 def test_verify_peak_builds_the_unchanged_pairs_kernels_once(counted):
@@ -93,6 +103,10 @@ def test_verify_peak_builds_the_unchanged_pairs_kernels_once(counted):
     (report,) = backend.reports
     assert not report.offloaded and "verify_peak" in report.note, report.note
     assert counted == {"codegen": 6, "load": 4}, counted
+    assert [s.what for s in report.timings.spent] == ["the plan", VERIFY, AS_INDUCTOR], report.timings.spent
+    assert report.timings.compiles == 3
+    assert f"compiled: {report.timings.spent_text()}" in report.summary()
+    assert "verify_peak: the code without offloading, not built" in report.timings.spent_text()
 
 
 def test_a_graph_planned_again_is_judged_against_the_same_unchanged_code(counted):
@@ -140,3 +154,9 @@ def test_auto_compiles_again_at_most_max_replans_times(counted):
     rounds = [r for r in report.replans if "planned again with the measured times" in r]
     assert 1 <= len(rounds) <= 2, report.replans
     assert 0 < counted["codegen"] - first["codegen"] <= len(rounds) * first["codegen"], (counted, first)
+    # Every compile of the graph stays on its report, each plan made again under its round.
+    spent = report.timings.spent
+    assert [s.what for s in spent if s.round == 0][0] == "the plan", spent
+    assert sorted({s.round for s in spent}) == list(range(len(report.replans) + 1)), (spent, report.replans)
+    assert report.timings.spent_s > report.timings.compile_s  # this plan's compile, and the earlier ones
+    assert "planned again at run time (1): the plan" in report.timings.spent_text()

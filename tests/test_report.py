@@ -51,6 +51,7 @@ def test_summary_and_timeline(gpt_report):
 def test_json_round_trip(gpt_report):
     again = OffloadReport.from_json(gpt_report.to_json())
     assert again == gpt_report
+    assert [s.what for s in again.timings.spent] == ["the plan (aot_eager)"]  # where its compile went, typed
     assert again.table() == gpt_report.table() and again.summary() == gpt_report.summary()
 
 

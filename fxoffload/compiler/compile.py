@@ -22,6 +22,7 @@ from ..options import OffloadOptions
 from ..planning.budget import BUDGET_TOLERANCE
 from ..planning.measured import Measured
 from ..reasons import Reason, ReasonCode
+from ..reporting.report import CompileSpent
 from ..sizes import fmt_bytes
 from .costs import read_outside
 from .pair import PairRegister, PlannedPair
@@ -42,8 +43,9 @@ class GraphCompiler:
 
     def __init__(self, register: PairRegister) -> None:
         self.register = register
-        self._compiles: list[float] = []  # seconds of each inner compile of the graph being compiled
-        self._traced_s = 0.0  # seconds of compiles stopped before Inductor lowered anything
+        # Each inner compile of the graph being compiled: what it was for, its seconds, and whether
+        # Inductor lowered anything (not where the partitioner stopped it: ``PlanChangesNothing``).
+        self._compiles: list[tuple[str, float, bool]] = []
         # By graph id: the pair compiled without offloading for verify_peak, and the outside it had.
         self._unchanged_code: dict[int, tuple[OutsideMemory | None, PlannedPair]] = {}
         self._measured: Measured | None = None  # what the device measured of the graph's earlier plan
@@ -56,21 +58,24 @@ class GraphCompiler:
         patches: dict[str, Any],
         on_output_code: Callable[[str, str], None] | None = None,
         code_only: bool = False,
+        what: str = "the plan",
     ) -> Compiled | None:
         """``graph`` compiled by Inductor; None where ``partitioner`` stopped it (``PlanChangesNothing``)
         before anything was lowered (its seconds count in ``compile_s``, not as a compile).
-        ``code_only``: stopped once the code is generated (``_compat.compile_with_inductor``)."""
+        ``code_only``: stopped once the code is generated (``_compat.compile_with_inductor``).
+        ``what``: what the compile is for, as ``report.timings.spent`` says it."""
         start = time.perf_counter()
         sink = on_output_code or partitioner.record_output_code
         try:
             compiled = _compat.compile_with_inductor(graph, example_inputs, partitioner, patches, sink, code_only)
         except Exception as e:
-            if not _compat.raised_from(e, PlanChangesNothing):
-                self._compiles.append(time.perf_counter() - start)
+            stopped = _compat.raised_from(e, PlanChangesNothing)
+            said = "the plan, stopped before lowering: it changes nothing" if stopped else f"{what} (failed)"
+            self._compiles.append((said, time.perf_counter() - start, not stopped))
+            if not stopped:
                 raise
-            self._traced_s += time.perf_counter() - start
             return None
-        self._compiles.append(time.perf_counter() - start)
+        self._compiles.append((what, time.perf_counter() - start, True))
         return compiled
 
     def compile(
@@ -87,14 +92,14 @@ class GraphCompiler:
         code before it holds, where not read from ``example_inputs``; ``graph_id``: the id of a
         graph compiled again; ``pristine``: an unchanged copy of ``gm`` made already; ``measured``:
         what the device measured of its copies under its earlier plan."""
-        self._compiles, self._traced_s = [], 0.0
+        self._compiles = []
         self._measured = measured
         outside = outside if outside is not None else read_outside(example_inputs)
         partitioner = self._partitioner(opts, outside, graph_id)
         if opts.inner == "aot_eager":
             start = time.perf_counter()
             compiled = _compat.compile_with_aot_eager(gm, example_inputs, partitioner)
-            self._compiles.append(time.perf_counter() - start)
+            self._compiles.append(("the plan (aot_eager)", time.perf_counter() - start, True))
             return compiled, self._keep(partitioner.pair)
         patches = _compat.inductor_mode_options(opts.mode)
         if _compat.cudagraphs_enabled(patches):
@@ -141,7 +146,8 @@ class GraphCompiler:
         unchanged = self._unchanged_partitioner(opts, pair)
         log.debug("fxoffload: graph %d: the plan changes nothing; compiled as Inductor does", pair.graph_id)
         sink = pair.output_code.__setitem__ if not pair.output_code else None
-        compiled = self._inductor(copy_graph_module(pristine), example_inputs, unchanged, patches, sink)
+        what = "without offloading, as Inductor compiles it"
+        compiled = self._inductor(copy_graph_module(pristine), example_inputs, unchanged, patches, sink, what=what)
         assert compiled is not None  # an unchanged partitioner is never told to stop
         return compiled
 
@@ -164,8 +170,11 @@ class GraphCompiler:
         if pair is not None:
             timings = pair.report.timings
             if timings is not None:
-                seconds = sum(self._compiles) + self._traced_s
-                spent = dataclasses.replace(timings, compiles=len(self._compiles), compile_s=seconds)
+                spent = dataclasses.replace(
+                    timings, compiles=sum(lowered for *_, lowered in self._compiles),
+                    compile_s=sum(s for _, s, _ in self._compiles),
+                    spent=tuple(CompileSpent(what, s) for what, s, _ in self._compiles),
+                )  # fmt: skip
                 pair = pair.with_report(timings=spent)
             self.register.record(pair)
         return pair
@@ -201,8 +210,11 @@ class GraphCompiler:
             )
             tried.append(target)
             graph = gm if partitioner is first else copy_graph_module(pristine)
+            what = "the plan" if target is None else f"the plan for a lower target, {fmt_bytes(target)} (budget)"
             try:
-                (compiled, lowered), said = attempt_quietly(lambda: self._lowered(graph, example_inputs, partitioner, patches))
+                (compiled, lowered), said = attempt_quietly(
+                    lambda: self._lowered(graph, example_inputs, partitioner, patches, what=what)
+                )
             except Exception as e:
                 if partitioner is first or "strict=True" not in str(e):
                     raise
@@ -247,11 +259,12 @@ class GraphCompiler:
         partitioner: OffloadPartitioner,
         patches: dict[str, Any],
         code_only: bool = False,
+        what: str = "the plan",
     ) -> tuple[Compiled | None, bool]:
         """``graph`` compiled by Inductor with both graphs lowered now where this torch can (None:
         stopped, ``_inductor``; ``code_only``: for the code alone, which cannot run)."""
         with _compat.backward_lowered_at_compile() as lowered:
-            compiled = self._inductor(graph, example_inputs, partitioner, patches, code_only=code_only)
+            compiled = self._inductor(graph, example_inputs, partitioner, patches, code_only=code_only, what=what)
         return compiled, lowered
 
     def _no_higher_than_unchanged(
@@ -314,9 +327,12 @@ class GraphCompiler:
         if cached is not None and cached[0] == pair.outside:
             return cached[1]
         unchanged = self._unchanged_partitioner(opts, pair)
+        what = "verify_peak: the code without offloading, not built"
         try:
             attempt_quietly(
-                lambda: self._lowered(copy_graph_module(pristine), example_inputs, unchanged, patches, code_only=True)
+                lambda: self._lowered(
+                    copy_graph_module(pristine), example_inputs, unchanged, patches, code_only=True, what=what
+                )
             )
         except Exception as e:  # never fail a compile over a check: keep the plan, unchecked
             log.warning(

@@ -321,6 +321,10 @@ class CallWatch:
         switch_copies_on(transfer_name(old.graph_id, ""))  # the new code's copies run, every one
         new = dataclasses.replace(new, report=carry_measured(new.report, old.report))
         new = new.with_report(replans=(*old.report.replans, why, *new.report.replans))
+        if new.report.timings is not None and old.report.timings is not None:  # the earlier compiles stay said
+            earlier = old.report.timings.spent
+            spent = (*earlier, *(dataclasses.replace(s, round=self.replans) for s in new.report.timings.spent))
+            new = new.with_report(timings=dataclasses.replace(new.report.timings, spent=spent))
         self.compiler.register.record(new)
         self.pair, self.compiled, self.held, self.judged = new, compiled, said, False
         self.timer.restart()

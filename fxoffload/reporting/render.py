@@ -193,6 +193,8 @@ def summary(report: OffloadReport) -> str:
         fits = "met" if reached <= report.memory_budget * (1 + BUDGET_TOLERANCE) else "NOT met"
         lines.append(f"  memory_budget: {fmt_bytes(report.memory_budget)} ({fits})")
     lines.extend(f"  planned again: {r}" for r in report.replans)
+    if report.timings is not None and report.timings.spent:
+        lines.append(f"  compiled: {report.timings.spent_text()}")
     if report.device and report.offloaded:  # no stall to predict where nothing is copied
         lines.append(f"  predicted stall: {report.predicted_stall_ms:.3f} ms per step ({report.device})")
         if report.predicted_op_ms:
