@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import types
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -325,6 +326,25 @@ def _backward_without_donated_buffers() -> None:
     meta = getattr(context, "fw_metadata", None)
     if meta is not None and getattr(meta, "bw_donated_idxs", []) is None:
         meta.bw_donated_idxs = []
+
+
+def inductor_channels_last_nodes(gm: fx.GraphModule) -> set[fx.Node] | None:
+    """The nodes of a forward ``gm`` whose outputs Inductor lays out channels-last when it returns them
+    (its layout optimization: ``GraphLowering.decide_layout_opt``, then
+    ``find_nodes_prefer_channels_last``, asked as Inductor asks them); empty where Inductor does not
+    optimize ``gm``'s layouts, None where this torch cannot say."""
+    from torch._inductor.graph import GraphLowering
+
+    decide = getattr(GraphLowering, "decide_layout_opt", None)
+    find = getattr(GraphLowering, "find_nodes_prefer_channels_last", None)
+    if decide is None or find is None:
+        return None
+    try:
+        if not decide(gm, is_inference=False):
+            return set()
+        return set(find(types.SimpleNamespace(module=gm)))  # it reads only ``self.module``
+    except Exception:  # a torch whose heuristics read more: unknown, never a failed compile
+        return None
 
 
 def can_lower_backward_at_compile() -> bool:

@@ -4,7 +4,8 @@ pass (which inserts them) and the runtime (which implements them, ``fxoffload.ru
 Every transfer is two nodes in the graph, found by ``node.target``, never by name or position::
 
     forward, one offloaded tensor ``x`` whose last forward readers are ``u1 .. uk``:
-        x_host = fxoffload.offload(x, [u1, .., uk])  # D2H copy on the transfer stream into a host buffer
+        x_host = fxoffload.offload(x, [u1, .., uk])  # D2H copy on the transfer stream into a host buffer,
+                                                     # in x's layout as traced (its ``stride`` argument)
         x_host = fxoffload.wait(x_host, x, [b])     # compute stream waits on the copy; x dies after this
         return (..., x_host)                        # the host copy is saved for backward, x is not
 
@@ -38,8 +39,8 @@ import torch
 import torch.fx as fx
 
 __all__ = [
-    "LIBRARY", "OFFLOAD", "ORDER", "RELOAD", "TRANSFER_OPS", "TransferTime", "WAIT", "fake_impl", "is_transfer",
-    "transfer_name",
+    "LIBRARY", "OFFLOAD", "ORDER", "RELOAD", "TRANSFER_OPS", "TransferTime", "WAIT", "fake_impl", "host_stride",
+    "is_transfer", "transfer_name",
 ]  # fmt: skip
 
 LIBRARY = "fxoffload"
@@ -50,7 +51,14 @@ _lib = torch.library.Library(LIBRARY, "DEF")
 # and its wait saw different buffers and the one being copied was freed before the wait.
 _TAGS = (torch.Tag.flexible_layout,)
 # ``name``: which saved tensor the copy moves, as "<graph id>:<tensor>" (``TransferTime.name``).
-_lib.define("offload(Tensor src, Tensor[] after, float bandwidth=0., str name='') -> Tensor", tags=_TAGS)
+# ``stride``: the layout the host copy takes, the saved tensor's as traced (None: the source's). The
+# backward expects that layout; a host copy in the layout Inductor chose for the source (a convolution's
+# output laid out channels-last) made Inductor's forward restride it on the host after the wait, into
+# a new buffer it saved instead (on a CPU a device buffer: nothing left the peak; on a GPU a pageable
+# one, read after a wait that must then block the host).
+_lib.define(
+    "offload(Tensor src, Tensor[] after, float bandwidth=0., str name='', int[]? stride=None) -> Tensor", tags=_TAGS
+)
 _lib.define(
     "reload(Tensor host, Device device, Tensor[] after, float bandwidth=0., str name='') -> Tensor", tags=_TAGS
 )
@@ -58,10 +66,26 @@ _lib.define("wait(Tensor(a) dest, Tensor keepalive, Tensor[] after) -> Tensor(a)
 _lib.define("order(Tensor(a) x, Tensor[] after) -> Tensor(a)", tags=_TAGS)
 
 
+def host_stride(size: Sequence[int], src: Sequence[int], wanted: Sequence[int] | None) -> tuple[int, ...]:
+    """The stride of an offload's host copy of a source laid out ``src``: ``wanted`` (its ``stride``
+    argument), or ``src`` itself where it orders the dimensions as ``wanted`` does (the same layout,
+    maybe padded: Inductor's CUDA buffers, which it accepts padded where it returns them, and which the
+    copy then moves as one run of bytes, padding included). Both the fake function (at Inductor's
+    lowering) and the run time decide by it, so the code's layout asserts hold."""
+    if wanted is None or tuple(wanted) == tuple(src):
+        return tuple(src)
+
+    def order(stride: Sequence[int]) -> list[int]:
+        return sorted((d for d in range(len(size)) if size[d] != 1), key=lambda d: (stride[d], -d))
+
+    return tuple(src) if order(src) == order(wanted) else tuple(wanted)
+
+
 def _offload_fake(
-    src: torch.Tensor, after: Sequence[torch.Tensor], bandwidth: float = 0.0, name: str = ""
+    src: torch.Tensor, after: Sequence[torch.Tensor], bandwidth: float = 0.0, name: str = "",
+    stride: Sequence[int] | None = None,
 ) -> torch.Tensor:
-    return torch.empty_strided(src.size(), src.stride(), dtype=src.dtype, device="cpu")
+    return torch.empty_strided(src.size(), host_stride(src.size(), src.stride(), stride), dtype=src.dtype, device="cpu")
 
 
 def _reload_fake(

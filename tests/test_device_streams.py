@@ -240,3 +240,20 @@ def test_the_compiler_says_which_host_copies_the_forward_reads(streams, caplog):
         partitioner._host_reads(pair, code)
         assert transfers._host_reads == said
         assert ("reads the host copies of conv, other" in caplog.text) is bool(said), caplog.text
+
+
+def test_an_offload_restrides_its_source_into_the_layout_it_is_given(streams):
+    """A convolution's output laid out channels-last, traced contiguous: the host copy and its reload
+    take the layout asked for (``rewrite.host_layout``), the restride being the copy itself, on the
+    transfer stream and ordered as any copy."""
+    src = torch.empty(2, 3, 4, 5, device=META).to(memory_format=torch.channels_last)
+    traced = [60, 20, 5, 1]
+    produced = streams.kernel("produce src")
+    host = transfers._offload_impl(src, [], 0.0, "test:src", traced)
+    assert host.stride() == tuple(traced) and host.device.type == "cpu"
+    transfers._wait_impl(host, src, [])
+    reused = streams.kernel("reuse src's memory")
+    (copy,) = streams.copies()
+    assert streams.log[copy] == ("transfer", "copy", ("cpu", "meta", True)), streams.log
+    assert streams.happens_before(produced, copy) and streams.happens_before(copy, reused), streams.log
+    assert transfers._reload_impl(host, META, [], 0.0, "test:src").stride() == tuple(traced)

@@ -63,6 +63,19 @@ def test_fuzz_replanned(seed, index, options, inner):
     assert outcome.replans > 0, "no plan was made again: the comparison says nothing of the re-plans"
 
 
+def test_a_host_copy_the_forward_reads_stays_on_when_switched_off():
+    """Seed 2 case 11 under Inductor with each host copy left in the layout Inductor chose for its
+    source (``rewrite.host_layout``'s rule broken on purpose): the forward then restrides a
+    convolution's host copy after its wait, as every forward did before that rule. Copies that stall
+    are switched off; that one must stay on (``output_code.read_offloads``), since a switched-off
+    offload's host handle holds no bytes and the restride reads them: the conv weight's gradient was
+    wrong from the switch on."""
+    options = {**fuzz.OPTION_SETS["auto-stalls"], "broken_rule": "host_copy_in_compilers_layout"}
+    (outcome,) = fuzz.run_case(fuzz.make_case(2, 11), "inductor", {"auto-stalls": options})
+    _check([outcome], "inductor")
+    assert outcome.replans > 0, "no plan was made again: the comparison says nothing of the switch"
+
+
 def _result(**tensors):
     return fuzz.RunResult({k: torch.as_tensor(v) for k, v in tensors.items()})
 

@@ -286,7 +286,7 @@ def test_a_switched_off_copy_gives_its_tensor_back_after_the_code_reuses_its_mem
         del host, backs, back
         assert storage_expired(kept) and len(host_buffer_ranges()) == ranges
         with pytest.MonkeyPatch.context() as mp:
-            mp.setattr(transfers, "_kept_copy", lambda src: _kept_as_is(src))
+            mp.setattr(transfers, "_kept_copy", lambda src, stride: _kept_as_is(src))
             want, _, backs = offload_reuse_reload()
             assert backs[0].isnan().all()
     finally:

@@ -31,6 +31,7 @@ from ..analysis.graph import is_compute, is_view, storage_root, storage_users
 from ..ir import OFFLOAD, ORDER, RELOAD, TRANSFER_OPS, WAIT, fake_impl, transfer_name
 from ..options import BROKEN_RULES
 from ..planning.decisions import OffloadPlan
+from .host_layout import host_layouts
 
 __all__ = ["BROKEN_RULES", "apply_plan", "hoist_saved_views", "host_placeholder_name", "materialised"]
 
@@ -86,6 +87,7 @@ def apply_plan(
             broken_rule,
         )  # fmt: skip
     output.args = (tuple(outputs),) + tuple(output.args[1:])
+    host_layouts(fw, bw, broken_rule)
     for gm in (fw, bw):
         gm.graph.lint()
         gm.recompile()

@@ -22,7 +22,7 @@ from collections.abc import Sequence
 import torch
 
 from .._compat import storage_expired, storage_weak_ref
-from ..ir import LIBRARY
+from ..ir import LIBRARY, host_stride
 from .copy_engine import D2H, H2D, CopyJob, copy_span, finish_cpu_copy, span_nbytes, start_cpu_copy
 from .host_pool import HOST_POOL, keep_on_device, kept_on_device
 from .timing import Stamps, now, recording, wanted
@@ -124,10 +124,10 @@ def copies_switched_off(prefix: str = "") -> frozenset[str]:
     return frozenset(n for n in _off if n.startswith(prefix))
 
 
-def _kept_copy(src: torch.Tensor) -> torch.Tensor:
-    """A switched-off offload: the host handle of a copy of ``src`` on its own device (the compute
-    stream's order: after ``src`` is made, before its memory is reused)."""
-    kept = torch.empty_strided(src.size(), src.stride(), dtype=src.dtype, device=src.device)
+def _kept_copy(src: torch.Tensor, stride: Sequence[int]) -> torch.Tensor:
+    """A switched-off offload: the host handle of a copy of ``src`` on its own device, in the layout
+    ``stride`` (the compute stream's order: after ``src`` is made, before its memory is reused)."""
+    kept = torch.empty_strided(src.size(), stride, dtype=src.dtype, device=src.device)
     with torch.no_grad():
         copy_span(kept, src)
     host = keep_on_device(kept)
@@ -171,15 +171,21 @@ def _device_copy(
 
 
 def _offload_impl(
-    src: torch.Tensor, after: Sequence[torch.Tensor], bandwidth: float = 0.0, name: str = ""
+    src: torch.Tensor, after: Sequence[torch.Tensor], bandwidth: float = 0.0, name: str = "",
+    stride: Sequence[int] | None = None,
 ) -> torch.Tensor:
+    # The host copy's layout: the one the forward returns it in (``stride``, ``rewrite.host_layout``).
+    # Where the source has it, maybe padded (the common case), the span between its first and last
+    # element is copied as one run of bytes, padding included; where the compiler laid the source out
+    # otherwise (channels-last), the copy restrides it (``copy_span``).
+    layout = host_stride(src.size(), src.stride(), stride)
     if name in _off:
-        return _kept_copy(src)
+        return _kept_copy(src, layout)
     entered = now(src.device) if recording() and wanted(name, D2H) else None
-    # The host buffer gets the source's size and stride; the span between its first and last element
-    # is copied as one run of bytes, so reload restores the very layout, padding included.
-    # The first bytes of a buffer maybe larger, in the source's layout.
-    host = HOST_POOL.acquire(span_nbytes(src), pin=src.device.type != "cpu", device=src.device, like=src)
+    same = layout == src.stride()
+    like = src if same else torch.empty_strided(src.size(), layout, dtype=src.dtype, device="meta")
+    # The first bytes of a pool buffer, maybe a larger one, in that layout.
+    host = HOST_POOL.acquire(span_nbytes(like), pin=src.device.type != "cpu", device=src.device, like=like)
     _origin[host.data_ptr()] = src.device
     if _release_log is not None:
         _release_log.append((id(src), storage_weak_ref(src.untyped_storage())))

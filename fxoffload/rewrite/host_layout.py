@@ -1,0 +1,59 @@
+"""The layout of each host copy: the one Inductor's forward returns the saved tensor in.
+
+Inductor returns each saved tensor in a layout of its choosing: as traced, or, where it optimizes
+layouts around convolutions, channels-last for a 4-D tensor it prefers so (``GraphLowering.run_node``
+on a graph output). An offload's host copy is what the forward returns (its wait's result); a copy
+in any other layout has Inductor restride it after the wait, on the host, into a buffer of its own
+that it returns instead. On a CPU that buffer is device memory: the tensor never left the peak. On a
+GPU it is pageable host memory that host code writes after the wait (which then blocks the host:
+``runtime.transfers.wait_on_host``), and its reload is synchronous. So each offload is told the layout
+Inductor will want (its ``stride`` argument, ``ir``), and copies its source into it, whatever layout
+Inductor chose for the source.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+
+from .. import _compat
+from ..ir import OFFLOAD, WAIT, fake_impl, is_transfer
+
+__all__ = ["host_layouts", "wanted_stride"]
+
+
+def wanted_stride(x: torch.Tensor, wait: fx.Node, channels_last: set[fx.Node] | None) -> list[int] | None:
+    """The stride Inductor will return ``wait``'s result in, the host copy of ``x`` (its traced value):
+    channels-last where Inductor prefers that for ``wait`` (``channels_last``, None: not known), else
+    ``x``'s traced stride. None, the source's layout at run time, where a stride is symbolic."""
+    if not all(isinstance(s, int) for s in x.stride()):
+        return None
+    dense = x.is_contiguous() or x.is_contiguous(memory_format=torch.channels_last)  # the 4-D dense layouts
+    if channels_last and wait in channels_last and x.dim() == 4 and dense:
+        return list(torch.empty(x.shape, device="meta").to(memory_format=torch.channels_last).stride())
+    return list(x.stride())
+
+
+def host_layouts(fw: fx.GraphModule, bw: fx.GraphModule, broken: str | None = None) -> None:
+    """Give each offload of the rewritten ``fw`` the layout its host copy is returned in, and the
+    values of its wait and of the backward placeholder that receives it that layout."""
+    offloads = [n for n in fw.graph.nodes if is_transfer(n, OFFLOAD)]
+    if not offloads or broken == "host_copy_in_compilers_layout":
+        return
+    channels_last = _compat.inductor_channels_last_nodes(fw)
+    placeholders = {n.name: n for n in bw.graph.nodes if n.op == "placeholder"}
+    for copy in offloads:
+        waits = [u for u in copy.users if is_transfer(u, WAIT) and u.args[0] is copy]
+        if len(waits) != 1:
+            continue
+        (wait,) = waits
+        src = copy.args[0].meta["val"]
+        stride = wanted_stride(src, wait, channels_last)
+        copy.args = (*copy.args[:4], stride)
+        with src.fake_mode:
+            val = fake_impl(OFFLOAD)(src, [], *copy.args[2:])
+        old = wait.meta.get("val")
+        copy.meta["val"] = wait.meta["val"] = val
+        for p in placeholders.values():  # the backward's placeholder of this host copy (``_rewrite_backward``)
+            if p.meta.get("val") is old:
+                p.meta["val"] = val

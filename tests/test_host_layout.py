@@ -1,0 +1,110 @@
+"""Each host copy in the layout Inductor's forward returns it in (``rewrite.host_layout``).
+
+Inductor lays a convolution's output out channels-last and returns some saved tensors in that
+layout, others as traced. A host copy in another layout than the one returned had the forward
+restride it on the host after its wait, into a buffer of its own that it saved instead: on a CPU a
+device buffer (the tensor never left the device), on a GPU a pageable one that the host writes after
+the wait. The built-in CNN under Inductor showed it for its last convolution (``convolution_2``).
+"""
+
+import pytest
+import torch
+
+import fxoffload
+from fxoffload.analysis.output_code import read_offloads
+from fxoffload.rewrite.host_layout import wanted_stride
+from fxoffload.testing.models import example
+
+BROKEN = "host_copy_in_compilers_layout"
+
+
+def _cnn_step(amp: bool, broken_rule=None):
+    """One training step of the built-in CNN with policy "all" under Inductor: its report, loss, grads."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model, batch = example("cnn")
+    backend = fxoffload.backend(offload_cpu=True, policy="all", min_bytes=0, verify_peak=False, broken_rule=broken_rule)
+    with torch.autocast("cpu", torch.bfloat16, enabled=amp):
+        loss = torch.compile(model, backend=backend)(*batch)
+    loss.backward()
+    (report,) = backend.reports
+    return report, loss.detach(), [p.grad.clone() for p in model.parameters()]
+
+
+def _saved_at_forward_end(report) -> int:
+    """Device bytes of saved tensors the forward's code holds when it returns (its code replayed)."""
+    return [p for p in report.compiled_memory().points if p.phase == "forward"][-1].live["saved"]
+
+
+@pytest.mark.parametrize("amp", [False, True], ids=["fp32", "bf16-autocast"])
+def test_the_forward_returns_each_host_copy_as_it_is(amp):
+    report, loss, grads = _cnn_step(amp)
+    assert len(report.offloaded) >= 7
+    forward = report.output_code["forward"]
+    assert not read_offloads(forward), read_offloads(forward)  # no host code reads a host copy
+    # Broken on purpose (the copies in the layout Inductor chose for their sources): the forward
+    # restrides the last convolution's host copy into a device buffer it saves instead.
+    broken, broken_loss, broken_grads = _cnn_step(amp, BROKEN)
+    reads = read_offloads(broken.output_code["forward"])
+    assert {name.split(":", 1)[1] for name in reads} == {"convolution_2"}, reads
+    conv = next(r for r in report.saved if r.name == "convolution_2")
+    # That buffer is the difference in what the forward leaves on the device (fp32: 119,236 B against
+    # 643,524 B on CPU, torch 2.13; the conv's output is 512 KiB).
+    assert _saved_at_forward_end(broken) - _saved_at_forward_end(report) >= conv.nbytes
+    # Both compute what Inductor computes without offloading.
+    _, plain_loss, plain_grads = _plain_step(amp)
+    for got, want in ((loss, plain_loss), (broken_loss, plain_loss)):
+        torch.testing.assert_close(got, want)
+    for g, b, want in zip(grads, broken_grads, plain_grads):
+        tol = {"rtol": 2e-2, "atol": 2e-2} if amp else {}
+        torch.testing.assert_close(g, want, **tol)
+        torch.testing.assert_close(b, want, **tol)
+
+
+def _plain_step(amp: bool):
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model, batch = example("cnn")
+    with torch.autocast("cpu", torch.bfloat16, enabled=amp):
+        loss = torch.compile(model, backend="inductor")(*batch)
+    loss.backward()
+    return None, loss.detach(), [p.grad.clone() for p in model.parameters()]
+
+
+def test_the_wanted_layout_is_channels_last_only_where_inductor_prefers_it():
+    graph = torch.fx.Graph()
+    wait = graph.placeholder("wait")
+    x = torch.empty(8, 16, 4, 4, device="meta")
+    assert wanted_stride(x, wait, {wait}) == [256, 1, 64, 16]  # channels-last
+    assert wanted_stride(x, wait, set()) == list(x.stride())  # as traced
+    assert wanted_stride(x, wait, None) == list(x.stride())  # Inductor's choice unknown: as traced
+    y = torch.empty(8, 16, device="meta")
+    assert wanted_stride(y, wait, {wait}) == [16, 1]  # only 4-D tensors go channels-last
+
+
+def test_the_cpu_engine_restrides_a_source_into_the_layout_it_is_given():
+    """On the CPU copy engine: the bytes are copied in the source's layout on the copy thread and
+    restrided into the host copy's layout where the wait publishes them; the reload returns that
+    layout, with the source's values."""
+    from fxoffload.runtime import transfers
+
+    src = torch.randn(2, 3, 4, 5).to(memory_format=torch.channels_last)
+    expected = src.clone()
+    host = transfers._offload_impl(src, [], 0.0, "test:restride", [60, 20, 5, 1])
+    host = transfers._wait_impl(host, src, [])
+    assert host.is_contiguous() and torch.equal(host, expected)
+    back = transfers._wait_impl(transfers._reload_impl(host, torch.device("cpu"), [], 0.0, "test:restride"), host, [])
+    assert back.is_contiguous() and torch.equal(back, expected)
+
+
+def test_a_padded_source_keeps_its_layout_a_permuted_one_is_restrided():
+    """``ir.host_stride``, which the fake function and the run time both follow: a source laid out as
+    asked, but padded (Inductor's CUDA buffers), is copied as it is; one whose dimensions are ordered
+    otherwise takes the layout asked for."""
+    from fxoffload.ir import host_stride
+
+    assert host_stride((4096, 1050), (1056, 1), [1050, 1]) == (1056, 1)  # padded: as it is
+    assert host_stride((2, 3, 4, 5), (60, 1, 15, 3), [60, 20, 5, 1]) == (60, 20, 5, 1)  # channels-last: restrided
+    assert host_stride((2, 3, 4, 5), (60, 20, 5, 1), [60, 1, 15, 3]) == (60, 1, 15, 3)
+    assert host_stride((8, 1, 4), (4, 4, 1), [4, 1, 1]) == (4, 4, 1)  # a size-1 dimension's stride: no matter
+    assert host_stride((2, 3), (3, 1), None) == (3, 1)
