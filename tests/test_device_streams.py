@@ -200,7 +200,7 @@ def _read_on_host(streams: _Streams, name: str) -> tuple[int, int]:
 
 
 def test_a_host_copy_the_code_reads_on_the_host_is_read_after_its_copy(streams):
-    transfers.wait_on_host(["test:read"])
+    transfers.wait_on_host("test:", ["test:read"])
     copy, read = _read_on_host(streams, "test:read")
     assert streams.happens_before(copy, read), streams.log
 
@@ -240,6 +240,11 @@ def test_the_compiler_says_which_host_copies_the_forward_reads(streams, caplog):
         partitioner._host_reads(pair, code)
         assert transfers._host_reads == said
         assert ("reads the host copies of conv, other" in caplog.text) is bool(said), caplog.text
+    # The graph compiled again, its new code reading neither: their waits stop blocking the host.
+    transfers._host_reads.update({"5:conv", "6:conv"})
+    pair = types.SimpleNamespace(graph_id=5, plan=types.SimpleNamespace(offloaded=(decision("conv", "cuda"),)))
+    partitioner._host_reads(pair, code.replace("cpp_fused_0(buf9, buf4, buf11)", "cpp_fused_0(buf11)"))
+    assert transfers._host_reads == {"6:conv"}  # another graph's stays
 
 
 def test_an_offload_restrides_its_source_into_the_layout_it_is_given(streams):

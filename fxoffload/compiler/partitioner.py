@@ -193,10 +193,10 @@ def _host_reads(pair: PlannedPair, code: str) -> None:
         d.saved.name for d in pair.plan.offloaded
         if d.saved.device.type != "cpu" and transfer_name(pair.graph_id, d.saved.name) in read
     )  # fmt: skip
+    wait_on_host(transfer_name(pair.graph_id, ""), [transfer_name(pair.graph_id, n) for n in names])
     if names:
-        wait_on_host([transfer_name(pair.graph_id, n) for n in names])
         log.warning(
-            "fxoffload: graph %d: Inductor's forward reads the host copies of %s after their waits (it laid them "
-            "out otherwise than traced and copies them into the traced layout): those waits make the host wait "
-            "for the copy, and the copies do not overlap the step", pair.graph_id, ", ".join(names),
+            "fxoffload: graph %d: Inductor's forward reads the host copies of %s after their waits (it copies "
+            "them into another layout than their offloads gave them, ``rewrite.host_layout``): those waits make "
+            "the host wait for the copy, and the copies do not overlap the step", pair.graph_id, ", ".join(names),
         )  # fmt: skip

@@ -112,11 +112,14 @@ def switch_copies_on(prefix: str) -> None:
     _off.difference_update([n for n in _off if n.startswith(prefix)])
 
 
-def wait_on_host(names: Sequence[str]) -> None:
-    """The waits of these transfers (``ir.transfer_name``) make the host wait for the copy too, not
-    only the compute stream: code on the host reads their host copies next (Inductor's forward
-    copying one into the layout the tensor was traced with, ``output_code.read_offloads``), which a
-    wait that orders the device alone leaves racing the copy."""
+def wait_on_host(prefix: str, names: Sequence[str]) -> None:
+    """The waits of these transfers (``ir.transfer_name``), of the graph whose transfer names start
+    with ``prefix``, make the host wait for the copy too, not only the compute stream: code on the
+    host reads their host copies next (Inductor's forward copying one into another layout,
+    ``output_code.read_offloads``), which a wait that orders the device alone leaves racing the copy.
+    They replace what an earlier compile of that graph said: a copy its new code no longer reads
+    overlaps again."""
+    _host_reads.difference_update([n for n in _host_reads if n.startswith(prefix)])
     _host_reads.update(names)
 
 
