@@ -72,7 +72,8 @@ def _one(method: str, layers: int, steps: int, link: str) -> dict:
         row.update(compiles=sum(len(x.spent) or x.compiles for x in t), compile_s=sum(x.spent_s for x in t),
                    pass_s=sum(x.pass_s + x.repartition_s + x.simulate_s for x in t),
                    offloaded=sum(len(r.offloaded) for r in backend.reports), replans=sum(len(r.replans) for r in backend.reports),
-                   spent=[f"graph {r.graph_id}: {r.timings.spent_text()}" for r in backend.reports if r.timings is not None])  # fmt: skip
+                   spent=[f"graph {r.graph_id}: {r.timings.spent_text()}" for r in backend.reports if r.timings is not None],
+                   why=[f"graph {r.graph_id}: planned again: {w}" for r in backend.reports for w in r.replans])  # fmt: skip
     return row
 
 
@@ -116,7 +117,7 @@ def main(argv: list[str] | None = None) -> None:
     print(tabulate(table, headers=headers))
     print("\nWhere each method's compiles went (report.timings.spent; after the table's steps):")
     for r in rows:
-        for line in r.get("spent", ()):
+        for line in (*r.get("spent", ()), *r.get("why", ())):
             print(f"  {r['method']}, {line}")
 
 

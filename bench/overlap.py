@@ -57,6 +57,7 @@ def measure(model, args, steps: int = 3, **options) -> dict[str, float]:
         "step_s": seconds,
         "replans": sum(len(r.replans) for r in backend.reports),
         "kept_measured_stalling": sum(r.reason_code == "measured_stall" for rep in backend.reports for r in rep.saved),
+        "kept_barely_lowering": sum(r.reason_code == "peak_barely_lowered" for rep in backend.reports for r in rep.saved),
     }
 
 

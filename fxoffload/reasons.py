@@ -62,6 +62,7 @@ class ReasonCode(_StrEnum):
     IDLE_WINDOW = "idle_window"
     POLICY_ALL = "policy_all"
     PEAK_NOT_LOWERED = "peak_not_lowered"
+    PEAK_BARELY_LOWERED = "peak_barely_lowered"
     BUDGET_OFFLOAD = "budget_offload"
     BUDGET_RECOMPUTE = "budget_recompute"
     INDUCTOR_RECOMPUTE = "inductor_recompute"

@@ -184,8 +184,11 @@ def test_measured_waiting_matches_the_predicted_stall_and_auto_hides_its_copies(
     assert auto["wait_d2h_s"] + auto["wait_h2d_s"] < 0.05 * waited, auto
     if auto["copies"]:
         assert auto["copies"] == 2 * auto["offloaded"], auto  # one copy out and one back per offload
-    else:  # its first plan's copies were measured stalling (the fixed CPU rates priced compute slow), and kept
-        assert auto["offloaded"] == 0 and auto["replans"] >= 1 and auto["kept_measured_stalling"] >= 1, auto
+    else:  # its first plan's copies were measured stalling (the fixed CPU rates priced compute slow), and
+        # kept; or what it predicts hidden lowers the peak too little to be worth it (``planning.worth``)
+        assert auto["offloaded"] == 0, auto
+        stalled = auto["replans"] >= 1 and auto["kept_measured_stalling"] >= 1
+        assert stalled or auto["kept_barely_lowering"] >= 1, auto
     assert wait_per_copy(every) > 0.5 * (every["copy_d2h_s"] + every["copy_h2d_s"]) / every["copies"], every
 
 

@@ -31,7 +31,7 @@ INDUCTOR_CASES = [(78, "all"), (288, "all-slow")]
 # traced, a copy a switched-off offload must not be (``output_code.read_offloads``): its gradients
 # were wrong before that.
 REPLANNED_CASES = [(0, 9, "auto-stalls", "aot_eager"), (0, 17, "auto-stalls", "aot_eager"),
-                   (0, 9, "auto-grows", "aot_eager"), (0, 19, "auto-grows", "aot_eager"),
+                   (0, 9, "auto-grows", "aot_eager"), (0, 18, "auto-grows", "aot_eager"),
                    (2, 11, "auto-stalls", "inductor")]
 
 

@@ -492,8 +492,9 @@ def test_the_last_replan_offloads_only_what_was_measured_to_hide(monkeypatch):
     """``auto``'s last re-plan (``max_replans=1``: the first) offloads only tensors the plan before
     offloaded and measured hiding: no copy that was not measured comes in, so nothing new can stall.
     The measurement's input forced: half the offloaded tensors (by name) reported stalled; a
-    ``host_budget`` of two tensors, so that keeping one leaves room a plan would fill with a copy
-    never measured."""
+    ``host_budget`` the first plan fills (1 MiB: with less, what is left to offload lowers the peak
+    too little to be worth it, ``planning.worth``), so that keeping the stalled ones leaves room a
+    plan would fill with a copy never measured."""
     forced: set[str] = set()
     original = watch.measured_plan
 
@@ -508,7 +509,7 @@ def test_the_last_replan_offloads_only_what_was_measured_to_hide(monkeypatch):
     monkeypatch.setattr(watch, "stalled", lambda t: t.tensor in forced)
     backend = fxoffload.backend(
         offload_cpu=True, policy="auto", min_bytes="16KiB", cpu_link_bandwidth=5e9, inner="aot_eager", op_time=0.0,
-        max_replans=1, host_budget="256KiB",
+        max_replans=1, host_budget="1MiB",
     )  # fmt: skip
     step = _stepper(backend)
     step()

@@ -52,6 +52,7 @@ from ..sizes import fmt_bytes
 from .decisions import OffloadPlan, PlanCosts
 from .plan import auto_offload_bytes
 from .schedule import OpAllowance, copy_windows
+from .worth import WORTH_A_COMPILE
 
 __all__ = [
     "HOST_BOUND", "MEASURED_MARGIN", "Measured", "ROOM_SHARE", "STALL_FLOOR_S", "calls_over_allowance", "host_bound",
@@ -70,7 +71,7 @@ MEASURED_MARGIN = (0.1, 1.0)
 HOST_BOUND = 1.1
 # A plan whose copies all hid is made again where the model corrected by their measurement offloads
 # more, by at least this share of the pair's saved bytes (``room``): a compile for less is not worth it.
-ROOM_SHARE = 0.02
+ROOM_SHARE = WORTH_A_COMPILE
 
 
 @dataclasses.dataclass(frozen=True)

@@ -16,10 +16,11 @@ from ..analysis.recompute import RecomputeOption
 from ..options import OffloadOptions
 from ..reasons import Action, Reason, ReasonCode
 from ..sizes import CUDA_BLOCK_BYTES, fmt_bytes
-from .budget import budget_bytes, fit_budget, planned_memory
+from .budget import budget_bytes, fit_budget
 from .decisions import Decision, OffloadPlan, PlanCosts, planned_host_bytes
 from .policy import user_choice
 from .schedule import HiddenSetChecker, OpAllowance, TransferTiming, fmt_ms, not_hidden, schedule_transfers
+from .worth import without_useless_offloads
 
 __all__ = ["MIN_COPY_BYTES", "auto_offload_bytes", "ineligible_reason", "plan_offloads", "replan_after_recompute"]
 
@@ -129,7 +130,8 @@ def plan_offloads(
     plan = made.plan(picks.chosen)
     mine = [t for t in picks.chosen if t not in asked.offloads]
     if options.base_policy == "auto" and budget is None and mine and lifetimes.returns_only_scalars:
-        plan = _without_useless_offloads(plan, made, picks.chosen, mine)
+        without = made.plan([t for t in picks.chosen if t not in mine])
+        plan = without_useless_offloads(plan, without, {t.name for t in mine})
     return plan
 
 
@@ -328,33 +330,6 @@ class _Made:
             budget_target=self.budget_target if self.budget is not None else None, costs=self.costs,
             wait_at_once=self.wait_at_once, fit_peak=self.fit_peak,
         )  # fmt: skip
-
-
-def _without_useless_offloads(
-    plan: OffloadPlan, made: _Made, chosen: Sequence[SavedTensor], mine: Sequence[SavedTensor]
-) -> OffloadPlan:
-    """"auto" offloads to lower the peak. Where its choices cannot (the peak is where none of its
-    tensors is off the device: the MLP's, at the end of the backward, every gradient live), the
-    copies buy nothing, and the order they impose on the compiler can cost memory. Judged only for a
-    pair that returns a loss alone: one that returns activations may be one block of a longer step,
-    whose peak is where this pair's saved tensors wait for their backward."""
-    with_them = planned_memory(plan)
-    without = made.plan([t for t in chosen if t not in mine])
-    if with_them is None or with_them.peak.total < planned_memory(without).peak_bytes:
-        return plan
-    peak = with_them.peak
-    dropped = {t.name for t in mine}
-    why = (
-        f"offloading would not lower the predicted peak ({fmt_bytes(peak.total)} at "
-        f"{peak.phase} node {peak.node}, with or without it)"
-    )
-    decisions = tuple(
-        dataclasses.replace(d, reason=Reason(ReasonCode.PEAK_NOT_LOWERED, f"{why}; {d.reason.text}"))
-        if d.saved.name in dropped
-        else d
-        for d in without.decisions
-    )
-    return dataclasses.replace(without, decisions=decisions)
 
 
 @dataclasses.dataclass
