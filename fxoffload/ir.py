@@ -5,7 +5,7 @@ Every transfer is two nodes in the graph, found by ``node.target``, never by nam
 
     forward, one offloaded tensor ``x`` whose last forward readers are ``u1 .. uk``:
         x_host = fxoffload.offload(x, [u1, .., uk])  # D2H copy on the transfer stream into a host buffer,
-                                                     # in x's layout as traced (its ``stride`` argument)
+                                                     # in the layout the forward returns it in (``stride``)
         x_host = fxoffload.wait(x_host, x, [b])     # compute stream waits on the copy; x dies after this
         return (..., x_host)                        # the host copy is saved for backward, x is not
 
@@ -51,11 +51,12 @@ _lib = torch.library.Library(LIBRARY, "DEF")
 # and its wait saw different buffers and the one being copied was freed before the wait.
 _TAGS = (torch.Tag.flexible_layout,)
 # ``name``: which saved tensor the copy moves, as "<graph id>:<tensor>" (``TransferTime.name``).
-# ``stride``: the layout the host copy takes, the saved tensor's as traced (None: the source's). The
-# backward expects that layout; a host copy in the layout Inductor chose for the source (a convolution's
-# output laid out channels-last) made Inductor's forward restride it on the host after the wait, into
-# a new buffer it saved instead (on a CPU a device buffer: nothing left the peak; on a GPU a pageable
-# one, read after a wait that must then block the host).
+# ``stride``: the layout the host copy takes, the one the forward returns the saved tensor in
+# (``rewrite.host_layout``; None: the source's, ``host_stride``). A host copy in another layout (the one
+# Inductor chose for the source: a convolution's output channels-last, returned as traced) made
+# Inductor's forward restride it on the host after the wait, into a new buffer it saved instead (on a
+# CPU a device buffer: nothing left the device; on a GPU a pageable one, written after a wait that
+# must then block the host).
 _lib.define(
     "offload(Tensor src, Tensor[] after, float bandwidth=0., str name='', int[]? stride=None) -> Tensor", tags=_TAGS
 )
