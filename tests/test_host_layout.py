@@ -80,6 +80,10 @@ def test_the_wanted_layout_is_channels_last_only_where_inductor_prefers_it():
     assert wanted_stride(x, wait, None) == list(x.stride())  # Inductor's choice unknown: as traced
     y = torch.empty(8, 16, device="meta")
     assert wanted_stride(y, wait, {wait}) == [16, 1]  # only 4-D tensors go channels-last
+    permuted = torch.empty(8, 4, 4, 16, device="meta").permute(0, 3, 2, 1)  # dense, neither NCHW nor NHWC
+    assert wanted_stride(permuted, wait, {wait}) == [256, 1, 64, 16]  # channels-last, as Inductor lays it out
+    gappy = torch.empty(8, 16, 4, 8, device="meta")[..., :4]  # not dense: as traced
+    assert wanted_stride(gappy, wait, {wait}) == list(gappy.stride())
 
 
 def test_the_cpu_engine_restrides_a_source_into_the_layout_it_is_given():

@@ -28,8 +28,7 @@ def wanted_stride(x: torch.Tensor, wait: fx.Node, channels_last: set[fx.Node] | 
     ``x``'s traced stride. None, the source's layout at run time, where a stride is symbolic."""
     if not all(isinstance(s, int) for s in x.stride()):
         return None
-    dense = x.is_contiguous() or x.is_contiguous(memory_format=torch.channels_last)  # the 4-D dense layouts
-    if channels_last and wait in channels_last and x.dim() == 4 and dense:
+    if channels_last and wait in channels_last and x.dim() == 4 and _dense(x.shape, x.stride()):
         return list(torch.empty(x.shape, device="meta").to(memory_format=torch.channels_last).stride())
     return list(x.stride())
 
@@ -57,3 +56,14 @@ def host_layouts(fw: fx.GraphModule, bw: fx.GraphModule, broken: str | None = No
         for p in placeholders.values():  # the backward's placeholder of this host copy (``_rewrite_backward``)
             if p.meta.get("val") is old:
                 p.meta["val"] = val
+
+
+def _dense(size: tuple[int, ...], stride: tuple[int, ...]) -> bool:
+    """Whether a layout covers its storage without gaps or overlaps, in any order of its dimensions
+    (what Inductor asks before it lays a returned tensor out channels-last)."""
+    expected = 1
+    for d in sorted(range(len(size)), key=lambda d: stride[d]):
+        if size[d] != 1 and stride[d] != expected:
+            return False
+        expected *= size[d]
+    return True
