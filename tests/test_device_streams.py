@@ -247,10 +247,17 @@ def test_the_compiler_says_which_host_copies_the_forward_reads(streams, caplog):
     assert transfers._host_reads == {"6:conv"}  # another graph's stays
 
 
-def test_an_offload_restrides_its_source_into_the_layout_it_is_given(streams):
+def test_an_offload_restrides_its_source_into_the_layout_it_is_given(streams, monkeypatch):
     """A convolution's output laid out channels-last, traced contiguous: the host copy and its reload
-    take the layout asked for (``rewrite.host_layout``), the restride being the copy itself, on the
-    transfer stream and ordered as any copy."""
+    take the layout asked for (``rewrite.host_layout``). The source is restrided on its device, on the
+    transfer stream after the producer, then copied as one run of bytes, ordered as any copy."""
+    restrided = transfers._restrided
+
+    def logged(src, stride):
+        streams.log.append((streams.current[-1].name, "kernel", "restride"))
+        return restrided(src, stride)
+
+    monkeypatch.setattr(transfers, "_restrided", logged)
     src = torch.empty(2, 3, 4, 5, device=META).to(memory_format=torch.channels_last)
     traced = [60, 20, 5, 1]
     produced = streams.kernel("produce src")
@@ -259,6 +266,8 @@ def test_an_offload_restrides_its_source_into_the_layout_it_is_given(streams):
     transfers._wait_impl(host, src, [])
     reused = streams.kernel("reuse src's memory")
     (copy,) = streams.copies()
+    (restride,) = [i for i, entry in enumerate(streams.log) if entry == ("transfer", "kernel", "restride")]
     assert streams.log[copy] == ("transfer", "copy", ("cpu", "meta", True)), streams.log
-    assert streams.happens_before(produced, copy) and streams.happens_before(copy, reused), streams.log
+    assert streams.happens_before(produced, restride) and streams.happens_before(restride, copy), streams.log
+    assert streams.happens_before(copy, reused), streams.log
     assert transfers._reload_impl(host, META, [], 0.0, "test:src").stride() == tuple(traced)

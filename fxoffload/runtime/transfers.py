@@ -166,11 +166,24 @@ def _device_copy(
     with transfer:  # restores the previous stream and current device on exit
         if stamps is not None:
             stamps.around_copy(transfer, start=True)
+        if dest.stride() != src.stride():  # an offload restriding its source (``ir.host_stride``)
+            src = _restrided(src, dest.stride())
         copy_span(dest, src, non_blocking=True)  # pinned pool buffer, or pageable: then it syncs
         transfer.record_event(event)
         if stamps is not None:
             stamps.around_copy(transfer, start=False)
     _register(dest, _Pending(event, device, stamps=stamps, name=name))
+
+
+def _restrided(src: torch.Tensor, stride: Sequence[int]) -> torch.Tensor:
+    """``src`` in the layout ``stride``, copied on its own device and the current (transfer) stream,
+    so that the copy to the host is one run of bytes into pinned memory. (Torch's own copy to a host
+    buffer of another layout stages through pageable memory where that layout is not contiguous,
+    which blocks the host until the transfer stream gets there.) The block goes back to the caching
+    allocator for the transfer stream, whose later work is ordered after this copy."""
+    staged = torch.empty_strided(src.size(), stride, dtype=src.dtype, device=src.device)
+    staged.copy_(src)
+    return staged
 
 
 def _offload_impl(
