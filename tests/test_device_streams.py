@@ -213,15 +213,21 @@ def test_the_check_sees_a_host_read_racing_its_copy(streams):
 
 
 def test_the_compiler_says_which_host_copies_the_forward_reads(streams, caplog):
-    """``partitioner._host_reads``: the offloads of accelerator tensors whose host copy the forward's
-    code reads (``output_code.read_offloads``) wait on the host, and the log says so; a CPU tensor's
-    wait blocks the host anyway (the copy engine's), and is left alone."""
+    """``PairRegister.record``: the offloads of accelerator tensors whose host copy the forward's code
+    of the pair that runs reads (``output_code.read_offloads``) wait on the host, and the log says so;
+    a CPU tensor's wait blocks the host anyway (the copy engine's), and is left alone. Set for the
+    pair recorded, not by every compile of the graph: a compile that is dropped (verify_peak's code
+    without offloading) cleared the pair's host waits, and its forward's host read raced the copy."""
     import types
 
-    from fxoffload.compiler import partitioner
+    from fxoffload.compiler.pair import PairRegister
 
     def decision(name, device):
         return types.SimpleNamespace(saved=types.SimpleNamespace(name=name, device=torch.device(device)))
+
+    def pair(graph_id, code, *decisions):
+        plan = types.SimpleNamespace(offloaded=decisions)
+        return types.SimpleNamespace(graph_id=graph_id, plan=plan, output_code={"forward": code})
 
     code = (
         "def call(self, args):\n"
@@ -235,16 +241,20 @@ def test_the_compiler_says_which_host_copies_the_forward_reads(streams, caplog):
     for device, said in (("cuda", {"5:conv", "5:other"}), ("cpu", set())):
         transfers._host_reads.clear()
         caplog.clear()
-        pair = types.SimpleNamespace(graph_id=5, plan=types.SimpleNamespace(
-            offloaded=(decision("conv", device), decision("other", device))))  # fmt: skip
-        partitioner._host_reads(pair, code)
+        PairRegister().record(pair(5, code, decision("conv", device), decision("other", device)))
         assert transfers._host_reads == said
         assert ("reads the host copies of conv, other" in caplog.text) is bool(said), caplog.text
-    # The graph compiled again, its new code reading neither: their waits stop blocking the host.
-    transfers._host_reads.update({"5:conv", "6:conv"})
-    pair = types.SimpleNamespace(graph_id=5, plan=types.SimpleNamespace(offloaded=(decision("conv", "cuda"),)))
-    partitioner._host_reads(pair, code.replace("cpp_fused_0(buf9, buf4, buf11)", "cpp_fused_0(buf11)"))
-    assert transfers._host_reads == {"6:conv"}  # another graph's stays
+    # The pair that runs is recorded again (its measurement on the report): nothing changes, said once.
+    register, running = PairRegister(), pair(5, code, decision("conv", "cuda"))
+    register.record(running)
+    caplog.clear()
+    register.record(running)
+    assert transfers._host_reads == {"5:conv"} and "reads the host copies" not in caplog.text
+    # The graph compiled again, its new code reading none: its waits stop blocking the host; another
+    # graph's stay.
+    transfers._host_reads.add("6:conv")
+    register.record(pair(5, code.replace("cpp_fused_0(buf9, buf4, buf11)", "cpp_fused_0(buf11)"), decision("conv", "cuda")))
+    assert transfers._host_reads == {"6:conv"}
 
 
 def test_an_offload_restrides_its_source_into_the_layout_it_is_given(streams, monkeypatch):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import logging
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -16,10 +17,15 @@ from typing import Any
 import torch.fx as fx
 
 from ..analysis.memory import MemoryPoint, MemoryTimeline
+from ..analysis.output_code import read_offloads
 from ..analysis.outside import OutsideMemory
+from ..ir import transfer_name
 from ..planning.decisions import OffloadPlan
 from ..reporting.report import OffloadReport
 from ..rewrite.host_copies import HostCopy, replay_switched_off
+from ..runtime.transfers import wait_on_host
+
+log = logging.getLogger(__name__)
 
 __all__ = ["PairRegister", "PlannedPair", "new_graph_id"]
 
@@ -133,10 +139,19 @@ class PairRegister:
 
     def __init__(self) -> None:
         self._pairs: dict[int, PlannedPair] = {}
+        self._forward_code: dict[int, str] = {}  # by graph id: the forward code its host reads came from
 
     def record(self, pair: PlannedPair) -> None:
-        """``pair`` runs for its graph id from now on (replacing a pair planned before for it)."""
+        """``pair`` runs for its graph id from now on (replacing a pair planned before for it). Where
+        its forward's code reads an accelerator tensor's host copy after its wait, that wait makes the
+        host wait for the copy too (``runtime.transfers.wait_on_host``): set here, for the pair that
+        runs, never by a compile that is then dropped (verify_peak's code without offloading, a
+        budget's other attempts, a re-plan that failed)."""
         self._pairs[pair.graph_id] = pair
+        code = pair.output_code.get("forward", "")
+        if self._forward_code.get(pair.graph_id) is not code:
+            self._forward_code[pair.graph_id] = code
+            _host_reads(pair, code)
 
     def get(self, graph_id: int) -> PlannedPair | None:
         return self._pairs.get(graph_id)
@@ -156,3 +171,23 @@ class PairRegister:
 
     def reports(self) -> list[OffloadReport]:
         return [p.report for p in self._pairs.values()]
+
+
+def _host_reads(pair: PlannedPair, code: str) -> None:
+    """The offloads of accelerator tensors whose host copy the forward's ``code`` reads after the wait
+    (``output_code.read_offloads``: Inductor copying it into another layout): a wait orders the device
+    alone, and the host would read a copy still in flight. Their waits wait on the host as well,
+    replacing what the graph's earlier code said; said once per forward code, as it costs those copies
+    their overlap."""
+    read = read_offloads(code)
+    names = sorted(
+        d.saved.name for d in pair.plan.offloaded
+        if d.saved.device.type != "cpu" and transfer_name(pair.graph_id, d.saved.name) in read
+    )  # fmt: skip
+    wait_on_host(transfer_name(pair.graph_id, ""), [transfer_name(pair.graph_id, n) for n in names])
+    if names:
+        log.warning(
+            "fxoffload: graph %d: Inductor's forward reads the host copies of %s after their waits (it copies "
+            "them into another layout than their offloads gave them, ``rewrite.host_layout``): those waits make "
+            "the host wait for the copy, and the copies do not overlap the step", pair.graph_id, ", ".join(names),
+        )  # fmt: skip

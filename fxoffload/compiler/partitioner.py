@@ -11,9 +11,7 @@ import torch.fx as fx
 
 from .. import _compat
 from ..analysis.memory import kept_saved_bytes, param_grad_bytes, simulate
-from ..analysis.output_code import read_offloads
 from ..analysis.outside import OutsideMemory
-from ..ir import transfer_name
 from ..options import OffloadOptions
 from ..planning.measured import Measured
 from ..reasons import Reason
@@ -21,7 +19,6 @@ from ..reporting.report import OffloadReport, PassTimings
 from ..rewrite.host_copies import find_host_copies
 from ..rewrite.mutated_reads import protect_mutated_reads
 from ..rewrite.random_ops import keep_random_ops_saved
-from ..runtime.transfers import wait_on_host
 from .offload_pass import offload_pass
 from .pair import PairRegister, PlannedPair, new_graph_id
 
@@ -70,13 +67,9 @@ class OffloadPartitioner(_compat.CustomPartitionerFn):
         self.stop_if_unchanged = False
 
     def record_output_code(self, kind: str, code: str) -> None:
-        """Inductor's wrapper code for the graphs of this pair (``PlannedPair.output_code``). Where the
-        forward's code reads an accelerator tensor's host copy after its wait, that wait makes the
-        host wait for the copy too (``runtime.transfers.wait_on_host``)."""
+        """Inductor's wrapper code for the graphs of this pair (``PlannedPair.output_code``)."""
         if self.pair is not None:
             self.pair.output_code[kind] = code
-            if kind == "forward":
-                _host_reads(self.pair, code)
             if kind == "backward" and self.on_backward_code is not None:
                 self.on_backward_code(self.pair)
 
@@ -181,22 +174,3 @@ def matmul_scratch(temporaries: Mapping[fx.Node, int]) -> tuple[tuple[str, int],
     return tuple(
         sorted((n.name, b) for n, b in temporaries.items() if getattr(n.target, "__name__", "").split(".")[0] in _MATMULS)
     )
-
-
-def _host_reads(pair: PlannedPair, code: str) -> None:
-    """The offloads of accelerator tensors whose host copy the forward's ``code`` reads after the wait
-    (``output_code.read_offloads``: Inductor copying it into the layout the tensor was traced with): a
-    wait orders the device alone, and the host would read a copy still in flight. Their waits wait on
-    the host as well; said once per compile, as it costs those copies their overlap."""
-    read = read_offloads(code)
-    names = sorted(
-        d.saved.name for d in pair.plan.offloaded
-        if d.saved.device.type != "cpu" and transfer_name(pair.graph_id, d.saved.name) in read
-    )  # fmt: skip
-    wait_on_host(transfer_name(pair.graph_id, ""), [transfer_name(pair.graph_id, n) for n in names])
-    if names:
-        log.warning(
-            "fxoffload: graph %d: Inductor's forward reads the host copies of %s after their waits (it copies "
-            "them into another layout than their offloads gave them, ``rewrite.host_layout``): those waits make "
-            "the host wait for the copy, and the copies do not overlap the step", pair.graph_id, ", ".join(names),
-        )  # fmt: skip
