@@ -160,3 +160,28 @@ def test_auto_compiles_again_at_most_max_replans_times(counted):
     assert sorted({s.round for s in spent}) == list(range(len(report.replans) + 1)), (spent, report.replans)
     assert report.timings.spent_s > report.timings.compile_s  # this plan's compile, and the earlier ones
     assert "planned again at run time (1): the plan" in report.timings.spent_text()
+
+
+def test_a_replan_that_fails_in_the_compiler_stays_on_the_report(counted, monkeypatch):
+    """The model of ``test_auto_compiles_again_at_most_max_replans_times``, Inductor failing from the
+    second step on: the plan runs on, and the failed round's compile is on its report, under round 1."""
+    backend = fxoffload.backend(
+        offload_cpu=True, policy="auto", min_bytes="16KiB", cpu_link_bandwidth=50e6, prefetch=0, max_replans=1,
+        compute_rates={"flops": 1e9, "memory_bandwidth": 1e8},
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model, batch = example("gpt")
+    step = torch.compile(model, backend=backend)
+    step(*batch).backward()
+
+    def fail(*args, **kwargs):
+        raise RuntimeError("no compiler today")
+
+    monkeypatch.setattr(_compat, "compile_with_inductor", fail)
+    for _ in range(4):
+        step(*batch).backward()
+    (report,) = backend.reports
+    assert not report.replans  # the plan made again never ran
+    failed = [s for s in report.timings.spent if s.round == 1]
+    assert [s.what for s in failed] == ["the plan (failed)"], report.timings.spent
+    assert [s.what for s in report.timings.spent if s.round == 0][0] == "the plan"

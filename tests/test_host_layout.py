@@ -112,3 +112,22 @@ def test_a_padded_source_keeps_its_layout_a_permuted_one_is_restrided():
     assert host_stride((2, 3, 4, 5), (60, 20, 5, 1), [60, 1, 15, 3]) == (60, 1, 15, 3)
     assert host_stride((8, 1, 4), (4, 4, 1), [4, 1, 1]) == (4, 4, 1)  # a size-1 dimension's stride: no matter
     assert host_stride((2, 3), (3, 1), None) == (3, 1)
+
+
+def test_the_backwards_reloads_take_the_host_copys_layout():
+    """The backward's placeholder of each host copy, its reload and the reload's wait carry the layout
+    the host copy has (FX values that Inductor's layout constraints read)."""
+    from fxoffload.ir import OFFLOAD, RELOAD, WAIT, is_transfer
+
+    report, _, _ = _cnn_step(False)
+    fw, bw = report.graphs
+    offloads = {n.args[0].name: n for n in fw.graph.nodes if is_transfer(n, OFFLOAD)}
+    assert offloads
+    for node in bw.graph.nodes:
+        if not is_transfer(node, RELOAD):
+            continue
+        host = node.args[0]
+        (wait,) = [u for u in node.users if is_transfer(u, WAIT)]
+        stride = host.meta["val"].stride()
+        assert node.meta["val"].stride() == wait.meta["val"].stride() == stride, (host.name, stride)
+        assert stride == offloads[host.name.removesuffix("_host")].meta["val"].stride()

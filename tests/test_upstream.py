@@ -425,6 +425,8 @@ def test_a_failed_plan_again_keeps_the_plan_and_the_step(monkeypatch, caplog):
     assert any("planning it again failed (no compiler today); its plan is kept" in m for m in said)
     (report,) = backend.reports
     assert not report.replans
+    # No compile ran in the failed round: the report's compiles are the first round's alone.
+    assert report.timings.spent and {s.round for s in report.timings.spent} == {0}, report.timings.spent
     eager(x).backward()
     for a, b in zip(model.parameters(), eager.parameters()):
         torch.testing.assert_close(a.grad, b.grad)

@@ -92,7 +92,7 @@ class GraphCompiler:
         code before it holds, where not read from ``example_inputs``; ``graph_id``: the id of a
         graph compiled again; ``pristine``: an unchanged copy of ``gm`` made already; ``measured``:
         what the device measured of its copies under its earlier plan."""
-        self._compiles = []
+        self.forget_spent()
         self._measured = measured
         outside = outside if outside is not None else read_outside(example_inputs)
         partitioner = self._partitioner(opts, outside, graph_id)
@@ -165,6 +165,14 @@ class GraphCompiler:
         plain = opts.replace(policy="none", memory_budget=None, offload_modules=())
         return self._partitioner(plain, pair.outside, pair.graph_id, judged_here=True)
 
+    def spent(self, round: int = 0) -> tuple[CompileSpent, ...]:
+        """The compiles of the graph being compiled, so far (one that failed included)."""
+        return tuple(CompileSpent(what, s, round) for what, s, _ in self._compiles)
+
+    def forget_spent(self) -> None:
+        """A new attempt at a graph begins: ``spent`` says its compiles only (``compile`` does this too)."""
+        self._compiles = []
+
     def _keep(self, pair: PlannedPair | None) -> PlannedPair | None:
         """Record ``pair`` as the one that runs, its report saying what compiling it took."""
         if pair is not None:
@@ -172,8 +180,7 @@ class GraphCompiler:
             if timings is not None:
                 spent = dataclasses.replace(
                     timings, compiles=sum(lowered for *_, lowered in self._compiles),
-                    compile_s=sum(s for _, s, _ in self._compiles),
-                    spent=tuple(CompileSpent(what, s) for what, s, _ in self._compiles),
+                    compile_s=sum(s for _, s, _ in self._compiles), spent=self.spent(),
                 )  # fmt: skip
                 pair = pair.with_report(timings=spent)
             self.register.record(pair)

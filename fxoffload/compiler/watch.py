@@ -305,6 +305,7 @@ class CallWatch:
         self.replans += 1
         # strict is a compile's verdict: the run judges this plan, and a step is not failed over it.
         opts = self.options.replace(strict=False)
+        self.compiler.forget_spent()
         try:
             graph = copy_graph_module(self.pristine)
             (compiled, new), said = attempt_quietly(
@@ -315,6 +316,11 @@ class CallWatch:
                 raise RuntimeError("the new compile has no plan or another calling convention")
         except Exception as e:  # never fail a step over a re-plan: the old plan runs on
             log.warning("fxoffload: graph %d: planning it again failed (%s); its plan is kept", old.graph_id, e)
+            if old.report.timings is not None:  # what the failed round's compiles took stays said
+                timings = old.report.timings
+                old = self.pair = old.with_report(
+                    timings=dataclasses.replace(timings, spent=(*timings.spent, *self.compiler.spent(self.replans)))
+                )  # fmt: skip
             self.compiler.register.record(old)
             self.pristine, self.why_not = None, f"planning it again failed ({e})"
             return False

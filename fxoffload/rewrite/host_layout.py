@@ -17,7 +17,7 @@ import torch
 import torch.fx as fx
 
 from .. import _compat
-from ..ir import OFFLOAD, WAIT, fake_impl, is_transfer
+from ..ir import OFFLOAD, RELOAD, WAIT, fake_impl, is_transfer
 
 __all__ = ["host_layouts", "wanted_stride"]
 
@@ -56,6 +56,18 @@ def host_layouts(fw: fx.GraphModule, bw: fx.GraphModule, broken: str | None = No
         for p in placeholders.values():  # the backward's placeholder of this host copy (``_rewrite_backward``)
             if p.meta.get("val") is old:
                 p.meta["val"] = val
+                _reloads_follow(p)
+
+
+def _reloads_follow(host: fx.Node) -> None:
+    """The values of the reloads of the backward placeholder ``host`` (and of their waits) in its new
+    layout: a reload returns its host copy's."""
+    for reload in [u for u in host.users if is_transfer(u, RELOAD)]:
+        val = host.meta["val"]
+        with val.fake_mode:
+            reload.meta["val"] = fake_impl(RELOAD)(val, *reload.args[1:2], [], *reload.args[3:])
+        for wait in [u for u in reload.users if is_transfer(u, WAIT) and u.args[0] is reload]:
+            wait.meta["val"] = reload.meta["val"]
 
 
 def _dense(size: tuple[int, ...], stride: tuple[int, ...]) -> bool:
