@@ -134,22 +134,29 @@ def test_a_graph_planned_again_is_judged_against_the_same_unchanged_code(counted
     assert counted["codegen"] == 5 + 3, counted  # the unchanged pair's code was not made again
 
 
+def _stalling_gpt(**options):
+    """``auto`` on the built-in GPT priced 1000x slow, its copies waited on at once on a 50 MB/s link:
+    its copies stall. The backend, and one training step."""
+    backend = fxoffload.backend(
+        offload_cpu=True, policy="auto", min_bytes="16KiB", cpu_link_bandwidth=50e6, prefetch=0,
+        compute_rates={"flops": 1e9, "memory_bandwidth": 1e8}, **options,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model, batch = example("gpt")
+    compiled = torch.compile(model, backend=backend)
+    return backend, lambda: compiled(*batch).backward()
+
+
 def test_auto_compiles_again_at_most_max_replans_times(counted):
     """``auto`` on a model priced 1000x slow, its copies waited on at once on a 50 MB/s link: the copies
     stall, are measured at the second step, and the graph is planned again and compiled, at most
     ``max_replans`` (2) times; each of those compiles lowers no more graphs than the first step did
     (its forward and backward, and the unchanged pair's code for ``verify_peak``)."""
-    backend = fxoffload.backend(
-        offload_cpu=True, policy="auto", min_bytes="16KiB", cpu_link_bandwidth=50e6, prefetch=0,
-        compute_rates={"flops": 1e9, "memory_bandwidth": 1e8},
-    )  # fmt: skip
-    torch.manual_seed(0)
-    model, batch = example("gpt")
-    step = torch.compile(model, backend=backend)
-    step(*batch).backward()
+    backend, step = _stalling_gpt()
+    step()
     first = dict(counted)
     for _ in range(8):
-        step(*batch).backward()
+        step()
     (report,) = backend.reports
     rounds = [r for r in report.replans if "planned again with the measured times" in r]
     assert 1 <= len(rounds) <= 2, report.replans
@@ -165,21 +172,15 @@ def test_auto_compiles_again_at_most_max_replans_times(counted):
 def test_a_replan_that_fails_in_the_compiler_stays_on_the_report(counted, monkeypatch):
     """The model of ``test_auto_compiles_again_at_most_max_replans_times``, Inductor failing from the
     second step on: the plan runs on, and the failed round's compile is on its report, under round 1."""
-    backend = fxoffload.backend(
-        offload_cpu=True, policy="auto", min_bytes="16KiB", cpu_link_bandwidth=50e6, prefetch=0, max_replans=1,
-        compute_rates={"flops": 1e9, "memory_bandwidth": 1e8},
-    )  # fmt: skip
-    torch.manual_seed(0)
-    model, batch = example("gpt")
-    step = torch.compile(model, backend=backend)
-    step(*batch).backward()
+    backend, step = _stalling_gpt(max_replans=1)
+    step()
 
     def fail(*args, **kwargs):
         raise RuntimeError("no compiler today")
 
     monkeypatch.setattr(_compat, "compile_with_inductor", fail)
     for _ in range(4):
-        step(*batch).backward()
+        step()
     (report,) = backend.reports
     assert not report.replans  # the plan made again never ran
     failed = [s for s in report.timings.spent if s.round == 1]
