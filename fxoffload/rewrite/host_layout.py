@@ -13,6 +13,8 @@ Inductor chose for the source.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.fx as fx
 
@@ -33,9 +35,12 @@ def wanted_stride(x: torch.Tensor, wait: fx.Node, channels_last: set[fx.Node] | 
     return list(x.stride())
 
 
-def host_layouts(fw: fx.GraphModule, bw: fx.GraphModule, broken: str | None = None) -> None:
+def host_layouts(
+    fw: fx.GraphModule, bw: fx.GraphModule, host_name: Callable[[str], str], broken: str | None = None
+) -> None:
     """Give each offload of the rewritten ``fw`` the layout its host copy is returned in, and the
-    values of its wait and of the backward placeholder that receives it that layout."""
+    values of its wait, of the backward placeholder that receives it (named ``host_name(source)``,
+    ``transfers.host_placeholder_name``) and of that placeholder's reloads that layout."""
     offloads = [n for n in fw.graph.nodes if is_transfer(n, OFFLOAD)]
     if not offloads or broken == "host_copy_in_compilers_layout":
         return
@@ -51,12 +56,11 @@ def host_layouts(fw: fx.GraphModule, bw: fx.GraphModule, broken: str | None = No
         copy.args = (*copy.args[:4], stride)
         with src.fake_mode:
             val = fake_impl(OFFLOAD)(src, [], *copy.args[2:])
-        old = wait.meta.get("val")
         copy.meta["val"] = wait.meta["val"] = val
-        for p in placeholders.values():  # the backward's placeholder of this host copy (``_rewrite_backward``)
-            if p.meta.get("val") is old:
-                p.meta["val"] = val
-                _reloads_follow(p)
+        host = placeholders.get(host_name(copy.args[0].name))
+        if host is not None:
+            host.meta["val"] = val
+            _reloads_follow(host)
 
 
 def _reloads_follow(host: fx.Node) -> None:

@@ -87,7 +87,7 @@ def apply_plan(
             broken_rule,
         )  # fmt: skip
     output.args = (tuple(outputs),) + tuple(output.args[1:])
-    host_layouts(fw, bw, broken_rule)
+    host_layouts(fw, bw, host_placeholder_name, broken_rule)
     for gm in (fw, bw):
         gm.graph.lint()
         gm.recompile()

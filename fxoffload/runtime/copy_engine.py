@@ -39,13 +39,10 @@ def span(t: torch.Tensor) -> torch.Tensor:
 
 def copy_span(dest: torch.Tensor, src: torch.Tensor, non_blocking: bool = False) -> None:
     """``span(dest) <- span(src)``: the bytes ``src`` addresses into ``dest`` of the same layout (two
-    dense tensors copy as they are: no views made). Where the layouts differ (an offload restriding its
-    source into the layout the backward expects), element by element: on an accelerator torch then
-    copies through a temporary in the destination's layout on the source's device, on the stream
-    that copies."""
-    if dest.is_contiguous() and src.is_contiguous():
-        dest.copy_(src, non_blocking=non_blocking)
-    elif dest.stride() != src.stride():
+    dense tensors copy as they are: no views made). Where the layouts differ, element by element: a
+    switched-off offload's copy on the device, and the CPU engine's wait publishing a restrided host
+    copy (an accelerator's transfer restrides on the device first, ``transfers._restrided``)."""
+    if (dest.is_contiguous() and src.is_contiguous()) or dest.stride() != src.stride():
         dest.copy_(src, non_blocking=non_blocking)
     else:
         span(dest).copy_(span(src), non_blocking=non_blocking)
