@@ -466,7 +466,7 @@ def test_a_tensor_that_stalled_is_judged_again_by_the_corrected_model(monkeypatc
         if not forced:
             names = sorted(d.saved.name for d in plan.offloaded)
             forced.update(names[: len(names) // 2])
-        return dataclasses.replace(original(plan, times), stalls={n: 1e-3 for n in forced})
+        return dataclasses.replace(original(plan, times), stalls={n: 0.1 for n in forced})
 
     monkeypatch.setattr(watch, "measured_plan", half_stalled)
     monkeypatch.setattr(watch, "stalled", lambda t: t.tensor in forced)
@@ -503,7 +503,7 @@ def test_the_last_replan_offloads_only_what_was_measured_to_hide(monkeypatch):
             names = sorted(d.saved.name for d in plan.offloaded)
             forced.update(names[: len(names) // 2])
         m = original(plan, times)
-        return dataclasses.replace(m, stalls={n: 1e-3 for n in forced})
+        return dataclasses.replace(m, stalls={n: 0.1 for n in forced})
 
     monkeypatch.setattr(watch, "measured_plan", half_stalled)
     monkeypatch.setattr(watch, "stalled", lambda t: t.tensor in forced)

@@ -117,7 +117,7 @@ def _rounds(monkeypatch, plan_round):
         stalling.update(stalls)
         rounds.append(names)
         nbytes.append(plan.offloaded_bytes)
-        return dataclasses.replace(m, stalls={n: 1e-3 for n in stalls}, **_windows(m, factor))
+        return dataclasses.replace(m, stalls={n: 0.1 for n in stalls}, **_windows(m, factor))
 
     monkeypatch.setattr(watch, "measured_plan", forced)
     monkeypatch.setattr(watch, "stalled", lambda t: t.tensor in stalling)

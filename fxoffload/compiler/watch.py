@@ -30,7 +30,8 @@ second call after each compile, one call's offloads and a reload of each. The me
 times and stalls go on the report's rows. Where a copy of ``auto``'s stalled the compute stream, the
 graph is planned again with the model corrected by what was measured (``planning.measured``: compute
 scaled to the device, the link at its measured speed, the stalled tensors kept) and compiled again,
-through the same path, and the next calls are measured again, within the same ``max_replans``. Where
+through the same path, and the next calls are measured again, within the same ``max_replans`` (not
+where the stalls are under ``WORTH_A_COMPILE`` of the step: ``report.left_as_planned``). Where
 it cannot be compiled again (dynamic shapes, a failed compile), the copies that stalled are switched
 off in the compiled code (``switch_off``: no compile; the tensor stays on the device, as a copy).
 With a memory_budget (``recompute="inductor"``), whose peak is the code's to judge, the graph is
@@ -58,7 +59,10 @@ from ..measure.op_time import host_op_seconds
 from ..options import OffloadOptions
 from ..planning.budget import BUDGET_TOLERANCE
 from ..planning.decisions import OffloadPlan
-from ..planning.measured import Measured, calls_over_allowance, measured_plan, room, stalled, switched_off
+from ..planning.measured import (
+    Measured, calls_over_allowance, measured_plan, measured_step, room, stalled, switched_off,
+)
+from ..planning.worth import stall_not_worth_a_compile
 from ..reporting.report import carry_measured, with_measured
 from ..reporting.rows import saved_rows
 from ..rewrite.host_copies import switched_off_held
@@ -360,6 +364,14 @@ class CallWatch:
         priced = options.op_time is None and options.memory_budget is None
         costly = priced and calls_over_allowance(old.plan, measured)
         copies_stalled = any(stalled(t) for t in times)
+        if copies_stalled and not costly and old.plan.costs is not None:  # too little to compile for: said
+            now = {n: s for n, s in measured.stalls.items() if n in {t.tensor for t in times}}
+            left = stall_not_worth_a_compile(now, sum(now.values()), sum(measured_step(old.plan.costs, measured)))
+            if left:
+                log.info("fxoffload: graph %d: %s; left as planned", old.graph_id, left)
+                self.pair = self.pair.with_report(left_as_planned=left)
+                self.compiler.register.record(self.pair)
+                return False
         stalled_now = copies_stalled or costly
         can_compile = self.pristine is not None and self.replans < options.max_replans
         if not stalled_now:

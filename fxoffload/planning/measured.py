@@ -56,7 +56,7 @@ from .worth import WORTH_A_COMPILE
 
 __all__ = [
     "HOST_BOUND", "MEASURED_MARGIN", "Measured", "ROOM_SHARE", "STALL_FLOOR_S", "calls_over_allowance", "host_bound",
-    "host_ratio", "measured_plan", "room", "switched_off",
+    "host_ratio", "measured_plan", "measured_step", "room", "switched_off",
 ]
 
 # A copy stalled when the compute stream waited for it longer than this and than a tenth of the
@@ -268,11 +268,18 @@ def calls_over_allowance(plan: OffloadPlan, measured: Measured) -> bool:
     costs = plan.costs
     if measured.host_calls is None or op is None or costs is None or op <= costs.rates.op_time * 1.25:
         return False
-    fw = costs.fw_starts[-1] / costs.scale[0] * measured.fw_scale
-    bw = costs.bw_starts[-1] / costs.scale[1] * measured.bw_scale
+    fw, bw = measured_step(costs, measured)
     rates = dataclasses.replace(costs.rates, op_time=op)
     priced = dataclasses.replace(costs, rates=rates, fw_starts=(fw,), bw_starts=(bw,))
     return len(plan.offloaded) * op > OpAllowance(priced).left
+
+
+def measured_step(costs: PlanCosts, measured: Measured) -> tuple[float, float]:
+    """The step's forward and backward compute as ``measured`` prices them: the model as it came
+    (before any correction ``costs`` carries) times the measured ratios."""
+    return (
+        costs.fw_starts[-1] / costs.scale[0] * measured.fw_scale, costs.bw_starts[-1] / costs.scale[1] * measured.bw_scale
+    )
 
 
 def room(plan: OffloadPlan, measured: Measured, options: OffloadOptions, host: int | None = None) -> int:

@@ -193,6 +193,8 @@ def summary(report: OffloadReport) -> str:
         fits = "met" if reached <= report.memory_budget * (1 + BUDGET_TOLERANCE) else "NOT met"
         lines.append(f"  memory_budget: {fmt_bytes(report.memory_budget)} ({fits})")
     lines.extend(f"  planned again: {r}" for r in report.replans)
+    if report.left_as_planned:
+        lines.append(f"  not planned again: {report.left_as_planned}")
     if report.timings is not None and report.timings.spent:
         lines.append(f"  compiled: {report.timings.spent_text()}")
     if report.device and report.offloaded:  # no stall to predict where nothing is copied

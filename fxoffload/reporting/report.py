@@ -15,7 +15,7 @@ from typing import Any
 
 import torch.fx as fx
 
-from ..analysis.code_memory import host_in_flight as code_host_in_flight
+from ..analysis.code_copies import host_in_flight as code_host_in_flight
 from ..analysis.memory import CATEGORIES, CallOutside, MemoryPoint, MemoryTimeline, bytes_over_points
 from ..analysis.outside import OutsideMemory
 from ..planning.decisions import OffloadPlan, PlanCosts
@@ -147,6 +147,9 @@ class OffloadReport:
     # With memory_budget and Inductor: each earlier plan whose generated code missed the budget, and
     # the target it was planned again for (oldest first); empty when the first plan's code met it.
     replans: tuple[str, ...] = ()
+    # Why copies measured to stall in the first steps were not planned again (too little of the step
+    # to be worth a compile, ``planning.worth.stall_worth_a_compile``); empty where none was left so.
+    left_as_planned: str = ""
     # What code before this graph (eager code, other graphs) saved and holds on its device while it
     # runs, read from the autograd graph behind its inputs when it compiled: "outside" in every
     # timeline. None where it could not be read.
