@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import fxoffload
-from fxoffload.analysis.code_memory import simulate_output_code
+from fxoffload.analysis.code_memory import simulate_forward_code, simulate_output_code
 from fxoffload.sizes import span_bytes as storage_bytes
 from fxoffload.measure.allocator import track_cpu_frees
 
@@ -87,6 +87,18 @@ def test_a_step_to_the_byte():
     assert peak.live == {
         "parameters": 16384, "inputs": 2048, "saved": 2048, "transient": 2052, "gradients": 16384, "outside": 0,
     }  # fmt: skip
+
+
+def test_the_forward_alone_is_the_steps_forward():
+    """``simulate_forward_code``: the forward's points of the step's replay, from its code alone (what
+    ``verify_peak`` judges before lowering a backward), so its peak is a lower bound of the step's."""
+    step = simulate_output_code(FW, BW, num_fwd_outputs=1, outside=100)
+    forward = simulate_forward_code(FW, [torch.float32] * 3, outside=100)
+    assert [p.total for p in forward.points] == [p.total for p in step.points if p.phase == "forward"]
+    assert [p.node for p in forward.points] == [p.node for p in step.points if p.phase == "forward"]
+    assert forward.peak_bytes < step.peak_bytes
+    with pytest.raises(ValueError, match="fw_code: no 'def call"):
+        simulate_forward_code("x = 1")
 
 
 def test_num_fwd_outputs_defaults_to_what_the_backward_does_not_receive():

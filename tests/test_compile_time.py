@@ -16,6 +16,7 @@ from torch._inductor.graph import GraphLowering
 
 import fxoffload
 from fxoffload import _compat
+from fxoffload.compiler import compile as compile_module
 from fxoffload.compiler.compile import GraphCompiler, copy_graph_module
 from fxoffload.compiler.pair import PairRegister
 from fxoffload.compiler.partitioner import OffloadPartitioner
@@ -30,6 +31,7 @@ pytestmark = pytest.mark.skipif(
 STOPPED = "the plan, stopped before lowering: it changes nothing"
 AS_INDUCTOR = "without offloading, as Inductor compiles it"
 VERIFY = "verify_peak: the code without offloading, not built"
+VERIFY_FORWARD = "verify_peak: the forward without offloading alone, not built (it settled it)"
 
 
 @pytest.fixture
@@ -107,6 +109,85 @@ def test_verify_peak_builds_the_unchanged_pairs_kernels_once(counted):
     assert report.timings.compiles == 3
     assert f"compiled: {report.timings.spent_text()}" in report.summary()
     assert "verify_peak: the code without offloading, not built" in report.timings.spent_text()
+
+
+class _Probe(torch.nn.Module):
+    """Saved activations, then a wide probe of their output the backward never needs: the step peaks
+    in its forward, at the probe, above the floor (what the forward leaves for its backward)."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Tanh(), torch.nn.Linear(64, 64), torch.nn.Tanh())
+        self.register_buffer("probe", torch.randn(64, 4096))
+
+    def forward(self, x):
+        h = self.body(x)
+        return (h * (h.detach() @ self.probe).amax(-1, keepdim=True)).mean()
+
+
+def _probe_step(backend):
+    torch.manual_seed(0)
+    torch.compile(_Probe(), backend=backend)(torch.randn(1024, 64)).backward()
+    (report,) = backend.reports
+    return report
+
+
+def test_verify_peak_lowers_the_forward_alone_where_it_settles_it(counted, monkeypatch):
+    """Policy "all" on ``_Probe``: the plan's code peaks under the unchanged pair's forward, whose
+    replay's peak is a lower bound of that pair's. So its backward is not lowered: three lowerings
+    (the plan's two, the unchanged forward), two loads. Lowered whole (the shortcut taken away), the
+    unchanged pair peaks no lower than its forward, and the verdict is the same."""
+    backend = fxoffload.backend(offload_cpu=True, policy="all", min_bytes=0)
+    report = _probe_step(backend)
+    assert report.offloaded and not report.note, report.note
+    assert [s.what for s in report.timings.spent] == ["the plan", VERIFY_FORWARD], report.timings.spent
+    assert counted == {"codegen": 3, "load": 2}, counted
+    ((_, forward_only),) = backend._compiler._unchanged_code.values()
+    assert set(forward_only.output_code) == {"forward"}
+    plan_peak = report.compiled_memory().peak_bytes
+    assert plan_peak < forward_only.forward_code_memory().peak_bytes
+
+    monkeypatch.setattr(compile_module, "_forward_settles", lambda unchanged, settles: False)
+    counted.clear()
+    torch._dynamo.reset()
+    backend = fxoffload.backend(offload_cpu=True, policy="all", min_bytes=0)
+    whole = _probe_step(backend)
+    assert [s.what for s in whole.timings.spent] == ["the plan", VERIFY], whole.timings.spent
+    assert counted == {"codegen": 4, "load": 2}, counted
+    assert {r.name for r in whole.offloaded} == {r.name for r in report.offloaded}
+    ((_, unchanged),) = backend._compiler._unchanged_code.values()
+    forward = unchanged.forward_code_memory()
+    assert forward.peak_bytes == forward_only.forward_code_memory().peak_bytes
+    # The forward's replay is the pair's, to its last point: a lower bound of the pair's peak.
+    pair_forward = [p.total for p in unchanged.code_memory().points if p.phase == "forward"]
+    assert [p.total for p in forward.points] == pair_forward
+    assert unchanged.code_memory().peak_bytes >= forward.peak_bytes > plan_peak
+
+
+def test_an_unchanged_forward_kept_is_lowered_whole_where_it_does_not_settle_a_later_plan(counted):
+    """The unchanged code kept for a graph (``GraphCompiler._judged_unchanged``) is its forward alone
+    where that settled the first plan: a later plan it does not settle (here told so) lowers the pair
+    whole, once; after that the whole pair serves every plan."""
+    graphs = []
+
+    def capture(gm, example_inputs):
+        graphs.append((copy_graph_module(gm), list(example_inputs)))
+        return gm.forward
+
+    torch.manual_seed(0)
+    torch.compile(_Probe(), backend=capture)(torch.randn(1024, 64))
+    (gm, inputs), = graphs
+    compiler = GraphCompiler(PairRegister())
+    opts = OffloadOptions(policy="all", min_bytes=0, offload_cpu=True)
+    _, pair = compiler.compile(copy_graph_module(gm), inputs, opts)
+    assert counted["codegen"] == 3, counted  # the plan's two, the unchanged forward
+    judged = compiler._judged_unchanged  # as verify_peak calls it, with what settles it
+    kept = judged(copy_graph_module(gm), inputs, opts, {}, pair, lambda peak: True)
+    assert set(kept.output_code) == {"forward"} and counted["codegen"] == 3, counted
+    whole = judged(copy_graph_module(gm), inputs, opts, {}, pair, lambda peak: False)
+    assert set(whole.output_code) == {"forward", "backward"} and counted["codegen"] == 5, counted
+    assert judged(copy_graph_module(gm), inputs, opts, {}, pair, lambda peak: False) is whole
+    assert counted["codegen"] == 5, counted
 
 
 def test_a_graph_planned_again_is_judged_against_the_same_unchanged_code(counted):

@@ -70,7 +70,8 @@ from collections.abc import Collection, Mapping, Sequence
 import torch
 
 from ..sizes import cuda_block_bytes, span_bytes
-from .memory import CATEGORIES, MemoryPoint, MemoryTimeline, bytes_over_points, with_held
+from .code_copies import kept_in_replay
+from .memory import CATEGORIES, MemoryPoint, MemoryTimeline, with_held
 from .output_code import (
     ASSIGN, NAME, Statement, arg_names, asserted_layouts, base_name, call_body, eval_ints, module_args,
     parse_dtype, returned_names, split_args, statements,
@@ -78,7 +79,9 @@ from .output_code import (
 
 log = logging.getLogger(__name__)
 
-__all__ = ["CUBLAS_WORKSPACE_BYTES", "host_in_flight", "kept_in_replay", "replay_pair", "simulate_output_code"]
+__all__ = [
+    "CUBLAS_WORKSPACE_BYTES", "replay_forward", "replay_pair", "simulate_forward_code", "simulate_output_code",
+]
 
 # cuBLAS's workspace on sm90 and later (CublasHandlePool.cpp: 4096 * 8 * 1024 when major >= 9), one
 # per (handle, stream): the calling thread and autograd's each have a handle. Live before a steady step
@@ -268,18 +271,16 @@ def _is_cuda_code(code: str) -> bool:
     return "empty_strided_cuda(" in code or "device='cuda" in code
 
 
-def _saved_dtypes(
-    fw: Sequence[Statement], bw_args: Sequence[str], bw_sizes: Mapping[str, tuple[int, torch.dtype]]
-) -> dict[str, torch.dtype]:
-    """The dtype of each saved tensor the forward returns, by the forward's name for it: the backward
-    receives the saved tensors first, in the forward's order, and its ``get_args`` says their dtypes
-    (the one place the text gives a fallback result's dtype)."""
+def _saved_dtypes(fw: Sequence[Statement], dtypes: Sequence[torch.dtype | None]) -> dict[str, torch.dtype]:
+    """The dtype of each saved tensor the forward returns, by the forward's name for it, from
+    ``dtypes``: the saved tensors' dtypes in the order it returns them (the backward receives them
+    first, in that order, and its ``get_args`` says them: the one place the text gives a fallback
+    result's dtype)."""
     returned = returned_names(fw)
-    saved_args = [a for a in bw_args if not a.startswith("tangents_")]
     out: dict[str, torch.dtype] = {}
-    for name, arg in zip(returned[len(returned) - len(saved_args) :], saved_args):
-        if name and arg in bw_sizes:
-            out.setdefault(name, bw_sizes[arg][1])
+    for name, dtype in zip(returned[len(returned) - len(dtypes) :], dtypes):
+        if name and dtype is not None:
+            out.setdefault(name, dtype)
     return out
 
 
@@ -320,7 +321,8 @@ def simulate_output_code(
             f"{which}: no 'def call(...)' with statements found; pass Inductor's Python wrapper code"
         )
     bw_args, bw_sizes = arg_names(bw), module_args(bw_code, symbols)
-    state = _State(cuda=_is_cuda_code(fw_code) or _is_cuda_code(bw_code), known_dtypes=_saved_dtypes(fw, bw_args, bw_sizes))
+    dtypes = [bw_sizes[a][1] if a in bw_sizes else None for a in bw_args if not a.startswith("tangents_")]
+    state = _State(cuda=_is_cuda_code(fw_code) or _is_cuda_code(bw_code), known_dtypes=_saved_dtypes(fw, dtypes))
     _bind_forward_args(state, arg_names(fw), module_args(fw_code, symbols), set(static_input_indices))
     returned = _run("forward", fw, state, symbols, temporaries)
     state.known_dtypes = {}  # the backward's results are gradients: their first argument's dtype
@@ -331,6 +333,28 @@ def simulate_output_code(
         for i in ids:
             if state.storages[i].phase == "backward":
                 state.storages[i].category = "gradients"
+    return _timeline(state, outside, outside_backward)
+
+
+def simulate_forward_code(
+    fw_code: str, saved_dtypes: Sequence[torch.dtype | None] = (), temporaries: Mapping[str, int] | None = None,
+    outside: int = 0,
+) -> MemoryTimeline:
+    """The forward alone of ``simulate_output_code``, from its code alone: its peak is a lower bound
+    of the step's, before a backward is lowered (``verify_peak`` lowers one only where this does not
+    settle it). ``saved_dtypes``: the saved tensors' dtypes in the order the forward returns them
+    (what the backward's ``get_args`` gives a pair's replay); the categories are the forward's own
+    (its saved tensors count as "transient": only the backward's arguments say which they are)."""
+    fw = statements(fw_code) if call_body(fw_code) else []
+    if not fw:
+        raise ValueError("fw_code: no 'def call(...)' with statements found; pass Inductor's Python wrapper code")
+    state = _State(cuda=_is_cuda_code(fw_code), known_dtypes=_saved_dtypes(fw, saved_dtypes))
+    _bind_forward_args(state, arg_names(fw), module_args(fw_code, {}), set())
+    _run("forward", fw, state, {}, dict(temporaries or {}))
+    return _timeline(state, outside, 0)
+
+
+def _timeline(state: _State, outside: int, outside_backward: int) -> MemoryTimeline:
     points = []
     for phase, label, live, scratch in state.events:
         by = dict.fromkeys(CATEGORIES, 0)
@@ -437,64 +461,12 @@ def replay_pair(
         return None
 
 
-_OFFLOAD_CALL = "torch.ops.fxoffload.offload.default("
-_RELOAD_CALL = "torch.ops.fxoffload.reload.default("
-_WORD = re.compile(r"\b\w+\b")
-
-
-def host_in_flight(
-    timeline: MemoryTimeline, copies: Sequence[tuple[str, int, int]], skip: Collection[str] = ()
-) -> list[int] | None:
-    """Host copies in flight at every point of a replay (its points are labelled with their
-    statements). ``copies``: ``(host placeholder name, forward position, bytes)`` of the plan's
-    offloads. They are taken, in forward order, at the forward's ``fxoffload.offload`` statements, in
-    their order (Inductor may reorder offloads of different sizes: then the forward figures between
-    them are off, the backward's are not), and released after the last backward statement naming the
-    placeholder that holds them (its ``del``). None when the code has another number of offloads than
-    the plan, or never names a copy's placeholder. ``skip``: host placeholders of copies left out (switched
-    off at run time: no host bytes)."""
-    spans = _copy_spans(timeline, copies)
-    if spans is None:
+def replay_forward(
+    forward: str, saved_dtypes: Sequence[torch.dtype | None], outside: int = 0, scratch: tuple[tuple[str, int], ...] = ()
+) -> MemoryTimeline | None:
+    """``simulate_forward_code`` of a pair's forward code; None for code this reader does not know."""
+    try:
+        return simulate_forward_code(forward, saved_dtypes, dict(scratch), outside)
+    except ValueError as e:
+        log.debug("fxoffload: cannot replay the generated forward: %s", e)
         return None
-    return bytes_over_points(
-        len(timeline.points), [(start, last + 1, nbytes) for host, nbytes, start, _, last in spans if host not in skip]
-    )  # fmt: skip
-
-
-def kept_in_replay(
-    timeline: MemoryTimeline, copies: Sequence[tuple[str, int, int]], kept: Collection[str]
-) -> list[int] | None:
-    """Device bytes at every point of a replay that the copies switched off at run time keep (their
-    host placeholders' names in ``kept``; ``copies`` as for ``host_in_flight``, all of the plan's): the
-    offload keeps a copy on the device from its statement until the reload, which gives that copy
-    back (the replay counts the reload's result from there)."""
-    spans = _copy_spans(timeline, copies)
-    if spans is None:
-        return None
-    return bytes_over_points(
-        len(timeline.points), [(start, reload, nbytes) for host, nbytes, start, reload, _ in spans if host in kept]
-    )  # fmt: skip
-
-
-def _copy_spans(
-    timeline: MemoryTimeline, copies: Sequence[tuple[str, int, int]]
-) -> list[tuple[str, int, int, int, int]] | None:
-    """Per copy: its host placeholder, bytes, the forward point of its offload, the backward point of
-    its reload, and the last backward point naming the placeholder. None where the code does not match."""
-    points = timeline.points
-    starts = [i for i, p in enumerate(points) if p.phase == "forward" and _OFFLOAD_CALL in p.node]
-    if len(starts) != len(copies):
-        return None
-    naming: dict[str, list[int]] = {}  # word -> backward points whose statement names it
-    for i, p in enumerate(points):
-        if p.phase == "backward":
-            for word in set(_WORD.findall(p.node.split(": ", 1)[-1])):
-                naming.setdefault(word, []).append(i)
-    spans = []
-    for start, (host_name, _, nbytes) in zip(starts, sorted(copies, key=lambda c: c[1])):
-        named = naming.get(host_name)
-        if not named:
-            return None
-        reload = next((i for i in named if _RELOAD_CALL in points[i].node), named[0])
-        spans.append((host_name, nbytes, start, reload, named[-1]))
-    return spans

@@ -26,7 +26,7 @@ from ..reporting.report import CompileSpent
 from ..sizes import fmt_bytes
 from .costs import read_outside
 from .pair import PairRegister, PlannedPair
-from .partitioner import OffloadPartitioner, PlanChangesNothing
+from .partitioner import ForwardSettlesIt, OffloadPartitioner, PlanChangesNothing
 from .refine import Trial, attempt_quietly, lowest, refine, say
 from .verify import autos_own_picks, plan_kept, unchanged_floor, with_peak_not_lowered
 
@@ -70,9 +70,14 @@ class GraphCompiler:
             compiled = _compat.compile_with_inductor(graph, example_inputs, partitioner, patches, sink, code_only)
         except Exception as e:
             stopped = _compat.raised_from(e, PlanChangesNothing)
-            said = "the plan, stopped before lowering: it changes nothing" if stopped else f"{what} (failed)"
+            settled = _compat.raised_from(e, ForwardSettlesIt)
+            said = (
+                "the plan, stopped before lowering: it changes nothing" if stopped
+                else "verify_peak: the forward without offloading alone, not built (it settled it)" if settled
+                else f"{what} (failed)"
+            )  # fmt: skip
             self._compiles.append((said, time.perf_counter() - start, not stopped))
-            if not stopped:
+            if not (stopped or settled):
                 raise
             return None
         self._compiles.append((what, time.perf_counter() - start, True))
@@ -300,7 +305,16 @@ class GraphCompiler:
                 pair.graph_id, fmt_bytes(timeline.peak_bytes), fmt_bytes(floor),
             )  # fmt: skip
             return compiled, pair
-        unchanged = self._judged_unchanged(pristine, example_inputs, opts, patches, pair)
+        peak = timeline.peak_bytes
+        unchanged = self._judged_unchanged(
+            pristine, example_inputs, opts, patches, pair, lambda forward_peak: plan_kept(peak, forward_peak, mine)
+        )
+        if unchanged is not None and "backward" not in unchanged.output_code:
+            log.debug(
+                "fxoffload: graph %d: Inductor's code peaks at %s, below its forward without offloading",
+                pair.graph_id, fmt_bytes(peak),
+            )  # fmt: skip
+            return compiled, pair
         base = unchanged.code_memory() if unchanged is not None else None
         if base is None or not base.points:
             return compiled, pair
@@ -325,15 +339,20 @@ class GraphCompiler:
         opts: OffloadOptions,
         patches: dict[str, Any],
         pair: PlannedPair,
+        settles: Callable[[int], bool],
     ) -> PlannedPair | None:
         """The pair of ``pair``'s graph without offloading, lowered for its code alone (no kernels
         built: a plan swapped for it is compiled again as Inductor does), once per graph and what
         code before it holds: a plan made again from measured times is judged against the same one.
-        None where it cannot be had."""
+        Its forward first: where ``settles`` its replay's peak (a lower bound of the pair's: the plan's
+        code peaks lower), its backward is not lowered, and the pair has forward code alone. None
+        where it cannot be had."""
         cached = self._unchanged_code.get(pair.graph_id)
         if cached is not None and cached[0] == pair.outside:
-            return cached[1]
+            if "backward" in cached[1].output_code or _forward_settles(cached[1], settles):
+                return cached[1]
         unchanged = self._unchanged_partitioner(opts, pair)
+        unchanged.enough_after_forward = lambda lowered: _forward_settles(lowered, settles)
         what = "verify_peak: the code without offloading, not built"
         try:
             attempt_quietly(
@@ -350,6 +369,12 @@ class GraphCompiler:
         if unchanged.pair is not None:
             self._unchanged_code[pair.graph_id] = (pair.outside, unchanged.pair)
         return unchanged.pair
+
+
+def _forward_settles(unchanged: PlannedPair, settles: Callable[[int], bool]) -> bool:
+    """Whether the peak of ``unchanged``'s forward code (a lower bound of its pair's) ``settles`` it."""
+    forward = unchanged.forward_code_memory()
+    return forward is not None and bool(forward.points) and settles(forward.peak_bytes)
 
 
 def check_budget(pair: PlannedPair, strict: bool = False) -> None:

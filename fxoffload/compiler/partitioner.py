@@ -24,13 +24,18 @@ from .pair import PairRegister, PlannedPair, new_graph_id
 
 log = logging.getLogger(__name__)
 
-__all__ = ["OffloadPartitioner", "PlanChangesNothing"]
+__all__ = ["ForwardSettlesIt", "OffloadPartitioner", "PlanChangesNothing"]
 
 
 class PlanChangesNothing(Exception):
     """Raised by a partitioner told to ``stop_if_unchanged`` once its plan changes neither graph:
     the compile that would lower both graphs now (to judge the plan's code) is abandoned before
     Inductor lowers anything, and the caller compiles the graph as ``backend="inductor"`` does."""
+
+
+class ForwardSettlesIt(Exception):
+    """Raised (through Inductor) once the forward's code of a pair lowered only to be judged settles
+    what it was lowered for (``OffloadPartitioner.enough_after_forward``): its backward is not lowered."""
 
 
 class OffloadPartitioner(_compat.CustomPartitionerFn):
@@ -65,6 +70,8 @@ class OffloadPartitioner(_compat.CustomPartitionerFn):
         self.pair: PlannedPair | None = None
         # Abandon the compile (``PlanChangesNothing``) where the plan changes nothing: nothing to judge.
         self.stop_if_unchanged = False
+        # Abandon it (``ForwardSettlesIt``) once the forward's code is in, where this says that is enough.
+        self.enough_after_forward: Callable[[PlannedPair], bool] | None = None
 
     def record_output_code(self, kind: str, code: str) -> None:
         """Inductor's wrapper code for the graphs of this pair (``PlannedPair.output_code``)."""
@@ -72,6 +79,8 @@ class OffloadPartitioner(_compat.CustomPartitionerFn):
             self.pair.output_code[kind] = code
             if kind == "backward" and self.on_backward_code is not None:
                 self.on_backward_code(self.pair)
+            if kind == "forward" and self.enough_after_forward is not None and self.enough_after_forward(self.pair):
+                raise ForwardSettlesIt(f"fxoffload: graph {self.pair.graph_id}: its forward's code settles it")
 
     # Inductor copies and pickles its config, this object included, for its FX graph cache key:
     # ``uuid`` stands for it there (the pair it holds has fake tensors in node metadata, and a
