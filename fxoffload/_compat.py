@@ -148,6 +148,7 @@ def compile_with_inductor(
     config_patches: dict[str, Any],
     on_output_code: Callable[[str, str], None] | None = None,
     code_only: bool = False,
+    after_backward: Callable[[Callable[[fx.GraphModule], str]], None] | None = None,
 ) -> Callable[..., Any]:
     """Inductor's ``compile_fx`` with our partitioner plugged in for the duration of this compile.
 
@@ -156,15 +157,45 @@ def compile_with_inductor(
     and when the backward is compiled later, at the first backward call. ``code_only``: each graph
     stops once its wrapper code is generated, before the module is loaded (on a CPU, before its C++
     kernels are compiled); what is returned cannot run, only the code is wanted (to judge it).
+    ``after_backward(lower_like_forward)`` runs once the backward is compiled, still inside this
+    compile: ``lower_like_forward(graph)`` lowers another graph with the forward's inputs and
+    arguments, for its wrapper code alone (no trace, no partition: the same fake tensors).
     """
     from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 
     if code_only and on_output_code is None:
         raise ValueError("fxoffload: compile_with_inductor(code_only=True) needs on_output_code, where the code goes")
+    forward_call: list[tuple[Any, dict[str, Any]]] = []
+
+    def lower_like_forward(graph: fx.GraphModule) -> str:
+        inputs, kwargs = forward_call[-1]
+        codes: list[str] = []
+
+        def sink(code: str) -> None:
+            codes.append(code)
+            raise _CodeOnly("forward")
+
+        with capture_output_code(sink):
+            try:
+                compile_fx_inner(graph, inputs, **kwargs)
+            except Exception as e:
+                if not raised_from(e, _CodeOnly):
+                    raise
+        if not codes:
+            raise RuntimeError("fxoffload: Inductor generated no wrapper code for the graph lowered like the forward")
+        return codes[0]
 
     def inner_compile(graph: fx.GraphModule, inputs: Any, **kwargs: Any) -> Any:
         if kwargs.get("is_backward"):
             _backward_without_donated_buffers()
+        elif after_backward is not None:
+            forward_call.append((list(inputs), dict(kwargs)))
+        compiled = _inner_compile(graph, inputs, **kwargs)
+        if kwargs.get("is_backward") and after_backward is not None and forward_call:
+            after_backward(lower_like_forward)
+        return compiled
+
+    def _inner_compile(graph: fx.GraphModule, inputs: Any, **kwargs: Any) -> Any:
         if on_output_code is None:
             return compile_fx_inner(graph, inputs, **kwargs)
         kind = "backward" if kwargs.get("is_backward") else "inference" if kwargs.get("is_inference") else "forward"

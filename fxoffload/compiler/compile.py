@@ -15,6 +15,7 @@ import torch
 import torch.fx as fx
 
 from .. import _compat
+from ..analysis.code_memory import replay_forward
 from ..analysis.lifetimes import returns_only_scalars
 from ..analysis.memory import MemoryTimeline
 from ..analysis.outside import OutsideMemory
@@ -26,7 +27,7 @@ from ..reporting.report import CompileSpent
 from ..sizes import fmt_bytes
 from .costs import read_outside
 from .pair import PairRegister, PlannedPair
-from .partitioner import ForwardSettlesIt, OffloadPartitioner, PlanChangesNothing
+from .partitioner import OffloadPartitioner, PlanChangesNothing
 from .refine import Trial, attempt_quietly, lowest, refine, say
 from .verify import autos_own_picks, plan_kept, unchanged_floor, with_peak_not_lowered
 
@@ -46,8 +47,11 @@ class GraphCompiler:
         # Each inner compile of the graph being compiled: what it was for, its seconds, and whether
         # Inductor lowered anything (not where the partitioner stopped it: ``PlanChangesNothing``).
         self._compiles: list[tuple[str, float, bool]] = []
-        # By graph id: the pair compiled without offloading for verify_peak, and the outside it had.
+        # By graph id: the pair compiled without offloading for verify_peak, and the outside it had;
+        # the peak of its forward's code alone, lowered inside a plan's compile, and the outside then.
         self._unchanged_code: dict[int, tuple[OutsideMemory | None, PlannedPair]] = {}
+        self._unchanged_forward_peak: dict[int, tuple[OutsideMemory | None, int]] = {}
+        self._inside: list[tuple[str, float]] = []  # lowerings inside the compile running: what, seconds
         self._measured: Measured | None = None  # what the device measured of the graph's earlier plan
 
     def _inductor(
@@ -59,28 +63,30 @@ class GraphCompiler:
         on_output_code: Callable[[str, str], None] | None = None,
         code_only: bool = False,
         what: str = "the plan",
+        judge: OffloadOptions | None = None,
     ) -> Compiled | None:
         """``graph`` compiled by Inductor; None where ``partitioner`` stopped it (``PlanChangesNothing``)
         before anything was lowered (its seconds count in ``compile_s``, not as a compile).
         ``code_only``: stopped once the code is generated (``_compat.compile_with_inductor``).
-        ``what``: what the compile is for, as ``report.timings.spent`` says it."""
+        ``what``: what the compile is for, as ``report.timings.spent`` says it. ``judge``: the options
+        of a plan ``verify_peak`` judges (``_lower_unchanged_forward``, in this compile)."""
         start = time.perf_counter()
         sink = on_output_code or partitioner.record_output_code
+        partitioner.keep_unchanged_forward = judge is not None
+        after = (lambda lower: self._lower_unchanged_forward(partitioner, judge, lower)) if judge is not None else None
+        self._inside = []
         try:
-            compiled = _compat.compile_with_inductor(graph, example_inputs, partitioner, patches, sink, code_only)
+            compiled = _compat.compile_with_inductor(graph, example_inputs, partitioner, patches, sink, code_only, after)
         except Exception as e:
             stopped = _compat.raised_from(e, PlanChangesNothing)
-            settled = _compat.raised_from(e, ForwardSettlesIt)
-            said = (
-                "the plan, stopped before lowering: it changes nothing" if stopped
-                else "verify_peak: the forward without offloading alone, not built (it settled it)" if settled
-                else f"{what} (failed)"
-            )  # fmt: skip
+            said = "the plan, stopped before lowering: it changes nothing" if stopped else f"{what} (failed)"
             self._compiles.append((said, time.perf_counter() - start, not stopped))
-            if not (stopped or settled):
+            if not stopped:
                 raise
             return None
-        self._compiles.append((what, time.perf_counter() - start, True))
+        inside = sum(s for _, s in self._inside)
+        self._compiles.append((what, time.perf_counter() - start - inside, True))
+        self._compiles.extend((said, s, False) for said, s in self._inside)  # in it, no compile of its own
         return compiled
 
     def compile(
@@ -119,7 +125,7 @@ class GraphCompiler:
             compiled = self._inductor(gm, example_inputs, partitioner, patches)
             return compiled, self._keep(partitioner.pair)
         pristine = pristine if pristine is not None else copy_graph_module(gm)  # compile_fx may change gm
-        best = self._to_budget(gm, pristine, example_inputs, opts, patches, partitioner)
+        best = self._to_budget(gm, pristine, example_inputs, opts, patches, partitioner, checked)
         compiled, pair = best.value
         if pair is not None and checked and compiled is not None:
             compiled, pair = self._no_higher_than_unchanged(pristine, example_inputs, opts, patches, compiled, pair)
@@ -199,6 +205,7 @@ class GraphCompiler:
         opts: OffloadOptions,
         patches: dict[str, Any],
         first: OffloadPartitioner,
+        checked: bool = False,
     ) -> Trial[tuple[Compiled, PlannedPair | None]]:
         """The pair compiled with both graphs lowered now, its code replayed and, with a
         ``memory_budget``, planned and compiled again for a target lowered by the miss where that
@@ -215,6 +222,7 @@ class GraphCompiler:
         replans: list[str] = []
 
         tried: list[int | None] = []
+        judge = opts if checked and early else None  # verify_peak's unchanged forward, lowered in the plan's compile
 
         def attempt(target: int | None) -> Trial | None:
             partitioner = first if not tried else self._partitioner(
@@ -225,7 +233,7 @@ class GraphCompiler:
             what = "the plan" if target is None else f"the plan for a lower target, {fmt_bytes(target)} (budget)"
             try:
                 (compiled, lowered), said = attempt_quietly(
-                    lambda: self._lowered(graph, example_inputs, partitioner, patches, what=what)
+                    lambda: self._lowered(graph, example_inputs, partitioner, patches, what=what, judge=judge)
                 )
             except Exception as e:
                 if partitioner is first or "strict=True" not in str(e):
@@ -272,11 +280,14 @@ class GraphCompiler:
         patches: dict[str, Any],
         code_only: bool = False,
         what: str = "the plan",
+        judge: OffloadOptions | None = None,
     ) -> tuple[Compiled | None, bool]:
         """``graph`` compiled by Inductor with both graphs lowered now where this torch can (None:
-        stopped, ``_inductor``; ``code_only``: for the code alone, which cannot run)."""
+        stopped, ``_inductor``; ``code_only``: for the code alone, which cannot run; ``judge``: as there)."""
         with _compat.backward_lowered_at_compile() as lowered:
-            compiled = self._inductor(graph, example_inputs, partitioner, patches, code_only=code_only, what=what)
+            compiled = self._inductor(
+                graph, example_inputs, partitioner, patches, code_only=code_only, what=what, judge=judge
+            )
         return compiled, lowered
 
     def _no_higher_than_unchanged(
@@ -291,30 +302,17 @@ class GraphCompiler:
         """``verify_peak`` (see ``verify``): the compiled pair, or the unchanged pair (not compiled to
         run: None) where the code Inductor generated for the plan peaks higher."""
         timeline = pair.code_memory()
-        if (
-            not pair.plan.changes_graphs or timeline is None or not timeline.points
-            or not returns_only_scalars(pair.fw, pair.num_fwd_outputs)
-        ):  # fmt: skip
+        if timeline is None or not needs_unchanged_code(pair, timeline, opts):
             return compiled, pair
         mine = autos_own_picks(pair.plan, opts.offload_modules)
-        saved = [(d.saved.producer, d.saved.nbytes) for d in pair.plan.decisions]
-        floor = unchanged_floor(pair.memory_before, saved, timeline)
-        if floor is not None and plan_kept(timeline.peak_bytes, floor, mine):
+        forward = self._unchanged_forward_peak.get(pair.graph_id)
+        if forward is not None and forward[0] == pair.outside and plan_kept(timeline.peak_bytes, forward[1], mine):
             log.debug(
-                "fxoffload: graph %d: Inductor's code peaks at %s, below the %s the unchanged code holds",
-                pair.graph_id, fmt_bytes(timeline.peak_bytes), fmt_bytes(floor),
+                "fxoffload: graph %d: Inductor's code peaks at %s, below its forward without offloading (%s)",
+                pair.graph_id, fmt_bytes(timeline.peak_bytes), fmt_bytes(forward[1]),
             )  # fmt: skip
             return compiled, pair
-        peak = timeline.peak_bytes
-        unchanged = self._judged_unchanged(
-            pristine, example_inputs, opts, patches, pair, lambda forward_peak: plan_kept(peak, forward_peak, mine)
-        )
-        if unchanged is not None and "backward" not in unchanged.output_code:
-            log.debug(
-                "fxoffload: graph %d: Inductor's code peaks at %s, below its forward without offloading",
-                pair.graph_id, fmt_bytes(peak),
-            )  # fmt: skip
-            return compiled, pair
+        unchanged = self._judged_unchanged(pristine, example_inputs, opts, patches, pair)
         base = unchanged.code_memory() if unchanged is not None else None
         if base is None or not base.points:
             return compiled, pair
@@ -332,6 +330,42 @@ class GraphCompiler:
         log.info("fxoffload: graph %d: %s", pair.graph_id, swapped.plan.note)
         return None, swapped  # it changes nothing: ``compile`` compiles it as Inductor does
 
+    def _lower_unchanged_forward(
+        self, partitioner: OffloadPartitioner, opts: OffloadOptions, lower_like_forward: Callable[[fx.GraphModule], str]
+    ) -> None:
+        """Inside a plan's compile, once both its graphs are lowered: where ``verify_peak`` cannot
+        judge the plan's code without the code of the pair without offloading, the forward torch's
+        partitioner made for it (``UnchangedForward``) lowered like the plan's forward, for its code
+        alone (no trace, no partition, no kernel), once per graph and what code before it holds. Its
+        replay's peak, the pair's without offloading up to its forward's end, is a lower bound of that
+        pair's: where the plan's code peaks under it, the pair need not be lowered whole."""
+        pair, unchanged = partitioner.pair, partitioner.unchanged_forward
+        timeline = pair.code_memory() if pair is not None else None
+        if unchanged is None or timeline is None or not needs_unchanged_code(pair, timeline, opts):
+            return
+        known = self._unchanged_forward_peak.get(pair.graph_id)
+        if known is not None and known[0] == pair.outside:
+            return
+        # Not where the FX model's forward, which Inductor's fusion mostly lowers, peaks no higher than
+        # the plan's code (the MLP's, at the backward's end): that code would not settle it.
+        before = pair.memory_before
+        modelled = max((p.total for p in before.points if p.phase == "forward"), default=0) if before else 0
+        if modelled and not plan_kept(timeline.peak_bytes, modelled, autos_own_picks(pair.plan, opts.offload_modules)):
+            return
+        start = time.perf_counter()
+        try:
+            code = lower_like_forward(unchanged.graph)
+        except Exception as e:  # never fail a compile over a check: the pair is lowered whole instead
+            log.debug("fxoffload: graph %d: lowering its unchanged forward failed (%s)", pair.graph_id, e)
+            return
+        finally:
+            self._inside.append(("verify_peak: the forward without offloading, in the plan's compile, not built",
+                                 time.perf_counter() - start))  # fmt: skip
+        outside = pair.outside.outside(unchanged.kept_bytes) if pair.outside is not None else 0
+        forward = replay_forward(code, unchanged.saved_dtypes, outside, pair.matmul_scratch)
+        if forward is not None and forward.points:
+            self._unchanged_forward_peak[pair.graph_id] = (pair.outside, forward.peak_bytes)
+
     def _judged_unchanged(
         self,
         pristine: fx.GraphModule,
@@ -339,20 +373,15 @@ class GraphCompiler:
         opts: OffloadOptions,
         patches: dict[str, Any],
         pair: PlannedPair,
-        settles: Callable[[int], bool],
     ) -> PlannedPair | None:
         """The pair of ``pair``'s graph without offloading, lowered for its code alone (no kernels
         built: a plan swapped for it is compiled again as Inductor does), once per graph and what
         code before it holds: a plan made again from measured times is judged against the same one.
-        Its forward first: where ``settles`` its replay's peak (a lower bound of the pair's: the plan's
-        code peaks lower), its backward is not lowered, and the pair has forward code alone. None
-        where it cannot be had."""
+        None where it cannot be had."""
         cached = self._unchanged_code.get(pair.graph_id)
         if cached is not None and cached[0] == pair.outside:
-            if "backward" in cached[1].output_code or _forward_settles(cached[1], settles):
-                return cached[1]
+            return cached[1]
         unchanged = self._unchanged_partitioner(opts, pair)
-        unchanged.enough_after_forward = lambda lowered: _forward_settles(lowered, settles)
         what = "verify_peak: the code without offloading, not built"
         try:
             attempt_quietly(
@@ -371,10 +400,21 @@ class GraphCompiler:
         return unchanged.pair
 
 
-def _forward_settles(unchanged: PlannedPair, settles: Callable[[int], bool]) -> bool:
-    """Whether the peak of ``unchanged``'s forward code (a lower bound of its pair's) ``settles`` it."""
-    forward = unchanged.forward_code_memory()
-    return forward is not None and bool(forward.points) and settles(forward.peak_bytes)
+def needs_unchanged_code(pair: PlannedPair, timeline: MemoryTimeline, opts: OffloadOptions) -> bool:
+    """Whether ``verify_peak`` needs code without offloading to judge ``pair``'s plan, whose code
+    ``timeline`` replays: it changes the graphs, returns a loss alone, and its code peaks above what
+    the unchanged code holds at the end of its forward anyway (``unchanged_floor``)."""
+    if not pair.plan.changes_graphs or not timeline.points or not returns_only_scalars(pair.fw, pair.num_fwd_outputs):
+        return False
+    saved = [(d.saved.producer, d.saved.nbytes) for d in pair.plan.decisions]
+    floor = unchanged_floor(pair.memory_before, saved, timeline)
+    if floor is not None and plan_kept(timeline.peak_bytes, floor, autos_own_picks(pair.plan, opts.offload_modules)):
+        log.debug(
+            "fxoffload: graph %d: Inductor's code peaks at %s, below the %s the unchanged code holds",
+            pair.graph_id, fmt_bytes(timeline.peak_bytes), fmt_bytes(floor),
+        )  # fmt: skip
+        return False
+    return True
 
 
 def check_budget(pair: PlannedPair, strict: bool = False) -> None:

@@ -14,10 +14,8 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-import torch
 import torch.fx as fx
 
-from ..analysis.code_memory import replay_forward
 from ..analysis.memory import MemoryPoint, MemoryTimeline
 from ..analysis.output_code import read_offloads
 from ..analysis.outside import OutsideMemory
@@ -95,16 +93,6 @@ class PlannedPair:
             self.output_code, self.num_fwd_outputs, self.outside_bytes, self.outside_backward, self.host_copies,
             self.switched_off, self.matmul_scratch,
         )  # fmt: skip
-
-    def forward_code_memory(self) -> MemoryTimeline | None:
-        """The replay of the forward's code alone (``code_memory.replay_forward``): a lower bound of the
-        pair's peak once its forward is lowered, its backward not yet. None without forward code."""
-        forward = self.output_code.get("forward")
-        if not forward:
-            return None
-        saved = [p.meta.get("val") for p in self.bw.graph.find_nodes(op="placeholder")]
-        dtypes = [v.dtype if isinstance(v, torch.Tensor) else None for v in saved[: len(saved) - _tangents(self.bw)]]
-        return replay_forward(forward, dtypes, self.outside_bytes, self.matmul_scratch)
 
     def expected_memory(self) -> MemoryTimeline | None:
         """The prediction the code that runs is held to: Inductor's code replayed where there is
@@ -203,8 +191,3 @@ def _host_reads(pair: PlannedPair, code: str) -> None:
             "them into another layout than their offloads gave them, ``rewrite.host_layout``): those waits make "
             "the host wait for the copy, and the copies do not overlap the step", pair.graph_id, ", ".join(names),
         )  # fmt: skip
-
-
-def _tangents(bw: fx.GraphModule) -> int:
-    """The backward's tangent arguments (its last ones, after the saved tensors)."""
-    return sum(1 for p in bw.graph.find_nodes(op="placeholder") if p.name.startswith("tangents_"))

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
+import torch
 import torch.fx as fx
 
 from .. import _compat
@@ -24,7 +26,7 @@ from .pair import PairRegister, PlannedPair, new_graph_id
 
 log = logging.getLogger(__name__)
 
-__all__ = ["ForwardSettlesIt", "OffloadPartitioner", "PlanChangesNothing"]
+__all__ = ["OffloadPartitioner", "PlanChangesNothing", "UnchangedForward"]
 
 
 class PlanChangesNothing(Exception):
@@ -33,9 +35,15 @@ class PlanChangesNothing(Exception):
     Inductor lowers anything, and the caller compiles the graph as ``backend="inductor"`` does."""
 
 
-class ForwardSettlesIt(Exception):
-    """Raised (through Inductor) once the forward's code of a pair lowered only to be judged settles
-    what it was lowered for (``OffloadPartitioner.enough_after_forward``): its backward is not lowered."""
+@dataclasses.dataclass(frozen=True)
+class UnchangedForward:
+    """The forward torch's partitioner made, before the pass changed it: what ``verify_peak`` lowers
+    for its code inside the plan's compile (``GraphCompiler``), whose replay's peak is a lower bound of
+    the pair's without offloading, with what that replay needs."""
+
+    graph: fx.GraphModule
+    saved_dtypes: tuple[torch.dtype | None, ...]  # the saved tensors' dtypes, in the order it returns them
+    kept_bytes: int  # device bytes one call keeps for its backward (``memory.kept_saved_bytes``)
 
 
 class OffloadPartitioner(_compat.CustomPartitionerFn):
@@ -70,8 +78,9 @@ class OffloadPartitioner(_compat.CustomPartitionerFn):
         self.pair: PlannedPair | None = None
         # Abandon the compile (``PlanChangesNothing``) where the plan changes nothing: nothing to judge.
         self.stop_if_unchanged = False
-        # Abandon it (``ForwardSettlesIt``) once the forward's code is in, where this says that is enough.
-        self.enough_after_forward: Callable[[PlannedPair], bool] | None = None
+        # Keep the forward torch's partitioner made, before the pass changes it (``unchanged_forward``).
+        self.keep_unchanged_forward = False
+        self.unchanged_forward: UnchangedForward | None = None
 
     def record_output_code(self, kind: str, code: str) -> None:
         """Inductor's wrapper code for the graphs of this pair (``PlannedPair.output_code``)."""
@@ -79,8 +88,6 @@ class OffloadPartitioner(_compat.CustomPartitionerFn):
             self.pair.output_code[kind] = code
             if kind == "backward" and self.on_backward_code is not None:
                 self.on_backward_code(self.pair)
-            if kind == "forward" and self.enough_after_forward is not None and self.enough_after_forward(self.pair):
-                raise ForwardSettlesIt(f"fxoffload: graph {self.pair.graph_id}: its forward's code settles it")
 
     # Inductor copies and pickles its config, this object included, for its FX graph cache key:
     # ``uuid`` stands for it there (the pair it holds has fake tensors in node metadata, and a
@@ -125,6 +132,8 @@ class OffloadPartitioner(_compat.CustomPartitionerFn):
         nodes_in = len(fw.graph.nodes), len(bw.graph.nodes)
         num_fwd_outputs = kwargs["num_fwd_outputs"]
         static = tuple(kwargs.get("static_lifetime_input_indices") or ())
+        if self.keep_unchanged_forward:
+            self.unchanged_forward = unchanged_forward(fw, bw, num_fwd_outputs, static)
         graph_id = self.graph_id if self.graph_id is not None else new_graph_id()
         host_before = self.register.host_bytes_planned(except_graph=graph_id)  # the report says it
         host_left = self.register.host_left(self.options.host_budget, graph_id)
@@ -167,6 +176,18 @@ class OffloadPartitioner(_compat.CustomPartitionerFn):
         if self.stop_if_unchanged and not plan.changes_graphs:
             raise PlanChangesNothing(f"fxoffload: graph {graph_id}: the plan changes nothing")
         return fw, bw
+
+
+def unchanged_forward(
+    fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs: int, static: tuple[int, ...]
+) -> UnchangedForward:
+    """A copy of ``fw`` as torch's partitioner made it (its nodes' metadata shared, not copied: the
+    same fake tensors), and what the replay of its code needs from the pair."""
+    graph = fx.Graph()
+    graph.output(graph.graph_copy(fw.graph, {}))
+    saved = [p.meta.get("val") for p in bw.graph.find_nodes(op="placeholder") if not p.name.startswith("tangents_")]
+    dtypes = tuple(v.dtype if isinstance(v, torch.Tensor) else None for v in saved)
+    return UnchangedForward(fx.GraphModule(fw, graph), dtypes, kept_saved_bytes(fw, num_fwd_outputs, static))
 
 
 _MATMULS = {"mm", "addmm", "bmm", "baddbmm"}

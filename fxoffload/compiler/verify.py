@@ -6,9 +6,10 @@ MLP's backward, +8 KiB). So the code Inductor generated for the plan is replayed
 bound of the unchanged code's peak (``unchanged_floor``, no second compile), and where that does not
 settle it, against the code of the pair lowered without offloading (``lowest`` of the two): lowered
 for its code alone, its kernels not built, once per graph (a plan made again is judged against the
-same code); its forward first, whose replay's peak is a lower bound of the pair's, and its backward
-only where the plan's code does not peak below that; where it wins, the graph is compiled again as
-``backend="inductor"`` compiles it.
+same code). Before that, inside the plan's own compile, its forward alone (``GraphCompiler.
+_lower_unchanged_forward``): its replay's peak is a lower bound of the pair's, and the pair is
+lowered whole only where the plan's code does not peak below it. Where the unchanged code wins, the
+graph is compiled again as ``backend="inductor"`` compiles it.
 Judged for a pair returning a loss only: one returning activations may be one block of a longer
 step, whose peak its saved tensors make, and no pair's own peak says that.
 """
