@@ -69,7 +69,7 @@ def _one(method: str, layers: int, steps: int, link: str) -> dict:
         settle(backend, step, limit=20)
         row.update(settled_s=sum(times), settled_steps=len(times) if backend.settled else None)
         t = [r.timings for r in backend.reports if r.timings is not None]
-        row.update(compiles=sum(len(x.spent) or x.compiles for x in t), compile_s=sum(x.spent_s for x in t),
+        row.update(compiles=sum(sum(not c.inside for c in x.spent) or x.compiles for x in t), compile_s=sum(x.spent_s for x in t),
                    pass_s=sum(x.pass_s + x.repartition_s + x.simulate_s for x in t),
                    offloaded=sum(len(r.offloaded) for r in backend.reports), replans=sum(len(r.replans) for r in backend.reports),
                    spent=[f"graph {r.graph_id}: {r.timings.spent_text()}" for r in backend.reports if r.timings is not None],

@@ -151,7 +151,7 @@ def test_verify_peak_lowers_the_unchanged_forward_inside_the_plans_compile(count
     assert report.offloaded and not report.note, report.note
     assert [s.what for s in report.timings.spent] == ["the plan", VERIFY_INSIDE], report.timings.spent
     assert counted == {"codegen": 3, "load": 2}, counted
-    assert report.timings.compiles == 1
+    assert report.timings.compiles == 1 and [s.inside for s in report.timings.spent] == [False, True]
     ((_, forward_peak),) = backend._compiler._unchanged_forward_peak.values()
     plan_peak = report.compiled_memory().peak_bytes
     assert plan_peak < forward_peak

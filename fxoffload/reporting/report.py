@@ -99,11 +99,13 @@ class PassTimings:
 class CompileSpent:
     """One compile of a graph (``PassTimings.spent``): what it was for, its wall-clock seconds (the
     partition and the pass in it included), and when: 0 when Dynamo compiled the graph, n for the
-    n-th plan made again at run time."""
+    n-th plan made again at run time; ``inside``: a lowering inside the compile listed before it
+    (``verify_peak``'s unchanged forward), not a compile of its own."""
 
     what: str
     seconds: float
     round: int = 0
+    inside: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
