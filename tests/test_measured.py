@@ -462,7 +462,7 @@ def test_a_tensor_that_stalled_is_judged_again_by_the_corrected_model(monkeypatc
     forced: set[str] = set()
     original = watch.measured_plan
 
-    def half_stalled(plan, times):
+    def half_stalled(plan, times, forward_s=None):
         if not forced:
             names = sorted(d.saved.name for d in plan.offloaded)
             forced.update(names[: len(names) // 2])
@@ -498,7 +498,7 @@ def test_the_last_replan_offloads_only_what_was_measured_to_hide(monkeypatch):
     forced: set[str] = set()
     original = watch.measured_plan
 
-    def half_stalled(plan, times):
+    def half_stalled(plan, times, forward_s=None):
         if not forced:  # the first plan's measurement; the later ones stall the same tensors
             names = sorted(d.saved.name for d in plan.offloaded)
             forced.update(names[: len(names) // 2])

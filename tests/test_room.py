@@ -8,13 +8,14 @@ what the margin kept on the device may hide too.
 """
 
 import dataclasses
+import importlib
 
 import torch
 
 import fxoffload
 from fxoffload.analysis.cost import DeviceRates
 from fxoffload.analysis.lifetimes import GraphLifetimes
-from fxoffload.compiler import watch
+from fxoffload.compiler import copy_timer, watch
 from fxoffload.options import OffloadOptions
 from fxoffload.planning.decisions import PlanCosts
 from fxoffload.planning.measured import ROOM_SHARE, Measured, room
@@ -109,8 +110,8 @@ def _rounds(monkeypatch, plan_round):
     stalling: set[str] = set()
     original = watch.measured_plan
 
-    def forced(plan, times):
-        m = original(plan, times)
+    def forced(plan, times, forward_s=None):
+        m = original(plan, times, forward_s)
         names = frozenset(d.saved.name for d in plan.offloaded)
         factor, stalls = plan_round(len(rounds), plan, rounds)
         stalling.clear()
@@ -233,3 +234,50 @@ def test_where_what_hid_under_the_plan_made_for_more_is_more_it_is_kept(monkeypa
     (report,) = backend.reports
     assert len(report.replans) == 2 and "only the" in report.replans[1], (report.replans, nbytes)
     assert nbytes[2] > nbytes[0] and rounds[2] < rounds[1], (nbytes, rounds)
+
+
+def _priced_fast(monkeypatch=None):
+    """``auto`` on the built-in GPT with compute priced far faster than this CPU runs it, the link at
+    1 GB/s: no copy can hide on the model, so its first plan offloads nothing (``not_hidden``). Steps until the backend settled: the
+    backend, its reports' history (offloaded bytes per report seen) and the losses."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    cfg = GPTConfig(dropout=0.0)
+    model, batch = GPT(cfg), gpt_batch(cfg, 8)
+    backend = fxoffload.backend(
+        offload_cpu=True, policy="auto", inner="aot_eager", min_bytes="16KiB", op_time=0.0, cpu_link_bandwidth=1e9,
+        compute_rates={"flops": 1e16, "memory_bandwidth": 1e15},
+    )  # fmt: skip
+    compiled = torch.compile(model, backend=backend)
+    offloaded, losses = [], []
+    for _ in range(6):
+        loss = compiled(*batch)
+        loss.backward()
+        losses.append(loss.item())
+        offloaded.append(backend.reports[0].offloaded_bytes)
+    return backend, offloaded, losses
+
+
+def test_a_first_plan_that_offloads_nothing_learns_from_the_forwards_time():
+    """No copy to time: the forward is timed instead (``measured_plan``'s one ratio for both phases),
+    and the model it corrects has room, so the graph is planned again and offloads (the report says
+    why). The losses do not move."""
+    backend, offloaded, losses = _priced_fast()
+    assert offloaded[0] == 0, offloaded
+    (report,) = backend.reports
+    assert report.replans and "offloaded nothing, and the model corrected by the forward's measured time" in (
+        report.replans[0]
+    ), report.replans
+    assert offloaded[-1] > 0, offloaded
+    assert max(losses) - min(losses) < 1e-5, losses
+
+
+def test_without_the_forwards_time_a_plan_that_offloads_nothing_stays_so(monkeypatch):
+    """The rule taken away (no plan is judged to learn without copies): nothing is timed, nothing
+    planned again, nothing offloaded, whatever the device."""
+    backend_module = importlib.import_module("fxoffload.compiler.backend")  # ``backend`` is also a function
+    monkeypatch.setattr(backend_module, "learns_without_copies", lambda plan: False)
+    monkeypatch.setattr(copy_timer, "learns_without_copies", lambda plan: False)
+    backend, offloaded, _ = _priced_fast()
+    (report,) = backend.reports
+    assert offloaded == [0] * 6 and not report.replans, (offloaded, report.replans)

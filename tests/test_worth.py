@@ -62,7 +62,7 @@ def _forced_stall(monkeypatch, seconds):
     forced: set[str] = set()
     original = watch.measured_plan
 
-    def one_stalled(plan, times):
+    def one_stalled(plan, times, forward_s=None):
         if not forced:
             forced.add(sorted(d.saved.name for d in plan.offloaded)[0])
         return dataclasses.replace(original(plan, times), stalls={n: seconds for n in forced})

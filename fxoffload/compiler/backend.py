@@ -10,6 +10,7 @@ import torch
 import torch.fx as fx
 
 from ..options import OffloadOptions
+from ..planning.measured import learns_without_copies
 from ..reporting.report import OffloadReport
 from .compile import GraphCompiler, copy_graph_module
 from .pair import PairRegister
@@ -76,7 +77,8 @@ class OffloadBackend:
             except Exception as e:  # then it is said, not planned again
                 log.debug("fxoffload: cannot keep a copy of the graph to plan it again (%s)", e)
         compiled, pair = self._compiler.compile(gm, example_inputs, opts, pristine=pristine)
-        if pair is None or (pair.outside is None and not pair.plan.offloaded):
+        learns = opts.plans_from_measurements and pristine is not None and learns_without_copies(pair.plan) if pair else False
+        if pair is None or (pair.outside is None and not pair.plan.offloaded and not learns):
             return compiled
         watch = CallWatch(self._compiler, pair, opts, pristine, self.outside_seen)
         self._watches.append(watch)

@@ -1,5 +1,6 @@
 """Times a compiled graph's copies on the device for its ``CallWatch`` (``runtime.timing``): one call's
-offloads and a reload of each, at the second call after each compile, and that forward's own time."""
+offloads and a reload of each, at the second call after each compile, and that forward's own time
+(alone, for an ``auto`` plan that offloads nothing: ``planning.measured.learns_without_copies``)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..analysis.outside import graph_device
 from ..ir import transfer_name
+from ..planning.measured import learns_without_copies
 from ..runtime.timing import Recording, now
 
 if TYPE_CHECKING:
@@ -34,13 +36,15 @@ class CopyTimer:
         self.recording: Recording | None = None
         self.open_calls = 0
         self.forward: tuple[Any, Any, float] | None = None  # the timed call's start and end stamps, host seconds
-        self.done = not self.watch.pair.plan.offloaded
+        plan = self.watch.pair.plan
+        self.done = not plan.offloaded and not (self.watch.options.plans_from_measurements and learns_without_copies(plan))
 
     def before_call(self, inputs: Any) -> Any:
         """Read a recording whose copies have all been waited on; start one at the second call."""
         if self.recording is not None:
             self.open_calls += 1
-            if self.recording.complete or self.open_calls > self.MAX_OPEN_CALLS:
+            # A plan that offloads nothing has only its forward's time to take (``learns_without_copies``).
+            if self.recording.complete or self.open_calls > self.MAX_OPEN_CALLS or not self.watch.pair.plan.offloaded:
                 self.finish(inputs)
         self.calls += 1
         if self.done or self.recording is not None or self.calls != 2:

@@ -26,7 +26,8 @@ backward apart) plus what it held beyond the plan's count.
 Reading costs about 20 us per autograd node, at most ``SECONDS`` per graph, and nothing after.
 
 The same wrapper times the plan's copies on the device (``copy_timer.CopyTimer``, ``runtime.timing``): at the
-second call after each compile, one call's offloads and a reload of each. The measured windows, copy
+second call after each compile, one call's offloads and a reload of each (an ``auto`` plan that offloads
+nothing as no copy would hide: its forward, ``learns_without_copies``). The measured windows, copy
 times and stalls go on the report's rows. Where a copy of ``auto``'s stalled the compute stream, the
 graph is planned again with the model corrected by what was measured (``planning.measured``: compute
 scaled to the device, the link at its measured speed, the stalled tensors kept) and compiled again,
@@ -347,7 +348,7 @@ class CallWatch:
         report = with_measured(old.report, times, *(forward or (None, None)))
         self.pair = dataclasses.replace(old, report=report)
         self.compiler.register.record(self.pair)
-        measured = measured_plan(old.plan, times).merged(self.measured)
+        measured = measured_plan(old.plan, times, forward[0] if forward else None).merged(self.measured)
         if measured.host_bound("d2h") or measured.host_bound("h2d"):  # the device waited on the host
             measured = dataclasses.replace(measured, host_calls=host_op_seconds(self.timer.device))
         predicted = old.plan.stall * 1e3

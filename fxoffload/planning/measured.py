@@ -56,7 +56,7 @@ from .worth import WORTH_A_COMPILE
 
 __all__ = [
     "HOST_BOUND", "MEASURED_MARGIN", "Measured", "ROOM_SHARE", "STALL_FLOOR_S", "calls_over_allowance", "host_bound",
-    "host_ratio", "measured_plan", "measured_step", "room", "switched_off",
+    "host_ratio", "learns_without_copies", "measured_plan", "measured_step", "room", "switched_off",
 ]
 
 # A copy stalled when the compute stream waited for it longer than this and than a tenth of the
@@ -192,7 +192,12 @@ class Measured:
                 f"the copies of {', '.join(sorted(self.stalls))} stalled the compute stream {self.stall_s * 1e3:.3g} ms "
                 f"a step (the plan predicted {predicted_ms:.3g} ms)"
             )
-        if self.grows:
+        if self.grows and not self.moved:
+            said.append(
+                f"the plan offloaded nothing, and the model corrected by the forward's measured time has room for "
+                f"{fmt_bytes(self.grows)}"
+            )
+        elif self.grows:
             said.append(
                 f"every copy hid, and the model corrected by their windows has room for {fmt_bytes(self.grows)} more"
             )
@@ -304,8 +309,22 @@ def stalled(t: TransferTime) -> bool:
     return t.stall_s > max(STALL_FLOOR_S, STALL_SHARE * t.copy_s)
 
 
-def measured_plan(plan: OffloadPlan, times: Sequence[TransferTime]) -> Measured:
-    """The corrections ``times`` (the copies of ``plan``, measured) give its cost model."""
+def learns_without_copies(plan: OffloadPlan) -> bool:
+    """Whether the first steps time ``plan``'s forward though it offloads nothing: ``auto`` kept
+    tensors because the model said their copies would not hide (``not_hidden``, ``too_soon``), and
+    only a measurement can say the model priced the device too fast (on an H100, ``auto`` on the
+    Llama blocks offloaded nothing and, no copy to time, never planned again)."""
+    hides = {ReasonCode.NOT_HIDDEN, ReasonCode.TOO_SOON}
+    return not plan.offloaded and plan.costs is not None and any(d.reason.code in hides for d in plan.decisions)
+
+
+def measured_plan(plan: OffloadPlan, times: Sequence[TransferTime], forward_s: float | None = None) -> Measured:
+    """The corrections ``times`` (the copies of ``plan``, measured) give its cost model. Where no copy
+    was timed, the forward's measured time (``forward_s``, a plan that offloads nothing) against the
+    model's gives the one ratio, for both phases (the backward is not timed: taken as the forward)."""
+    if not times and forward_s and plan.costs is not None and plan.costs.fw_starts[-1] > 0:
+        ratio = forward_s / plan.costs.fw_starts[-1] * plan.costs.scale[0]
+        return Measured((), (ratio,), (ratio,), {}, {})
     decisions = {d.saved.name: d for d in plan.offloaded if d.timing is not None}
     ratios: dict[str, list[float]] = {"d2h": [], "h2d": []}
     moved: dict[str, tuple[int, float]] = {}
