@@ -10,15 +10,16 @@ what the margin kept on the device may hide too.
 import dataclasses
 import importlib
 
+import pytest
 import torch
 
 import fxoffload
-from fxoffload.analysis.cost import DeviceRates
+from fxoffload.analysis.cost import FIRST_GUESS_MARGIN, DeviceRates
 from fxoffload.analysis.lifetimes import GraphLifetimes
 from fxoffload.compiler import copy_timer, watch
 from fxoffload.options import OffloadOptions
 from fxoffload.planning.decisions import PlanCosts
-from fxoffload.planning.measured import ROOM_SHARE, Measured, room
+from fxoffload.planning.measured import ROOM_SHARE, Measured, measured_plan, room
 from fxoffload.planning.plan import auto_offload_bytes, plan_offloads
 from fxoffload.sizes import fmt_bytes
 from fxoffload.testing.models import GPT, GPTConfig, gpt_batch
@@ -281,3 +282,15 @@ def test_without_the_forwards_time_a_plan_that_offloads_nothing_stays_so(monkeyp
     backend, offloaded, _ = _priced_fast()
     (report,) = backend.reports
     assert offloaded == [0] * 6 and not report.replans, (offloaded, report.replans)
+
+
+def test_a_forward_timed_alone_gives_one_ratio_and_keeps_the_first_guess_margin():
+    """``measured_plan`` with no copy and the forward's time: that time over the model's forward, for
+    both phases; no spread of windows, so the margin stays the first guess's (``FIRST_GUESS_MARGIN``),
+    not the measured one's 10%; and no forward time, no ratio."""
+    costs = PlanCosts(RATES, STARTS, STARTS)  # a 10 ms forward on the model
+    _, first = _plan(costs, 1.5)
+    m = measured_plan(first, [], 0.02)
+    assert m.forward_only and m.fw_ratios == m.bw_ratios == (pytest.approx(2.0),)
+    assert m.margin == FIRST_GUESS_MARGIN and _measured(2.0).margin == 0.1
+    assert measured_plan(first, []).fw_ratios == ()

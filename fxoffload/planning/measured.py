@@ -45,6 +45,7 @@ import dataclasses
 import statistics
 from collections.abc import Mapping, Sequence
 
+from ..analysis.cost import FIRST_GUESS_MARGIN
 from ..ir import TransferTime
 from ..options import OffloadOptions
 from ..reasons import Action, Reason, ReasonCode
@@ -96,6 +97,9 @@ class Measured:
     # Bytes a plan made from this measurement offloads beyond the measured plan's, its copies having
     # hidden with room to spare (``room``): the reason it is made. 0: made for stalls or calls.
     grows: int = 0
+    # Only the forward's time, no copy (``learns_without_copies``): one ratio for both phases, and no
+    # spread of windows to size a margin by (the first guess's is kept, ``margin``).
+    forward_only: bool = False
 
     def host_bound(self, direction: str) -> bool:
         """Whether the phase of ``direction``'s copies was host-bound when measured (``host_ratio``)."""
@@ -115,7 +119,10 @@ class Measured:
         """The copy margin the corrected model keeps: one scale per phase (the median) leaves the copies
         whose windows ran shorter than that scale says short by as much, so the margin is the spread
         below the median, the lowest ratio's or, from ten copies, the lowest tenth's, in the phase
-        where it is widest (``MEASURED_MARGIN`` bounds it)."""
+        where it is widest (``MEASURED_MARGIN`` bounds it); the first guess's where only a forward was
+        timed."""
+        if self.forward_only:
+            return FIRST_GUESS_MARGIN
         spread = 0.0
         for ratios in (self.fw_ratios, self.bw_ratios):
             if len(ratios) < 2:
@@ -192,7 +199,7 @@ class Measured:
                 f"the copies of {', '.join(sorted(self.stalls))} stalled the compute stream {self.stall_s * 1e3:.3g} ms "
                 f"a step (the plan predicted {predicted_ms:.3g} ms)"
             )
-        if self.grows and not self.moved:
+        if self.grows and self.forward_only:
             said.append(
                 f"the plan offloaded nothing, and the model corrected by the forward's measured time has room for "
                 f"{fmt_bytes(self.grows)}"
@@ -324,7 +331,7 @@ def measured_plan(plan: OffloadPlan, times: Sequence[TransferTime], forward_s: f
     model's gives the one ratio, for both phases (the backward is not timed: taken as the forward)."""
     if not times and forward_s and plan.costs is not None and plan.costs.fw_starts[-1] > 0:
         ratio = forward_s / plan.costs.fw_starts[-1] * plan.costs.scale[0]
-        return Measured((), (ratio,), (ratio,), {}, {})
+        return Measured((), (ratio,), (ratio,), {}, {}, forward_only=True)
     decisions = {d.saved.name: d for d in plan.offloaded if d.timing is not None}
     ratios: dict[str, list[float]] = {"d2h": [], "h2d": []}
     moved: dict[str, tuple[int, float]] = {}
