@@ -17,6 +17,7 @@ from torch._inductor.graph import GraphLowering
 
 import fxoffload
 from fxoffload import _compat
+from fxoffload.compiler import compile as compile_module
 from fxoffload.compiler.compile import GraphCompiler, copy_graph_module
 from fxoffload.compiler.pair import PairRegister
 from fxoffload.compiler.partitioner import OffloadPartitioner
@@ -168,6 +169,19 @@ def test_verify_peak_lowers_the_unchanged_forward_inside_the_plans_compile(count
     replay = unchanged.code_memory()
     assert max(p.total for p in replay.points if p.phase == "forward") == forward_peak
     assert replay.peak_bytes >= forward_peak > plan_peak
+
+
+def test_an_unchanged_forward_that_gives_no_figure_leaves_the_check_to_the_whole_pair(counted, monkeypatch):
+    """Where the forward lowered in the plan's compile gives no figure (code this reader does not
+    know, here forced), nothing is kept from it and the pair is lowered whole, as before: the same
+    plan kept, one lowering more."""
+    monkeypatch.setattr(compile_module, "replay_forward", lambda *args: None)
+    backend = fxoffload.backend(offload_cpu=True, policy="all", min_bytes=0)
+    report = _probe_step(backend)
+    assert report.offloaded and not report.note, report.note
+    assert [s.what for s in report.timings.spent] == ["the plan", VERIFY_INSIDE, VERIFY], report.timings.spent
+    assert counted == {"codegen": 5, "load": 2}, counted
+    assert not backend._compiler._unchanged_forward_peak
 
 
 def test_a_plan_made_again_reuses_the_unchanged_forwards_peak(counted):
