@@ -294,3 +294,19 @@ def test_a_forward_timed_alone_gives_one_ratio_and_keeps_the_first_guess_margin(
     assert m.forward_only and m.fw_ratios == m.bw_ratios == (pytest.approx(2.0),)
     assert m.margin == FIRST_GUESS_MARGIN and _measured(2.0).margin == 0.1
     assert measured_plan(first, []).fw_ratios == ()
+
+
+def test_no_room_where_the_plan_made_again_could_not_lower_the_peak_by_two_percent():
+    """The same room (1.5 MiB more, 4.5 MiB offloaded in all), judged against the predicted peak
+    without offloading (``PlanCosts.baseline``): under 100 MiB it is worth a compile; at 300 MiB the
+    4.5 MiB cannot lower it by 2% (``planning.worth``), the plan made again would offload nothing
+    more, and no compile is asked for (a GPT at 200 MB/s compiled for nothing before)."""
+    from fxoffload.analysis.memory import MemoryPoint, MemoryTimeline
+
+    def baseline(mib):
+        return MemoryTimeline((MemoryPoint("forward", "x", {"saved": int(mib * MiB)}),))
+
+    for peak, more in ((100, 1.5 * MiB), (300, 0)):
+        costs = PlanCosts(RATES, STARTS, STARTS, baseline=baseline(peak))
+        _, first = _plan(costs, 1.5, 1.5, 1.5)
+        assert room(first, _measured(1.0), AUTO) == more, peak

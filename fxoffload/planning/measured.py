@@ -297,9 +297,12 @@ def measured_step(costs: PlanCosts, measured: Measured) -> tuple[float, float]:
 def room(plan: OffloadPlan, measured: Measured, options: OffloadOptions, host: int | None = None) -> int:
     """Bytes more than ``plan``'s that ``auto`` offloads when planned again with the model ``measured``
     corrects and ``host`` bytes of host_budget left it (``auto_offload_bytes``), where that is worth a
-    compile (at least ``ROOM_SHARE`` of the pair's saved bytes), else 0. A plan made from the model before measurements keeps a margin for
-    a device faster than the model (``cost.FIRST_GUESS_MARGIN``); where its copies then hid, what
-    the margin kept on the device may hide too, and the corrected model says so."""
+    compile (at least ``ROOM_SHARE`` of the pair's saved bytes, and, with those, ``WORTH_A_COMPILE``
+    of the predicted peak offloaded in all: fewer bytes cannot lower it that much, and the plan made
+    again would offload nothing more, ``planning.worth``), else 0. A plan made from the model before
+    measurements keeps a margin for a device faster than the model (``cost.FIRST_GUESS_MARGIN``);
+    where its copies then hid, what the margin kept on the device may hide too, and the corrected
+    model says so."""
     costs = plan.costs
     if costs is None:
         return 0
@@ -309,7 +312,10 @@ def room(plan: OffloadPlan, measured: Measured, options: OffloadOptions, host: i
         scale=(1.0, 1.0),
     )  # fmt: skip
     more = auto_offload_bytes(plan, measured.corrected(raw, options.op_time), options, host) - plan.offloaded_bytes
-    return more if more >= ROOM_SHARE * sum(d.saved.nbytes for d in plan.decisions) else 0
+    peak = costs.baseline.peak_bytes if costs.baseline is not None and costs.baseline.points else 0
+    if more < ROOM_SHARE * sum(d.saved.nbytes for d in plan.decisions) or plan.offloaded_bytes + more < WORTH_A_COMPILE * peak:
+        return 0
+    return more
 
 
 def stalled(t: TransferTime) -> bool:
