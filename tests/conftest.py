@@ -57,6 +57,28 @@ def cpu_backend(**options):
     return fxoffload.backend(**options)
 
 
+def auto_on_gpt(steps, **options):
+    """``auto`` on the built-in GPT (no dropout, batch 8) under aot_eager, tensors from 16 KiB, its op
+    calls free, ``options`` on top, for ``steps`` training steps: the backend, each step's loss and
+    the bytes its graph offloaded after that step."""
+    from fxoffload.testing.models import GPT, GPTConfig, gpt_batch
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    cfg = GPTConfig(dropout=0.0)
+    model, batch = GPT(cfg), gpt_batch(cfg, 8)
+    defaults = {"offload_cpu": True, "policy": "auto", "inner": "aot_eager", "min_bytes": "16KiB", "op_time": 0.0}
+    backend = fxoffload.backend(**{**defaults, **options})
+    compiled = torch.compile(model, backend=backend)
+    losses, offloaded = [], []
+    for _ in range(steps):
+        loss = compiled(*batch)
+        loss.backward()
+        losses.append(loss.item())
+        offloaded.append(backend.reports[0].offloaded_bytes)
+    return backend, losses, offloaded
+
+
 def train_step(model, args, backend=None, seed=0, steps=1):
     """Loss and gradients of ``steps`` forward+backward runs of a deep copy of ``model``.
 

@@ -24,7 +24,7 @@ from fxoffload.planning.plan import auto_offload_bytes, plan_offloads
 from fxoffload.sizes import fmt_bytes
 from fxoffload.testing.models import GPT, GPTConfig, gpt_batch
 
-from .conftest import assert_same, train_step
+from .conftest import assert_same, auto_on_gpt, train_step
 from .test_plan import saved
 
 MiB = 1 << 20
@@ -237,25 +237,13 @@ def test_where_what_hid_under_the_plan_made_for_more_is_more_it_is_kept(monkeypa
     assert nbytes[2] > nbytes[0] and rounds[2] < rounds[1], (nbytes, rounds)
 
 
-def _priced_fast(monkeypatch=None):
+def _priced_fast():
     """``auto`` on the built-in GPT with compute priced far faster than this CPU runs it, the link at
-    1 GB/s: no copy can hide on the model, so its first plan offloads nothing (``not_hidden``). Steps until the backend settled: the
-    backend, its reports' history (offloaded bytes per report seen) and the losses."""
-    torch._dynamo.reset()
-    torch.manual_seed(0)
-    cfg = GPTConfig(dropout=0.0)
-    model, batch = GPT(cfg), gpt_batch(cfg, 8)
-    backend = fxoffload.backend(
-        offload_cpu=True, policy="auto", inner="aot_eager", min_bytes="16KiB", op_time=0.0, cpu_link_bandwidth=1e9,
-        compute_rates={"flops": 1e16, "memory_bandwidth": 1e15},
-    )  # fmt: skip
-    compiled = torch.compile(model, backend=backend)
-    offloaded, losses = [], []
-    for _ in range(6):
-        loss = compiled(*batch)
-        loss.backward()
-        losses.append(loss.item())
-        offloaded.append(backend.reports[0].offloaded_bytes)
+    1 GB/s: no copy can hide on the model, so its first plan offloads nothing (``not_hidden``). Six
+    steps: the backend, the bytes offloaded after each, and the losses."""
+    backend, losses, offloaded = auto_on_gpt(
+        6, cpu_link_bandwidth=1e9, compute_rates={"flops": 1e16, "memory_bandwidth": 1e15}
+    )
     return backend, offloaded, losses
 
 

@@ -6,24 +6,15 @@ planned again for only where the stall is at least that share of the step (``sta
 
 import dataclasses
 
-import torch
-
-import fxoffload
 from fxoffload.compiler import watch
 from fxoffload.planning.worth import WORTH_A_COMPILE, stall_not_worth_a_compile
-from fxoffload.testing.models import GPT, GPTConfig, gpt_batch
+
+from .conftest import auto_on_gpt
 
 
 def _auto(host_budget):
-    torch._dynamo.reset()
-    torch.manual_seed(0)
-    cfg = GPTConfig(dropout=0.0)
-    model, batch = GPT(cfg), gpt_batch(cfg, 8)
-    backend = fxoffload.backend(
-        offload_cpu=True, policy="auto", inner="aot_eager", min_bytes="16KiB", op_time=0.0, host_budget=host_budget,
-        cpu_link_bandwidth=5e9,
-    )  # fmt: skip
-    torch.compile(model, backend=backend)(*batch).backward()
+    """The report of ``auto``'s plan of the built-in GPT with ``host_budget``, after one step."""
+    backend, _, _ = auto_on_gpt(1, host_budget=host_budget, cpu_link_bandwidth=5e9)
     (report,) = backend.reports
     return report
 
@@ -69,16 +60,7 @@ def _forced_stall(monkeypatch, seconds):
 
     monkeypatch.setattr(watch, "measured_plan", one_stalled)
     monkeypatch.setattr(watch, "stalled", lambda t: t.tensor in forced)
-    torch._dynamo.reset()
-    torch.manual_seed(0)
-    cfg = GPTConfig(dropout=0.0)
-    model, batch = GPT(cfg), gpt_batch(cfg, 8)
-    backend = fxoffload.backend(
-        offload_cpu=True, policy="auto", inner="aot_eager", min_bytes="16KiB", op_time=0.0, cpu_link_bandwidth=5e9,
-    )  # fmt: skip
-    compiled = torch.compile(model, backend=backend)
-    for _ in range(6):
-        compiled(*batch).backward()
+    backend, _, _ = auto_on_gpt(6, cpu_link_bandwidth=5e9)
     (report,) = backend.reports
     assert report.offloaded and forced, report.table()
     return report, forced
