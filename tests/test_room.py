@@ -265,8 +265,8 @@ def test_without_the_forwards_time_a_plan_that_offloads_nothing_stays_so(monkeyp
     """The rule taken away (no plan is judged to learn without copies): nothing is timed, nothing
     planned again, nothing offloaded, whatever the device."""
     backend_module = importlib.import_module("fxoffload.compiler.backend")  # ``backend`` is also a function
-    monkeypatch.setattr(backend_module, "learns_without_copies", lambda plan: False)
-    monkeypatch.setattr(copy_timer, "learns_without_copies", lambda plan: False)
+    monkeypatch.setattr(backend_module, "learns_without_copies", lambda plan, options: False)
+    monkeypatch.setattr(copy_timer, "learns_without_copies", lambda plan, options: False)
     backend, offloaded, _ = _priced_fast()
     (report,) = backend.reports
     assert offloaded == [0] * 6 and not report.replans, (offloaded, report.replans)

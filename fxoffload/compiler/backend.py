@@ -77,8 +77,10 @@ class OffloadBackend:
             except Exception as e:  # then it is said, not planned again
                 log.debug("fxoffload: cannot keep a copy of the graph to plan it again (%s)", e)
         compiled, pair = self._compiler.compile(gm, example_inputs, opts, pristine=pristine)
-        learns = opts.plans_from_measurements and pristine is not None and learns_without_copies(pair.plan) if pair else False
-        if pair is None or (pair.outside is None and not pair.plan.offloaded and not learns):
+        if pair is None:
+            return compiled
+        learns = pristine is not None and learns_without_copies(pair.plan, opts)  # timed, then maybe planned again
+        if pair.outside is None and not pair.plan.offloaded and not learns:
             return compiled
         watch = CallWatch(self._compiler, pair, opts, pristine, self.outside_seen)
         self._watches.append(watch)

@@ -39,7 +39,7 @@ class CopyTimer:
         self.open_calls = 0
         self.forwards: list[tuple[Any, Any, float]] = []  # each timed call's start and end stamps, host seconds
         plan = self.watch.pair.plan
-        self.done = not plan.offloaded and not (self.watch.options.plans_from_measurements and learns_without_copies(plan))
+        self.done = not plan.offloaded and not learns_without_copies(plan, self.watch.options)
 
     def before_call(self, inputs: Any) -> Any:
         """Read a recording whose copies have all been waited on; start one at the second call."""

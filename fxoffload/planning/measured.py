@@ -322,13 +322,17 @@ def stalled(t: TransferTime) -> bool:
     return t.stall_s > max(STALL_FLOOR_S, STALL_SHARE * t.copy_s)
 
 
-def learns_without_copies(plan: OffloadPlan) -> bool:
-    """Whether the first steps time ``plan``'s forward though it offloads nothing: ``auto`` kept
-    tensors because the model said their copies would not hide (``not_hidden``, ``too_soon``), and
-    only a measurement can say the model priced the device too fast (on an H100, ``auto`` on the
-    Llama blocks offloaded nothing and, no copy to time, never planned again)."""
+def learns_without_copies(plan: OffloadPlan, options: OffloadOptions) -> bool:
+    """Whether the first steps time ``plan``'s forward though it offloads nothing: ``auto``'s own plan
+    (``options.plans_from_measurements``) kept tensors because the model said their copies would not
+    hide (``not_hidden``, ``too_soon``), and only a measurement can say the model priced the device
+    too fast (on an H100, ``auto`` on the Llama blocks offloaded nothing and, no copy to time, never
+    planned again)."""
     hides = {ReasonCode.NOT_HIDDEN, ReasonCode.TOO_SOON}
-    return not plan.offloaded and plan.costs is not None and any(d.reason.code in hides for d in plan.decisions)
+    return (
+        options.plans_from_measurements and not plan.offloaded and plan.costs is not None
+        and any(d.reason.code in hides for d in plan.decisions)
+    )  # fmt: skip
 
 
 def measured_plan(plan: OffloadPlan, times: Sequence[TransferTime], forward_s: float | None = None) -> Measured:
