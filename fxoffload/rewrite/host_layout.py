@@ -19,6 +19,7 @@ import torch
 import torch.fx as fx
 
 from .. import _compat
+from ..analysis.graph import is_dense
 from ..ir import OFFLOAD, RELOAD, WAIT, fake_impl, is_transfer
 
 __all__ = ["host_layouts", "wanted_stride"]
@@ -30,7 +31,7 @@ def wanted_stride(x: torch.Tensor, wait: fx.Node, channels_last: set[fx.Node] | 
     ``x``'s traced stride. None, the source's layout at run time, where a stride is symbolic."""
     if not all(isinstance(s, int) for s in x.stride()):
         return None
-    if channels_last and wait in channels_last and x.dim() == 4 and _dense(x.shape, x.stride()):
+    if channels_last and wait in channels_last and x.dim() == 4 and is_dense(x):
         return list(torch.empty(x.shape, device="meta").to(memory_format=torch.channels_last).stride())
     return list(x.stride())
 
@@ -73,13 +74,3 @@ def _reloads_follow(host: fx.Node) -> None:
         for wait in [u for u in reload.users if is_transfer(u, WAIT) and u.args[0] is reload]:
             wait.meta["val"] = reload.meta["val"]
 
-
-def _dense(size: tuple[int, ...], stride: tuple[int, ...]) -> bool:
-    """Whether a layout covers its storage without gaps or overlaps, in any order of its dimensions
-    (what Inductor asks before it lays a returned tensor out channels-last)."""
-    expected = 1
-    for d in sorted(range(len(size)), key=lambda d: stride[d]):
-        if size[d] != 1 and stride[d] != expected:
-            return False
-        expected *= size[d]
-    return True
