@@ -167,20 +167,25 @@ def compile_with_inductor(
         raise ValueError("fxoffload: compile_with_inductor(code_only=True) needs on_output_code, where the code goes")
     forward_call: list[tuple[Any, dict[str, Any]]] = []
 
-    def lower_like_forward(graph: fx.GraphModule) -> str:
-        inputs, kwargs = forward_call[-1]
-        codes: list[str] = []
+    def until_code(graph: fx.GraphModule, inputs: Any, kwargs: dict[str, Any], on_code: Callable[[str], None]) -> Any:
+        """``compile_fx_inner`` stopped once ``on_code`` has the wrapper code (``_code_only_stub``)."""
 
         def sink(code: str) -> None:
-            codes.append(code)
-            raise _CodeOnly("forward")
+            on_code(code)
+            raise _CodeOnly()
 
         with capture_output_code(sink):
             try:
-                compile_fx_inner(graph, inputs, **kwargs)
+                return compile_fx_inner(graph, inputs, **kwargs)
             except Exception as e:
                 if not raised_from(e, _CodeOnly):
                     raise
+                return _code_only_stub
+
+    def lower_like_forward(graph: fx.GraphModule) -> str:
+        inputs, kwargs = forward_call[-1]
+        codes: list[str] = []
+        until_code(graph, inputs, kwargs, codes.append)
         if not codes:
             raise RuntimeError("fxoffload: Inductor generated no wrapper code for the graph lowered like the forward")
         return codes[0]
@@ -199,19 +204,10 @@ def compile_with_inductor(
         if on_output_code is None:
             return compile_fx_inner(graph, inputs, **kwargs)
         kind = "backward" if kwargs.get("is_backward") else "inference" if kwargs.get("is_inference") else "forward"
-
-        def sink(code: str) -> None:
-            on_output_code(kind, code)
-            if code_only:
-                raise _CodeOnly(kind)
-
-        with capture_output_code(sink):
-            try:
-                return compile_fx_inner(graph, inputs, **kwargs)
-            except Exception as e:
-                if not code_only or not raised_from(e, _CodeOnly):
-                    raise
-                return _code_only_stub
+        if code_only:
+            return until_code(graph, inputs, kwargs, lambda code: on_output_code(kind, code))
+        with capture_output_code(lambda code: on_output_code(kind, code)):
+            return compile_fx_inner(graph, inputs, **kwargs)
 
     patches = dict(config_patches)
     patches["custom_partitioner_fn"] = partitioner
