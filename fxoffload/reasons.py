@@ -66,6 +66,7 @@ class ReasonCode(_StrEnum):
     BUDGET_OFFLOAD = "budget_offload"
     BUDGET_RECOMPUTE = "budget_recompute"
     INDUCTOR_RECOMPUTE = "inductor_recompute"
+    RECOMPUTE_CHEAPER = "recompute_cheaper"
     RECOMPUTE_SOURCE = "recompute_source"
     STILL_SAVED = "still_saved"
     # The user's own policy.

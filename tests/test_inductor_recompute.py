@@ -169,3 +169,31 @@ def test_just_past_torchs_reach_offloads_on_top_of_its_recompute(caplog):
     codes = {r.reason_code for r in report.saved}
     assert {"inductor_recompute", "budget_offload"} <= codes and "budget_recompute" not in codes, report.table()
     assert report.compiled_memory().peak.total <= report.memory_budget, report.summary()
+
+
+# Copies that hide (a fast link, compute priced slow): what decides between them and torch's
+# recomputation is what their op calls cost the compute stream.
+HIDES = {"bandwidth": "100GB", "compute_rates": {"flops": 1e10, "memory_bandwidth": 1e10}, "policy": "auto"}
+
+
+@pytest.mark.parametrize("op_time", [0.0, 0.1])
+def test_offloads_that_hide_are_priced_by_their_op_calls(op_time):
+    """Free op calls: the offloads that hide meet the budget at no cost, nothing is recomputed. At
+    0.1 s a tensor, torch's recomputation alone is the cheaper plan that meets it (with hidden copies
+    priced free, as before, the offloads were kept and the calls paid every step)."""
+    torch.manual_seed(0)
+    model, x = Blocks(), (torch.randn(N, D),)
+    backend = cpu_backend(inner="inductor", recompute="inductor", memory_budget=0.7, op_time=op_time,
+                          **{**HIDES, "offload_cpu": True})  # fmt: skip
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # a missed budget warns
+        got = train_step(model, x, backend)
+    assert_same(got, train_step(model, x, "inductor"), rtol=1e-5, atol=1e-7)
+    (report,) = backend.reports
+    assert report.compiled_memory().peak.total <= report.memory_budget, report.summary()
+    if op_time == 0.0:
+        assert report.offloaded and not _by_torch(report), report.table()
+        return
+    assert not report.offloaded and _by_torch(report), report.table()
+    kept = [r for r in report.saved if r.reason_code == "recompute_cheaper"]
+    assert kept and all("activation_memory_budget=" in r.reason for r in kept), report.table()

@@ -251,7 +251,7 @@ class GraphCompiler:
             plan = pair.plan
             return Trial(
                 (compiled, pair), timeline.peak_bytes, target, lowest_reachable, said, pair.memory_budget,
-                cost=plan.stall + plan.recompute_seconds, raisable=plan.budget_chose,
+                cost=plan.time_cost, raisable=plan.budget_chose,
             )  # fmt: skip
 
         def on_replan(trial: Trial, target: int) -> None:

@@ -4,13 +4,17 @@ what hides on top.
 Inductor's ``activation_memory_budget`` frees saved bytes by recomputation at a fraction of the time
 an un-hidden offload costs (1.19x step time for 0.69x memory on an H100 GPT, where fxoffload's own
 budget took 7x: ``../shared/gpu/README.md``). So the partition is made by torch's min-cut partitioner
-at activation budgets from 1 down, and on each fxoffload adds the offloads that hide; where that
-misses the budget, also a fit that offloads un-hidden on top (its stall priced against recomputing
-more). The cheapest that meets the budget on the memory model (recomputation and stall priced by
-the model, corrected by what the device measured) is kept. Where none does, fxoffload's own budget
-fit decides (its own recomputation too, on the first partition): recomputing everything can peak
-higher than saving (the backward rebuilds at once what the forward saved over time). Random ops are kept
-saved (``rewrite.random_ops``).
+at activation budgets from 1 down, and on each three plans are priced: the partition alone (its
+recomputation only), with the offloads that hide on top, and, where those miss the budget, with a
+fit that offloads un-hidden on top (its stall priced against recomputing more). A plan's price is
+what it adds to a step (``_Candidate.cost``): the recomputation, the stall and every offload's op
+calls (hidden copies are not free: their calls run on the compute stream), all priced by the model
+as the device's measurements corrected it. The cheapest plan that meets the budget on the memory
+model is kept; lower activation budgets are tried until the recomputation alone costs as much as
+that plan (they recompute more). Where none meets it, fxoffload's own budget fit decides (its own
+recomputation too, on the first partition): recomputing everything can peak higher than saving
+(the backward rebuilds at once what the forward saved over time). Random ops are kept saved
+(``rewrite.random_ops``).
 """
 
 from __future__ import annotations
@@ -29,7 +33,8 @@ from ..analysis.recompute import RecomputeOption
 from ..options import OffloadOptions
 from ..planning.budget import budget_bytes, planned_memory
 from ..planning.decisions import Decision, OffloadPlan, PlanCosts
-from ..planning.plan import plan_offloads
+from ..planning.plan import ineligible_reason, plan_offloads
+from ..planning.policy import user_choice
 from ..reasons import Action, Reason, ReasonCode
 from ..sizes import fmt_bytes
 from .refine import attempt_quietly
@@ -55,7 +60,8 @@ class _Candidate:
 
     @property
     def cost(self) -> float:
-        return self.recompute_s + self.plan.stall
+        """Seconds the plan adds to a step: torch's recomputation, and the offloads' stall and op calls."""
+        return self.recompute_s + self.plan.time_cost
 
 
 def with_inductor_recompute(
@@ -77,6 +83,7 @@ def with_inductor_recompute(
     budget = budget_target or budget_bytes(options.memory_budget, costs.baseline)
     first_bw = {n.name for n in pair[1].graph.nodes}
     candidates: list[_Candidate] = []
+    meeting: list[_Candidate] = []
     for activations in ACTIVATION_BUDGETS:
         try:
             fw, bw = pair if activations == 1.0 else repartition(frozenset(), activations)
@@ -86,14 +93,26 @@ def with_inductor_recompute(
         found, found_costs = (lifetimes, costs) if activations == 1.0 else analyse(fw, bw)
         recomputed = [n for n in bw.graph.nodes if is_compute(n) and n.name not in first_bw]
         seconds = sum(node_time(n, found_costs.rates) for n in recomputed)
+        def candidate(plan: OffloadPlan) -> _Candidate:
+            return _Candidate(activations, (fw, bw), found, plan, planned_memory(plan).peak_bytes, seconds)
+
+        here = [candidate(_alone(found, options, found_costs, budget, activations, seconds, plan_args))]
         hidden = plan_offloads(found, options, costs=found_costs, fit=False, budget_target=budget, **plan_args)
-        candidates.append(_Candidate(activations, (fw, bw), found, hidden, planned_memory(hidden).peak_bytes, seconds))
-        if candidates[-1].peak <= budget:
-            break  # the least recomputation that meets it (later budgets recompute more)
-        fitted = _fitted(found, options, found_costs, budget, plan_args)
-        if fitted is not None:  # un-hidden offloads on top: their stall is priced against more recompute
-            candidates.append(dataclasses.replace(candidates[-1], plan=fitted, peak=planned_memory(fitted).peak_bytes))
-    meeting = [c for c in candidates if c.peak <= budget]
+        if hidden.offloaded:
+            here.append(candidate(hidden))
+        if all(c.peak > budget for c in here):
+            fitted = _fitted(found, options, found_costs, budget, plan_args)
+            if fitted is not None and fitted.offloaded:  # un-hidden offloads on top, priced against more recompute
+                here.append(candidate(fitted))
+        for c in here:
+            log.debug(
+                "fxoffload: activation budget %s: %d offloaded, %s predicted (memory_budget %s), %.3f ms a step",
+                activations, len(c.plan.offloaded), fmt_bytes(c.peak), fmt_bytes(budget), c.cost * 1e3,
+            )  # fmt: skip
+        candidates += here
+        meeting = [c for c in candidates if c.peak <= budget]
+        if meeting and min(c.cost for c in meeting) <= seconds:
+            break  # lower activation budgets recompute at least this much: none of theirs is cheaper
     if not meeting:
         low = min((c.peak for c in candidates), default=0)
         log.info(
@@ -101,15 +120,39 @@ def with_inductor_recompute(
             "fxoffload's own budget fit decides", fmt_bytes(budget), fmt_bytes(low),
         )  # fmt: skip
         return None
-    chosen = min(meeting, key=lambda c: c.cost)
+    chosen = min(meeting, key=lambda c: (c.cost, c.peak))
     plan = chosen.plan
     log.info(
         "fxoffload: memory_budget %s with torch's partitioner recomputing: activation budget %s, %s predicted, "
-        "%.3f ms recomputed (%d partitions tried)", fmt_bytes(budget), chosen.budget,
-        fmt_bytes(planned_memory(plan).peak_bytes), chosen.recompute_s * 1e3, len(candidates),
+        "%.3f ms recomputed, %d offloaded (%.3f ms a step in all; %d plans on %d partitions priced)",
+        fmt_bytes(budget), chosen.budget, fmt_bytes(chosen.peak), chosen.recompute_s * 1e3, len(plan.offloaded),
+        chosen.cost * 1e3, len(candidates), len({c.budget for c in candidates}),
     )  # fmt: skip
     fw, bw = chosen.pair
     return fw, bw, _with_recomputed(plan, lifetimes, costs, chosen, budget_bytes(options.memory_budget, costs.baseline))
+
+
+def _alone(
+    lifetimes: GraphLifetimes,
+    options: OffloadOptions,
+    costs: PlanCosts,
+    budget: int,
+    activations: float,
+    seconds: float,
+    plan_args: Mapping[str, Any],
+) -> OffloadPlan:
+    """The partition torch's partitioner made at activation budget ``activations`` with no offload of
+    fxoffload's own (the user's choices stand): its recomputation alone, ``seconds`` a step."""
+    why = Reason(
+        ReasonCode.RECOMPUTE_CHEAPER,
+        f"torch's partitioner at activation_memory_budget={activations} recomputes "
+        f"{seconds * 1e3:.3g} ms a step, and the plan that meets memory_budget {fmt_bytes(budget)} for the "
+        "least time (recomputation, stall and op calls) offloads nothing of fxoffload's choosing",
+    )
+    keep = {t.name: why for t in lifetimes.saved if user_choice(t, options) is None and not ineligible_reason(t, options)}
+    keep.update(plan_args.get("keep") or {})
+    args = {**plan_args, "keep": keep}
+    return plan_offloads(lifetimes, options, costs=costs, fit=False, budget_target=budget, **args)
 
 
 def _fitted(

@@ -42,8 +42,8 @@ class Trial(Generic[T]):
     # The budget in bytes it is judged against, where the caller of ``refine`` could not know it
     # before the first attempt (a fraction of a baseline the plan computes).
     budget: int | None = None
-    # What the plan costs in time (predicted stall and recomputation): of the trials that meet the
-    # budget, the cheapest is kept.
+    # What the plan costs in time (``OffloadPlan.time_cost``: stall, recomputation, op calls): of
+    # the trials that meet the budget, the cheapest is kept.
     cost: float = 0.0
     # Planned again for a higher target where it is well under the budget (its plan did something).
     raisable: bool = False

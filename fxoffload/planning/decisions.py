@@ -84,6 +84,18 @@ class OffloadPlan:
         return sum(d.recompute.seconds for d in self.recomputed if d.recompute is not None)
 
     @property
+    def op_seconds(self) -> float:
+        """The compute stream's own time a step in the offloads' op calls (``DeviceRates.op_time``
+        each offloaded tensor: its copies hidden or not, the calls that issue and wait for them run)."""
+        return len(self.offloaded) * self.costs.rates.op_time if self.costs is not None else 0.0
+
+    @property
+    def time_cost(self) -> float:
+        """What the plan adds to a step, as the cost model prices it: the stall, the recomputation and
+        the offloads' op calls. The plans that meet a budget are chosen by it."""
+        return self.stall + self.recompute_seconds + self.op_seconds
+
+    @property
     def offloaded_bytes(self) -> int:
         return sum(d.saved.nbytes for d in self.offloaded)
 
