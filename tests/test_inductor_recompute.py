@@ -7,6 +7,7 @@ tensors torch's partitioner recomputes, and where no activation budget meets the
 fxoffload's own budget fit decides.
 """
 
+import dataclasses
 import logging
 import warnings
 
@@ -197,3 +198,42 @@ def test_offloads_that_hide_are_priced_by_their_op_calls(op_time):
     assert not report.offloaded and _by_torch(report), report.table()
     kept = [r for r in report.saved if r.reason_code == "recompute_cheaper"]
     assert kept and all("activation_memory_budget=" in r.reason for r in kept), report.table()
+
+
+def test_a_budgets_offloads_priced_again_where_their_calls_cost_more(monkeypatch):
+    """No copy stalls (forced); the first steps measure both phases host-bound (the host's windows
+    forced to the device's) and the calls' host time at 50 ms a tensor each way (forced): the plan's
+    offloads cost the step far more than it priced them, so the plans that meet the budget are priced
+    again with that price, and torch's recomputation alone meets it more cheaply. With the calls at the
+    price planned (the same steps, ``calls_over_price`` answering no), the offloads stay."""
+    from fxoffload.compiler import watch
+    from fxoffload.planning import measured
+    from fxoffload.runtime import timing
+
+    real = timing.compute_windows
+    monkeypatch.setattr(
+        timing, "compute_windows",
+        lambda resolved: [dataclasses.replace(t, host_window_s=t.stream_window_s) for t in real(resolved)],
+    )  # fmt: skip
+    monkeypatch.setattr(watch, "host_op_seconds", lambda device: (5e-2, 5e-2))
+    for module in (watch, measured):  # nothing stalls: only the calls' price can make it plan again
+        monkeypatch.setattr(module, "stalled", lambda t: False)
+    reports = {}
+    for dearer in (True, False):
+        if not dearer:
+            monkeypatch.setattr(watch, "calls_over_price", lambda plan, m: False)
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model, x = Blocks(), (torch.randn(N, D),)
+        options = {**HIDES, "offload_cpu": True}
+        backend = cpu_backend(inner="aot_eager", recompute="inductor", memory_budget=0.7, **options)
+        compiled = torch.compile(model, backend=backend)
+        for _ in range(5):
+            compiled(*x).backward()
+        (reports[dearer],) = backend.reports
+    assert reports[False].offloaded and not reports[False].replans, reports[False].table()
+    report = reports[True]
+    (why,) = [r for r in report.replans if r.startswith("measured in the first steps")]
+    assert "the host bound the forward and backward" in why and "stalled" not in why, why
+    assert not report.offloaded and _by_torch(report), report.table()
+    assert "recompute_cheaper" in {r.reason_code for r in report.saved}, report.table()

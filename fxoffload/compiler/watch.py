@@ -61,7 +61,7 @@ from ..options import OffloadOptions
 from ..planning.budget import BUDGET_TOLERANCE
 from ..planning.decisions import OffloadPlan
 from ..planning.measured import (
-    Measured, calls_over_allowance, measured_plan, measured_step, room, stalled, switched_off,
+    Measured, calls_over_allowance, calls_over_price, measured_plan, measured_step, room, stalled, switched_off,
 )
 from ..planning.worth import stall_not_worth_a_compile
 from ..reporting.report import carry_measured, with_measured
@@ -361,9 +361,9 @@ class CallWatch:
         if not options.plans_from_measurements:  # "auto"'s own choices: alone, or on top of torch's recompute
             return False
         # Planned again where a copy stalled, or where, in a phase the host bound, the calls cost more of
-        # the step than auto allows (not where the user set ``op_time``, nor for a budget's offloads).
-        priced = options.op_time is None and options.memory_budget is None
-        costly = priced and calls_over_allowance(old.plan, measured)
+        # the step than auto allows, or than a budget's plan priced them (not where the user set ``op_time``).
+        dearer = calls_over_allowance if options.memory_budget is None else calls_over_price
+        costly = options.op_time is None and dearer(old.plan, measured)
         copies_stalled = any(stalled(t) for t in times)
         if copies_stalled and not costly and old.plan.costs is not None:  # too little to compile for: said
             now = {n: s for n, s in measured.stalls.items() if n in {t.tensor for t in times}}

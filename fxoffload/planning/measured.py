@@ -56,8 +56,9 @@ from .schedule import OpAllowance, copy_windows
 from .worth import WORTH_A_COMPILE
 
 __all__ = [
-    "HOST_BOUND", "MEASURED_MARGIN", "Measured", "ROOM_SHARE", "STALL_FLOOR_S", "calls_over_allowance", "host_bound",
-    "host_ratio", "learns_without_copies", "measured_plan", "measured_step", "room", "switched_off",
+    "HOST_BOUND", "MEASURED_MARGIN", "Measured", "ROOM_SHARE", "STALL_FLOOR_S", "calls_over_allowance",
+    "calls_over_price", "host_bound", "host_ratio", "learns_without_copies", "measured_plan", "measured_step", "room",
+    "switched_off",
 ]
 
 # A copy stalled when the compute stream waited for it longer than this and than a tenth of the
@@ -276,14 +277,35 @@ def calls_over_allowance(plan: OffloadPlan, measured: Measured) -> bool:
     (``host_calls``, above the one planned with), take more of the step than ``auto`` allows
     (``OpAllowance``), the step as the measurement prices it: a plan to make again though no copy
     stalled (every host microsecond of the calls is step time there)."""
-    op = measured.op_time
-    costs = plan.costs
-    if measured.host_calls is None or op is None or costs is None or op <= costs.rates.op_time * 1.25:
+    op, costs = _dearer_calls(plan, measured), plan.costs
+    if op is None or costs is None:
         return False
     fw, bw = measured_step(costs, measured)
     rates = dataclasses.replace(costs.rates, op_time=op)
     priced = dataclasses.replace(costs, rates=rates, fw_starts=(fw,), bw_starts=(bw,))
     return len(plan.offloaded) * op > OpAllowance(priced).left
+
+
+def calls_over_price(plan: OffloadPlan, measured: Measured) -> bool:
+    """With a ``memory_budget`` met beside torch's recomputation (``compiler.inductor_recompute``):
+    whether ``plan``'s offloads' op calls, at the price measured in a phase the host bound, cost the
+    step more than the plan priced them, by ``WORTH_A_COMPILE`` of the step as measured at least. The
+    plans that meet the budget are then priced again, and recomputing may be the cheaper way (on a CPU
+    at 2 GB/s, five hidden offloads priced 0.14 ms each cost the tiny GPT's step 1.38x Inductor's)."""
+    op, costs = _dearer_calls(plan, measured), plan.costs
+    if op is None or costs is None:
+        return False
+    extra = len(plan.offloaded) * (op - costs.rates.op_time)
+    return extra >= WORTH_A_COMPILE * sum(measured_step(costs, measured))
+
+
+def _dearer_calls(plan: OffloadPlan, measured: Measured) -> float | None:
+    """The op calls' measured price (``Measured.op_time``) where a phase the host bound measured it
+    above the price ``plan`` was made with (by more than a quarter); else None."""
+    op, costs = measured.op_time, plan.costs
+    if measured.host_calls is None or op is None or costs is None or op <= costs.rates.op_time * 1.25:
+        return None
+    return op
 
 
 def measured_step(costs: PlanCosts, measured: Measured) -> tuple[float, float]:
