@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import subprocess
 import sys
 import tempfile
@@ -61,9 +62,16 @@ def _one(method: str, layers: int, steps: int, link: str) -> dict:
         compiled(*batch).backward()
         times.append(time.perf_counter() - start)
 
-    for _ in range(steps):
+    before = resource.getrusage(resource.RUSAGE_SELF)
+    step()
+    after = resource.getrusage(resource.RUSAGE_SELF)
+    for _ in range(steps - 1):
         step()
-    row = {"method": method, "steps_s": times}
+    # The first step's page faults and kernel time: on CPython 3.11+ a hot call whose frame starts a
+    # new 16 KiB chunk of the interpreter's frame stack maps and unmaps that chunk on every call, so
+    # the same compile costs more or less kernel time with the depth it is called at (see docs/results.md).
+    row = {"method": method, "steps_s": times, "minflt": after.ru_minflt - before.ru_minflt,
+           "sys_s": after.ru_stime - before.ru_stime}  # fmt: skip
     if options is not None:
         # On until the backend has timed and acted on its copies: a second re-plan compiles later.
         settle(backend, step, limit=20)
@@ -111,8 +119,9 @@ def main(argv: list[str] | None = None) -> None:
         settled = f"{r['settled_s']:.2f} ({r['settled_steps']})" if r.get("settled_steps") else "-"
         table.append([r["method"], steps, f"{first3:.2f}", ratio, settled, r.get("compiles", "-"),
                       f"{r['compile_s']:.2f}" if "compile_s" in r else "-", f"{r['pass_s']:.2f}" if "pass_s" in r else "-",
-                      r.get("offloaded", "-"), r.get("replans", "-")])  # fmt: skip
-    headers = ["method", "steps 1/2/3 s", "sum s", "x inductor", "settled s (steps)", "compile runs", "compile s", "pass s", "offloaded", "replans"]
+                      r.get("offloaded", "-"), r.get("replans", "-"), f"{r['minflt']:,}", f"{r['sys_s']:.2f}"])  # fmt: skip
+    headers = ["method", "steps 1/2/3 s", "sum s", "x inductor", "settled s (steps)", "compile runs", "compile s",
+               "pass s", "offloaded", "replans", "step 1 page faults", "step 1 kernel s"]  # fmt: skip
     print(f"GPT, {args.layers} blocks (dim 64, seq 64, batch 8), returning its loss; cold Inductor cache per method")
     print(tabulate(table, headers=headers))
     print("\nWhere each method's compiles went (report.timings.spent; after the table's steps):")
