@@ -178,22 +178,26 @@ HIDES = {"bandwidth": "100GB", "compute_rates": {"flops": 1e10, "memory_bandwidt
 
 
 @pytest.mark.parametrize("op_time", [0.0, 0.1])
-def test_offloads_that_hide_are_priced_by_their_op_calls(op_time):
-    """Free op calls: the offloads that hide meet the budget at no cost, nothing is recomputed. At
-    0.1 s a tensor, torch's recomputation alone is the cheaper plan that meets it (with hidden copies
-    priced free, as before, the offloads were kept and the calls paid every step)."""
+def test_offloads_that_hide_are_priced_by_their_op_calls(op_time, caplog):
+    """Free op calls: the offloads that hide meet the budget at no cost, nothing is recomputed, and no
+    other partition of torch's is made (none could cost less). At 0.1 s a tensor, torch's
+    recomputation alone is the cheaper plan that meets it (with hidden copies priced free, as
+    before, the offloads were kept and the calls paid every step)."""
     torch.manual_seed(0)
     model, x = Blocks(), (torch.randn(N, D),)
     backend = cpu_backend(inner="inductor", recompute="inductor", memory_budget=0.7, op_time=op_time,
                           **{**HIDES, "offload_cpu": True})  # fmt: skip
-    with warnings.catch_warnings():
+    with caplog.at_level(logging.INFO, logger="fxoffload"), warnings.catch_warnings():
         warnings.simplefilter("error", RuntimeWarning)  # a missed budget warns
         got = train_step(model, x, backend)
     assert_same(got, train_step(model, x, "inductor"), rtol=1e-5, atol=1e-7)
     (report,) = backend.reports
     assert report.compiled_memory().peak.total <= report.memory_budget, report.summary()
+    chosen = [r.getMessage() for r in caplog.records if "plans priced, on" in r.getMessage()]
+    assert chosen, [r.getMessage() for r in caplog.records]
     if op_time == 0.0:
         assert report.offloaded and not _by_torch(report), report.table()
+        assert all("on 1 of torch's partitions" in m for m in chosen), chosen
         return
     assert not report.offloaded and _by_torch(report), report.table()
     kept = [r for r in report.saved if r.reason_code == "recompute_cheaper"]

@@ -11,7 +11,9 @@ what it adds to a step (``_Candidate.cost``): the recomputation, the stall and e
 calls (hidden copies are not free: their calls run on the compute stream), all priced by the model
 as the device's measurements corrected it. The cheapest plan that meets the budget on the memory
 model is kept; lower activation budgets are tried until the recomputation alone costs as much as
-that plan (they recompute more). Where none meets it, fxoffload's own budget fit decides (its own
+that plan (they mostly recompute more, though not always as the model prices it: a cheaper plan
+further down can be missed, and pricing all six costs a partition and its analysis each). Where
+none meets it, fxoffload's own budget fit decides (its own
 recomputation too, on the first partition): recomputing everything can peak higher than saving
 (the backward rebuilds at once what the forward saved over time). Random ops are kept saved
 (``rewrite.random_ops``).
@@ -124,7 +126,7 @@ def with_inductor_recompute(
     plan = chosen.plan
     log.info(
         "fxoffload: memory_budget %s with torch's partitioner recomputing: activation budget %s, %s predicted, "
-        "%.3f ms recomputed, %d offloaded (%.3f ms a step in all; %d plans on %d partitions priced)",
+        "%.3f ms recomputed, %d offloaded (%.3f ms a step in all; %d plans priced, on %d of torch's partitions)",
         fmt_bytes(budget), chosen.budget, fmt_bytes(chosen.peak), chosen.recompute_s * 1e3, len(plan.offloaded),
         chosen.cost * 1e3, len(candidates), len({c.budget for c in candidates}),
     )  # fmt: skip
