@@ -44,9 +44,8 @@ class GraphCompiler:
 
     def __init__(self, register: PairRegister) -> None:
         self.register = register
-        # Each inner compile of the graph being compiled: what it was for, its seconds, and whether
-        # Inductor lowered anything (not where the partitioner stopped it: ``PlanChangesNothing``).
-        self._compiles: list[tuple[str, float, bool, bool]] = []  # and whether inside the compile before it
+        # Each inner compile of the graph being compiled (``round`` set when the report takes them).
+        self._compiles: list[CompileSpent] = []
         # By graph id: the pair compiled without offloading for verify_peak, and the outside it had;
         # the peak of its forward's code alone, lowered inside a plan's compile, and the outside then.
         self._unchanged_code: dict[int, tuple[OutsideMemory | None, PlannedPair]] = {}
@@ -80,13 +79,13 @@ class GraphCompiler:
         except Exception as e:
             stopped = _compat.raised_from(e, PlanChangesNothing)
             said = "the plan, stopped before lowering: it changes nothing" if stopped else f"{what} (failed)"
-            self._compiles.append((said, time.perf_counter() - start, not stopped, False))
+            self._compiles.append(CompileSpent(said, time.perf_counter() - start, lowered=not stopped))
             if not stopped:
                 raise
             return None
         inside = sum(s for _, s in self._inside)
-        self._compiles.append((what, time.perf_counter() - start - inside, True, False))
-        self._compiles.extend((said, s, False, True) for said, s in self._inside)  # in it, no compile of its own
+        self._compiles.append(CompileSpent(what, time.perf_counter() - start - inside))
+        self._compiles.extend(CompileSpent(said, s, inside=True, lowered=False) for said, s in self._inside)
         return compiled
 
     def compile(
@@ -110,7 +109,7 @@ class GraphCompiler:
         if opts.inner == "aot_eager":
             start = time.perf_counter()
             compiled = _compat.compile_with_aot_eager(gm, example_inputs, partitioner)
-            self._compiles.append(("the plan (aot_eager)", time.perf_counter() - start, True, False))
+            self._compiles.append(CompileSpent("the plan (aot_eager)", time.perf_counter() - start))
             return compiled, self._keep(partitioner.pair)
         patches = _compat.inductor_mode_options(opts.mode)
         if _compat.cudagraphs_enabled(patches):
@@ -178,7 +177,7 @@ class GraphCompiler:
 
     def spent(self, round: int = 0) -> tuple[CompileSpent, ...]:
         """The compiles of the graph being compiled, so far (one that failed included)."""
-        return tuple(CompileSpent(what, s, round, inside) for what, s, _, inside in self._compiles)
+        return tuple(dataclasses.replace(c, round=round) for c in self._compiles)
 
     def forget_spent(self) -> None:
         """A new attempt at a graph begins: ``spent`` says its compiles only (``compile`` does this too)."""
@@ -190,8 +189,8 @@ class GraphCompiler:
             timings = pair.report.timings
             if timings is not None:
                 spent = dataclasses.replace(
-                    timings, compiles=sum(lowered for _, _, lowered, _ in self._compiles),
-                    compile_s=sum(s for _, s, *_ in self._compiles), spent=self.spent(),
+                    timings, compiles=sum(c.lowered for c in self._compiles),
+                    compile_s=sum(c.seconds for c in self._compiles), spent=self.spent(),
                 )  # fmt: skip
                 pair = pair.with_report(timings=spent)
             self.register.record(pair)

@@ -100,12 +100,14 @@ class CompileSpent:
     """One compile of a graph (``PassTimings.spent``): what it was for, its wall-clock seconds (the
     partition and the pass in it included), and when: 0 when Dynamo compiled the graph, n for the
     n-th plan made again at run time; ``inside``: a lowering inside the compile listed before it
-    (``verify_peak``'s unchanged forward), not a compile of its own."""
+    (``verify_peak``'s unchanged forward), not a compile of its own; ``lowered``: whether Inductor
+    lowered a graph in it (not where the partitioner stopped it, nor for a lowering inside another)."""
 
     what: str
     seconds: float
     round: int = 0
     inside: bool = False
+    lowered: bool = True
 
 
 @dataclasses.dataclass(frozen=True)
