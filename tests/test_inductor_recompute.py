@@ -177,8 +177,9 @@ def test_just_past_torchs_reach_offloads_on_top_of_its_recompute(caplog):
 HIDES = {"bandwidth": "100GB", "compute_rates": {"flops": 1e10, "memory_bandwidth": 1e10}, "policy": "auto"}
 
 
+@pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16-autocast"])
 @pytest.mark.parametrize("op_time", [0.0, 0.1])
-def test_offloads_that_hide_are_priced_by_their_op_calls(op_time, caplog):
+def test_offloads_that_hide_are_priced_by_their_op_calls(op_time, bf16, caplog):
     """Free op calls: the offloads that hide meet the budget at no cost, nothing is recomputed, and no
     other partition of torch's is made (none could cost less). At 0.1 s a tensor, torch's
     recomputation alone is the cheaper plan that meets it (with hidden copies priced free, as
@@ -187,12 +188,16 @@ def test_offloads_that_hide_are_priced_by_their_op_calls(op_time, caplog):
     model, x = Blocks(), (torch.randn(N, D),)
     backend = cpu_backend(inner="inductor", recompute="inductor", memory_budget=0.7, op_time=op_time,
                           **{**HIDES, "offload_cpu": True})  # fmt: skip
-    with caplog.at_level(logging.INFO, logger="fxoffload"), warnings.catch_warnings():
+    amp = torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16)
+    with caplog.at_level(logging.INFO, logger="fxoffload"), warnings.catch_warnings(), amp:
         warnings.simplefilter("error", RuntimeWarning)  # a missed budget warns
         got = train_step(model, x, backend)
-    assert_same(got, train_step(model, x, "inductor"), rtol=1e-5, atol=1e-7)
+    with amp:
+        expected = train_step(model, x, "inductor")
+    assert_same(got, expected, rtol=1e-5, atol=1e-7)
     (report,) = backend.reports
     assert report.compiled_memory().peak.total <= report.memory_budget, report.summary()
+    assert ("bfloat16" in report.table()) == bf16  # autocast reached the saved tensors
     chosen = [r.getMessage() for r in caplog.records if "plans priced, on" in r.getMessage()]
     assert chosen, [r.getMessage() for r in caplog.records]
     if op_time == 0.0:
