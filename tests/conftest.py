@@ -1,4 +1,5 @@
 import copy
+import dataclasses
 import re
 
 import pytest
@@ -152,3 +153,21 @@ def measured_steady_step(model, step, warmup=2):
         return measured.cpu.peak_bytes, caught
     finally:
         torch.set_num_threads(threads)
+
+
+def calls_cost_the_step(monkeypatch, seconds=5e-2):
+    """Forced: the first steps measure both phases host-bound (the host's windows set to the
+    device's), each offloaded tensor's calls at ``seconds`` of host time each way, and no copy
+    stalled, so that only the calls' price can make a plan be made again."""
+    from fxoffload.compiler import watch
+    from fxoffload.planning import measured
+    from fxoffload.runtime import timing
+
+    real = timing.compute_windows
+    monkeypatch.setattr(
+        timing, "compute_windows",
+        lambda resolved: [dataclasses.replace(t, host_window_s=t.stream_window_s) for t in real(resolved)],
+    )  # fmt: skip
+    monkeypatch.setattr(watch, "host_op_seconds", lambda device: (seconds, seconds))
+    for module in (watch, measured):
+        monkeypatch.setattr(module, "stalled", lambda t: False)

@@ -7,7 +7,6 @@ tensors torch's partitioner recomputes, and where no activation budget meets the
 fxoffload's own budget fit decides.
 """
 
-import dataclasses
 import logging
 import warnings
 
@@ -20,7 +19,7 @@ from torch import nn
 
 import fxoffload
 
-from .conftest import assert_same, cpu_backend, train_step
+from .conftest import assert_same, calls_cost_the_step, cpu_backend, train_step
 
 D, N = 32, 1024  # small weights, large batch: activations dominate the peak
 # A slow link: no offload hides, so what meets a budget is recomputation.
@@ -216,17 +215,8 @@ def test_a_budgets_offloads_priced_again_where_their_calls_cost_more(monkeypatch
     again with that price, and torch's recomputation alone meets it more cheaply. With the calls at the
     price planned (the same steps, ``calls_over_price`` answering no), the offloads stay."""
     from fxoffload.compiler import watch
-    from fxoffload.planning import measured
-    from fxoffload.runtime import timing
 
-    real = timing.compute_windows
-    monkeypatch.setattr(
-        timing, "compute_windows",
-        lambda resolved: [dataclasses.replace(t, host_window_s=t.stream_window_s) for t in real(resolved)],
-    )  # fmt: skip
-    monkeypatch.setattr(watch, "host_op_seconds", lambda device: (5e-2, 5e-2))
-    for module in (watch, measured):  # nothing stalls: only the calls' price can make it plan again
-        monkeypatch.setattr(module, "stalled", lambda t: False)
+    calls_cost_the_step(monkeypatch, 5e-2)
     reports = {}
     for dearer in (True, False):
         if not dearer:

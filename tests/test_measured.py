@@ -27,7 +27,7 @@ from fxoffload.runtime.timing import Recording
 from fxoffload.runtime.transfers import copies_switched_off, switch_copies_off, switch_copies_on
 from fxoffload.testing.models import GPT, GPTConfig, gpt_batch
 
-from .conftest import assert_same, measured_steady_step, train_step
+from .conftest import assert_same, calls_cost_the_step, measured_steady_step, train_step
 
 LINKS = {"50MB": 50e6, "500MB": 500e6, "5GB": 5e9}
 MISPRICED = {"compute_rates": {"flops": 1e9, "memory_bandwidth": 1e8}}
@@ -580,14 +580,7 @@ def test_auto_plans_again_where_the_host_bound_phase_makes_its_calls_cost_the_st
     first steps correct it, still puts near a second: 5 ms each way left one tensor in at times), so
     the graph is planned again, and its plan keeps every tensor for that reason. The report says the
     host bound both phases."""
-    real = timing.compute_windows
-    monkeypatch.setattr(
-        timing, "compute_windows",
-        lambda resolved: [dataclasses.replace(t, host_window_s=t.stream_window_s) for t in real(resolved)],
-    )  # fmt: skip
-    monkeypatch.setattr(watch, "host_op_seconds", lambda device: (5e-2, 5e-2))
-    for module in (watch, measured):  # nothing stalls: only the calls' price can make it plan again
-        monkeypatch.setattr(module, "stalled", lambda t: False)
+    calls_cost_the_step(monkeypatch, 5e-2)
     backend = _backend("5GB")
     step = _stepper(backend)
     step()
