@@ -33,6 +33,7 @@ _METHODS = {
     "fxoffload-all-noverify": {"policy": "all", "verify_peak": False},
     "fxoffload-auto": {"policy": "auto"},
     "fxoffload-budget": {"memory_budget": 0.7},
+    "fxoffload-recompute": {"memory_budget": 0.7, "recompute": "inductor"},
 }
 
 
