@@ -13,10 +13,9 @@ as the device's measurements corrected it. The cheapest plan that meets the budg
 model is kept; lower activation budgets are tried until the recomputation alone costs as much as
 that plan (they mostly recompute more, though not always as the model prices it: a cheaper plan
 further down can be missed, and pricing all six costs a partition and its analysis each). Where
-none meets it, fxoffload's own budget fit decides (its own
-recomputation too, on the first partition): recomputing everything can peak higher than saving
-(the backward rebuilds at once what the forward saved over time). Random ops are kept saved
-(``rewrite.random_ops``).
+none meets it, fxoffload's own budget fit decides (its own recomputation too, on the first
+partition): recomputing everything can peak higher than saving (the backward rebuilds at once what
+the forward saved over time). Random ops are kept saved (``rewrite.random_ops``).
 """
 
 from __future__ import annotations
@@ -95,6 +94,7 @@ def with_inductor_recompute(
         found, found_costs = (lifetimes, costs) if activations == 1.0 else analyse(fw, bw)
         recomputed = [n for n in bw.graph.nodes if is_compute(n) and n.name not in first_bw]
         seconds = sum(node_time(n, found_costs.rates) for n in recomputed)
+
         def candidate(plan: OffloadPlan) -> _Candidate:
             return _Candidate(activations, (fw, bw), found, plan, planned_memory(plan).peak_bytes, seconds)
 
@@ -151,8 +151,8 @@ def _alone(
         f"{seconds * 1e3:.3g} ms a step, and the plan that meets memory_budget {fmt_bytes(budget)} for the "
         "least time (recomputation, stall and op calls) offloads nothing of fxoffload's choosing",
     )
-    keep = {t.name: why for t in lifetimes.saved if user_choice(t, options) is None and not ineligible_reason(t, options)}
-    keep.update(plan_args.get("keep") or {})
+    mine = [t for t in lifetimes.saved if user_choice(t, options) is None and not ineligible_reason(t, options)]
+    keep = {**{t.name: why for t in mine}, **(plan_args.get("keep") or {})}
     args = {**plan_args, "keep": keep}
     return plan_offloads(lifetimes, options, costs=costs, fit=False, budget_target=budget, **args)
 

@@ -290,8 +290,7 @@ def calls_over_price(plan: OffloadPlan, measured: Measured) -> bool:
     """With a ``memory_budget`` met beside torch's recomputation (``compiler.inductor_recompute``):
     whether ``plan``'s offloads' op calls, at the price measured in a phase the host bound, cost the
     step more than the plan priced them, by ``WORTH_A_COMPILE`` of the step as measured at least. The
-    plans that meet the budget are then priced again, and recomputing may be the cheaper way (on a CPU
-    at 2 GB/s, five hidden offloads priced 0.14 ms each cost the tiny GPT's step 1.38x Inductor's)."""
+    plans that meet the budget are then priced again, and recomputing may be the cheaper way."""
     op, costs = _dearer_calls(plan, measured), plan.costs
     if op is None or costs is None:
         return False
