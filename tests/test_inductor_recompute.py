@@ -202,8 +202,10 @@ def test_offloads_that_hide_are_priced_by_their_op_calls(op_time, bf16, caplog):
     if op_time == 0.0:
         assert report.offloaded and not _by_torch(report), report.table()
         assert all("on 1 of torch's partitions" in m for m in chosen), chosen
+        assert "fxoffload" in report.fw_code and "fxoffload" in report.bw_code  # Inductor's code copies
         return
     assert not report.offloaded and _by_torch(report), report.table()
+    assert "fxoffload" not in report.fw_code + report.bw_code  # no copy in the code that runs
     kept = [r for r in report.saved if r.reason_code == "recompute_cheaper"]
     assert kept and all("activation_memory_budget=" in r.reason for r in kept), report.table()
 
