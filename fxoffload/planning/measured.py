@@ -334,7 +334,8 @@ def room(plan: OffloadPlan, measured: Measured, options: OffloadOptions, host: i
     )  # fmt: skip
     more = auto_offload_bytes(plan, measured.corrected(raw, options.op_time), options, host) - plan.offloaded_bytes
     peak = costs.baseline.peak_bytes if costs.baseline is not None and costs.baseline.points else 0
-    if more < ROOM_SHARE * sum(d.saved.nbytes for d in plan.decisions) or plan.offloaded_bytes + more < WORTH_A_COMPILE * peak:
+    saved = sum(d.saved.nbytes for d in plan.decisions)
+    if more < ROOM_SHARE * saved or plan.offloaded_bytes + more < WORTH_A_COMPILE * peak:
         return 0
     return more
 

@@ -57,7 +57,6 @@ def without_useless_offloads(plan: OffloadPlan, without: OffloadPlan, mine: Coll
     return dataclasses.replace(without, decisions=decisions)
 
 
-
 def stall_not_worth_a_compile(stalls: Collection[str], stall_s: float, step_s: float) -> str:
     """Why copies (of ``stalls``) that stalled the compute stream ``stall_s`` a step, of ``step_s``
     measured compute, are not planned again and compiled for: under ``WORTH_A_COMPILE`` of the step,

@@ -152,7 +152,7 @@ class OffloadReport:
     # the target it was planned again for (oldest first); empty when the first plan's code met it.
     replans: tuple[str, ...] = ()
     # Why copies measured to stall in the first steps were not planned again (too little of the step
-    # to be worth a compile, ``planning.worth.stall_worth_a_compile``); empty where none was left so.
+    # to be worth a compile, ``planning.worth.stall_not_worth_a_compile``); empty where none was left so.
     left_as_planned: str = ""
     # What code before this graph (eager code, other graphs) saved and holds on its device while it
     # runs, read from the autograd graph behind its inputs when it compiled: "outside" in every

@@ -73,4 +73,3 @@ def _reloads_follow(host: fx.Node) -> None:
             reload.meta["val"] = fake_impl(RELOAD)(val, *reload.args[1:2], [], *reload.args[3:])
         for wait in [u for u in reload.users if is_transfer(u, WAIT) and u.args[0] is reload]:
             wait.meta["val"] = reload.meta["val"]
-
