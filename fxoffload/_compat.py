@@ -27,11 +27,13 @@ __all__ = [
     "aot_autograd",
     "boxed_nop",
     "call_partitioner",
+    "checkpoint_tags",
     "compile_with_inductor",
     "detect_fake_mode",
     "raised_from",
     "real_tensors",
     "inductor_mode_options",
+    "is_backward_node",
     "must_save",
     "size_hint",
     "storage_expired",
@@ -97,6 +99,33 @@ def tag_must_save(joint: fx.GraphModule, names: frozenset[str]) -> None:
     for node in joint.graph.nodes:
         if node.name in names:
             node.meta["recompute"] = CheckpointPolicy.MUST_SAVE
+
+
+@contextlib.contextmanager
+def checkpoint_tags(joint: fx.GraphModule, save: frozenset[str], recompute: frozenset[str]) -> Iterator[None]:
+    """The joint graph's nodes ``save`` tagged ``MUST_SAVE`` and ``recompute`` ``MUST_RECOMPUTE`` while
+    the block runs (a partition made with them); after it, every node's tag as it was before, or none
+    (by name: torch's partitioner may copy the graph's nodes, their tags with them, and it tags more
+    nodes where these make it)."""
+    missing = object()
+    before = {n.name: n.meta.get("recompute", missing) for n in joint.graph.nodes}
+    tag_must_save(joint, save)
+    tag_must_recompute(joint, recompute)
+    try:
+        yield
+    finally:
+        for node in joint.graph.nodes:
+            tag = before.get(node.name, missing)
+            if tag is missing:
+                node.meta.pop("recompute", None)
+            else:
+                node.meta["recompute"] = tag
+
+
+def is_backward_node(node: fx.Node) -> bool:
+    """A node of a joint graph that AOTAutograd traced for the backward (its ``partitioner_tag``,
+    torch 2.11 and 2.13), although it may read forward values only (a transpose of an activation)."""
+    return node.meta.get("partitioner_tag") == "is_backward"
 
 
 def must_save(node: fx.Node) -> bool:

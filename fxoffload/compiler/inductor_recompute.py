@@ -4,7 +4,9 @@ what hides on top.
 Inductor's ``activation_memory_budget`` frees saved bytes by recomputation at a fraction of the time
 an un-hidden offload costs (1.19x step time for 0.69x memory on an H100 GPT, where fxoffload's own
 budget took 7x: ``../shared/gpu/README.md``). So the partition is made by torch's min-cut partitioner
-at activation budgets from 1 down, and on each three plans are priced: the partition alone (its
+at activation budgets from 1 down, then with every repeated block recomputed in turn, its outputs saved
+(``analysis.blocks``: per-block checkpointing without a wrapper, for budgets below the lowest peak
+torch's own budget reaches), and on each three plans are priced: the partition alone (its
 recomputation only), with the offloads that hide on top, and, where those miss the budget, with a
 fit that offloads un-hidden on top (its stall priced against recomputing more). A plan's price is
 what it adds to a step (``_Candidate.cost``): the recomputation, the stall and every offload's op
@@ -12,7 +14,9 @@ calls (hidden copies are not free: their calls run on the compute stream), all p
 as the device's measurements corrected it. The cheapest plan that meets the budget on the memory
 model is kept; lower activation budgets are tried until the recomputation alone costs as much as
 that plan (they mostly recompute more, though not always as the model prices it: a cheaper plan
-further down can be missed, and pricing all six costs a partition and its analysis each). Where
+further down can be missed, and pricing all six costs a partition and its analysis each); block by
+block is priced whenever anything must be recomputed (it recomputes less than torch's lowest
+budgets, which recompute outside the blocks too). Where
 none meets it, fxoffload's own budget fit decides (its own recomputation too, on the first
 partition): recomputing everything can peak higher than saving (the backward rebuilds at once what
 the forward saved over time). Random ops are kept saved (``rewrite.random_ops``).
@@ -27,6 +31,7 @@ from typing import Any
 
 import torch.fx as fx
 
+from ..analysis.blocks import NoRepeatedBlocks
 from ..analysis.cost import node_time
 from ..analysis.graph import is_compute
 from ..analysis.lifetimes import GraphLifetimes
@@ -42,17 +47,20 @@ from .refine import attempt_quietly
 
 log = logging.getLogger(__name__)
 
-__all__ = ["ACTIVATION_BUDGETS", "with_inductor_recompute"]
+__all__ = ["ACTIVATION_BUDGETS", "PER_BLOCK", "with_inductor_recompute"]
 
-# The activation memory budgets tried, least recomputation first.
+# The activation memory budgets tried, least recomputation first; then every repeated block
+# recomputed, one at a time (``analysis.blocks``): the most recomputation, and the lowest peak where the
+# backward would otherwise rebuild the whole forward at once.
 ACTIVATION_BUDGETS = (1.0, 0.8, 0.6, 0.4, 0.2, 0.0)
+PER_BLOCK = "per block"
 
 Pair = tuple[fx.GraphModule, fx.GraphModule]
 
 
 @dataclasses.dataclass
 class _Candidate:
-    budget: float  # the activation memory budget torch's partitioner was given
+    budget: float | str  # the activation memory budget torch's partitioner was given, or PER_BLOCK
     pair: Pair
     lifetimes: GraphLifetimes
     plan: OffloadPlan
@@ -82,39 +90,36 @@ def with_inductor_recompute(
     ``plan_offloads``'s arguments (host bytes, what to keep)."""
     assert options.memory_budget is not None and costs.baseline is not None
     budget = budget_target or budget_bytes(options.memory_budget, costs.baseline)
-    first_bw = {n.name for n in pair[1].graph.nodes}
+    first_bw = frozenset(n.name for n in pair[1].graph.nodes)
+
+    def priced(activations: float | str) -> list[_Candidate] | None:
+        """The plans priced on one of torch's partitions; None where it cannot be made."""
+        try:
+            fw, bw = _partitioned(pair, repartition, activations)
+        except NoRepeatedBlocks:
+            log.debug("fxoffload: no repeated blocks to recompute one at a time")
+            return None
+        except Exception as e:  # never fail a compile over an optimisation
+            log.warning("fxoffload: %s failed (%s)", _named(activations), e)
+            return None
+        found, found_costs = (lifetimes, costs) if activations == 1.0 else analyse(fw, bw)
+        return _plans_on(activations, (fw, bw), found, found_costs, first_bw, options, budget, plan_args)
+
     candidates: list[_Candidate] = []
     meeting: list[_Candidate] = []
     for activations in ACTIVATION_BUDGETS:
-        try:
-            fw, bw = pair if activations == 1.0 else repartition(frozenset(), activations)
-        except Exception as e:  # never fail a compile over an optimisation
-            log.warning("fxoffload: torch's partitioner at activation budget %s failed (%s)", activations, e)
+        here = priced(activations)
+        if here is None:
             break
-        found, found_costs = (lifetimes, costs) if activations == 1.0 else analyse(fw, bw)
-        recomputed = [n for n in bw.graph.nodes if is_compute(n) and n.name not in first_bw]
-        seconds = sum(node_time(n, found_costs.rates) for n in recomputed)
-
-        def candidate(plan: OffloadPlan) -> _Candidate:
-            return _Candidate(activations, (fw, bw), found, plan, planned_memory(plan).peak_bytes, seconds)
-
-        here = [candidate(_alone(found, options, found_costs, budget, activations, seconds, plan_args))]
-        hidden = plan_offloads(found, options, costs=found_costs, fit=False, budget_target=budget, **plan_args)
-        if hidden.offloaded:
-            here.append(candidate(hidden))
-        if all(c.peak > budget for c in here):
-            fitted = _fitted(found, options, found_costs, budget, plan_args)
-            if fitted is not None and fitted.offloaded:  # un-hidden offloads on top, priced against more recompute
-                here.append(candidate(fitted))
-        for c in here:
-            log.debug(
-                "fxoffload: activation budget %s: %d offloaded, %s predicted (memory_budget %s), %.3f ms a step",
-                activations, len(c.plan.offloaded), fmt_bytes(c.peak), fmt_bytes(budget), c.cost * 1e3,
-            )  # fmt: skip
         candidates += here
         meeting = [c for c in candidates if c.peak <= budget]
-        if meeting and min(c.cost for c in meeting) <= seconds:
+        if meeting and min(c.cost for c in meeting) <= here[0].recompute_s:
             break  # lower activation budgets recompute at least this much: none of theirs is cheaper
+    # Recomputing block by block is no further step of that order (torch's budgets recompute outside
+    # the blocks too): priced unless the partition as it is meets the budget for nothing.
+    if not any(c.cost == 0 for c in meeting):
+        candidates += priced(PER_BLOCK) or []
+        meeting = [c for c in candidates if c.peak <= budget]
     if not meeting:
         low = min((c.peak for c in candidates), default=0)
         log.info(
@@ -125,13 +130,61 @@ def with_inductor_recompute(
     chosen = min(meeting, key=lambda c: (c.cost, c.peak))
     plan = chosen.plan
     log.info(
-        "fxoffload: memory_budget %s with torch's partitioner recomputing: activation budget %s, %s predicted, "
-        "%.3f ms recomputed, %d offloaded (%.3f ms a step in all; %d plans priced, on %d of torch's partitions)",
-        fmt_bytes(budget), chosen.budget, fmt_bytes(chosen.peak), chosen.recompute_s * 1e3, len(plan.offloaded),
-        chosen.cost * 1e3, len(candidates), len({c.budget for c in candidates}),
+        "fxoffload: memory_budget %s with %s, %s predicted, %.3f ms recomputed, %d offloaded (%.3f ms a step "
+        "in all; %d plans priced, on %d of torch's partitions)",
+        fmt_bytes(budget), _named(chosen.budget), fmt_bytes(chosen.peak), chosen.recompute_s * 1e3,
+        len(plan.offloaded), chosen.cost * 1e3, len(candidates), len({c.budget for c in candidates}),
     )  # fmt: skip
     fw, bw = chosen.pair
     return fw, bw, _with_recomputed(plan, lifetimes, costs, chosen, budget_bytes(options.memory_budget, costs.baseline))
+
+
+def _plans_on(
+    activations: float | str,
+    pair: Pair,
+    found: GraphLifetimes,
+    costs: PlanCosts,
+    first_bw: frozenset[str],
+    options: OffloadOptions,
+    budget: int,
+    plan_args: Mapping[str, Any],
+) -> list[_Candidate]:
+    """On one of torch's partitions (``found``, ``costs``: its lifetimes and cost model): the partition
+    alone, with the offloads that hide on top and, where both miss ``budget``, with the fit's."""
+    recomputed = [n for n in pair[1].graph.nodes if is_compute(n) and n.name not in first_bw]
+    seconds = sum(node_time(n, costs.rates) for n in recomputed)
+
+    def candidate(plan: OffloadPlan) -> _Candidate:
+        return _Candidate(activations, pair, found, plan, planned_memory(plan).peak_bytes, seconds)
+
+    here = [candidate(_alone(found, options, costs, budget, activations, seconds, plan_args))]
+    hidden = plan_offloads(found, options, costs=costs, fit=False, budget_target=budget, **plan_args)
+    if hidden.offloaded:
+        here.append(candidate(hidden))
+    if all(c.peak > budget for c in here):
+        fitted = _fitted(found, options, costs, budget, plan_args)
+        if fitted is not None and fitted.offloaded:  # un-hidden offloads on top, priced against more recompute
+            here.append(candidate(fitted))
+    for c in here:
+        log.debug(
+            "fxoffload: %s: %d offloaded, %s predicted (memory_budget %s), %.3f ms a step",
+            _named(activations), len(c.plan.offloaded), fmt_bytes(c.peak), fmt_bytes(budget), c.cost * 1e3,
+        )  # fmt: skip
+    return here
+
+
+def _partitioned(pair: Pair, repartition: Callable[..., Pair], activations: float | str) -> Pair:
+    """torch's partition at activation budget ``activations``, or recomputing block by block."""
+    if activations == PER_BLOCK:
+        return repartition(frozenset(), None, per_block=True)
+    return pair if activations == 1.0 else repartition(frozenset(), activations)
+
+
+def _named(activations: float | str) -> str:
+    """The partition as the report says it."""
+    if activations == PER_BLOCK:
+        return "torch's partitioner recomputing each repeated block in turn (its outputs saved)"
+    return f"torch's partitioner at activation_memory_budget={activations}"
 
 
 def _alone(
@@ -139,7 +192,7 @@ def _alone(
     options: OffloadOptions,
     costs: PlanCosts,
     budget: int,
-    activations: float,
+    activations: float | str,
     seconds: float,
     plan_args: Mapping[str, Any],
 ) -> OffloadPlan:
@@ -147,8 +200,7 @@ def _alone(
     fxoffload's own (the user's choices stand): its recomputation alone, ``seconds`` a step."""
     why = Reason(
         ReasonCode.RECOMPUTE_CHEAPER,
-        f"torch's partitioner at activation_memory_budget={activations} recomputes "
-        f"{seconds * 1e3:.3g} ms a step, and the plan that meets memory_budget {fmt_bytes(budget)} for the "
+        f"{_named(activations)} recomputes {seconds * 1e3:.3g} ms a step, and the plan that meets memory_budget {fmt_bytes(budget)} for the "
         "least time (recomputation, stall and op calls) offloads nothing of fxoffload's choosing",
     )
     mine = [t for t in lifetimes.saved if user_choice(t, options) is None and not ineligible_reason(t, options)]
@@ -181,17 +233,14 @@ def _with_recomputed(
         return dataclasses.replace(plan, memory_budget=budget)
     now = {d.saved.name for d in plan.decisions}
     bw_nodes = {n.name: n for n in chosen.pair[1].graph.nodes}
-    reason = Reason(
-        ReasonCode.INDUCTOR_RECOMPUTE,
-        f"recomputed in the backward by torch's partitioner at activation_memory_budget={chosen.budget}",
-    )
+    reason = Reason(ReasonCode.INDUCTOR_RECOMPUTE, f"recomputed in the backward by {_named(chosen.budget)}")
     recomputed = tuple(
         Decision(t, Action.RECOMPUTE, reason, recompute=RecomputeOption(
             t.name, t.producer, node_time(bw_nodes[t.name], costs.rates) if t.name in bw_nodes else 0.0, ()
         ))
         for t in first.saved if t.name not in now
     )  # fmt: skip
-    note = f"torch's partitioner recomputes {len(recomputed)} saved tensors (activation_memory_budget={chosen.budget})"
+    note = f"{_named(chosen.budget)} recomputes {len(recomputed)} saved tensors"
     note = f"{plan.note}; {note}" if plan.note else note
     return dataclasses.replace(
         plan, decisions=plan.decisions + recomputed, partition_costs=costs, note=note, memory_budget=budget

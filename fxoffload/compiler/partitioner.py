@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import time
@@ -12,6 +13,7 @@ import torch
 import torch.fx as fx
 
 from .. import _compat
+from ..analysis.blocks import NoRepeatedBlocks, block_tags
 from ..analysis.memory import kept_saved_bytes, param_grad_bytes, simulate
 from ..analysis.outside import OutsideMemory
 from ..options import OffloadOptions
@@ -110,20 +112,26 @@ class OffloadPartitioner(_compat.CustomPartitionerFn):
         repartition_s = [0.0]
 
         def partition(
-            recompute: frozenset[str] = frozenset(), memory_budget: float | None = None
+            recompute: frozenset[str] = frozenset(), memory_budget: float | None = None, per_block: bool = False
         ) -> tuple[fx.GraphModule, fx.GraphModule]:
-            """torch's partitioner; ``recompute``: nodes tagged for it; ``memory_budget``: its own
-            activation memory budget (random ops kept saved first, ``rewrite.random_ops``)."""
+            """torch's partitioner; ``recompute``: nodes tagged for it; ``memory_budget``: its activation
+            budget; ``per_block``: each repeated block recomputed in turn (``analysis.blocks``). Random
+            ops are kept saved where it may recompute on its own (``rewrite.random_ops``)."""
             if recompute:
                 _compat.tag_must_recompute(joint, recompute)
-            if memory_budget is not None and self.options.broken_rule != "random_ops_saved":
+            if (memory_budget is not None or per_block) and self.options.broken_rule != "random_ops_saved":
                 keep_random_ops_saved(joint)
-            again = bool(recompute) or memory_budget is not None
+            blocks = block_tags(joint) if per_block else None
+            if per_block and blocks is None:
+                raise NoRepeatedBlocks("fxoffload: no repeated blocks (ModuleList items) in this graph's forward")
+            again = bool(recompute) or memory_budget is not None or per_block
+            tags = _compat.checkpoint_tags(joint, blocks.save, blocks.recompute) if blocks else contextlib.nullcontext()
             start = time.perf_counter()
             try:
-                return _compat.call_partitioner(
-                    self.options.partitioner, joint, joint_inputs, activation_memory_budget=memory_budget, **kwargs
-                )
+                with tags:
+                    return _compat.call_partitioner(
+                        self.options.partitioner, joint, joint_inputs, activation_memory_budget=memory_budget, **kwargs
+                    )
             finally:
                 if again:
                     repartition_s[0] += time.perf_counter() - start

@@ -1,0 +1,110 @@
+"""The repeated blocks of a joint graph, for recomputation block by block: pure, reads the graph.
+
+Per-block activation checkpointing (``torch.utils.checkpoint`` around each transformer block) is what
+users reach for when a budget is below what torch's min-cut partitioner can reach: under
+``activation_memory_budget=0`` that partitioner saves little, and the backward then rebuilds the whole
+forward at once (the bench's tiny GPT: 7.2 MiB on the memory model, 6.3 MiB with nothing recomputed).
+Saving each block's outputs bounds what any backward step rebuilds to one block. So the blocks of
+the joint graph are found from the modules its forward nodes came from (``nn_module_stack``: the
+items of a ``ModuleList`` or ``Sequential`` such as ``blocks.0``, ``blocks.1``): each block's outputs,
+the values something outside the block reads in the forward, are tagged ``MUST_SAVE``, and every
+other node of it that can rerun ``MUST_RECOMPUTE``, the tags of selective activation checkpointing.
+torch's partitioner then makes the pair, and its reordering that mimics the autograd engine places
+each block's recomputation just before that block's backward. No model change, no checkpoint wrapper.
+
+A node reruns unless it is random (it would draw new numbers: ``rewrite.random_ops`` keeps it
+saved), writes to its inputs, is no ATen or prims op, or already carries a tag (a selective
+checkpointing policy of the user's, or ``rewrite.mutated_reads``, which keeps values saved that read an
+input the forward mutates later).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import operator
+import re
+
+import torch
+import torch.fx as fx
+
+from .._compat import is_backward_node
+from .graph import module_path
+
+__all__ = ["BlockTags", "NoRepeatedBlocks", "block_tags"]
+
+# A module path up to its first index: "blocks.3" of "blocks.3.attn.qkv".
+_BLOCK = re.compile(r"^((.*?)\.(\d+))(?:\.|$)")
+
+
+class NoRepeatedBlocks(ValueError):
+    """A graph with no repeated blocks was asked to be recomputed block by block."""
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockTags:
+    """What recomputing block by block tags in a joint graph."""
+
+    blocks: tuple[str, ...]  # the blocks found, in forward order ("blocks.0", "blocks.1", ...)
+    save: frozenset[str]  # each block's outputs: nodes whose values something outside the block reads
+    recompute: frozenset[str]  # every other node of a block that can rerun
+
+    def describe(self) -> str:
+        """``blocks.0`` to ``blocks.11`` (12 blocks)"""
+        first, last = self.blocks[0], self.blocks[-1]
+        return f"{first} to {last} ({len(self.blocks)} blocks)"
+
+
+def block_tags(joint: fx.GraphModule) -> BlockTags | None:
+    """The tags that make torch's partitioner recompute ``joint``'s repeated blocks one at a time, or
+    None where its forward has fewer than two blocks of one container (nothing repeats) or nothing in
+    them can rerun."""
+    backward = _backward(joint)
+    block_of: dict[fx.Node, str] = {}
+    containers: dict[str, list[str]] = {}
+    for node in joint.graph.nodes:
+        if node.op != "call_function" or node in backward or not node.meta.get("nn_module_stack"):
+            continue
+        m = _BLOCK.match(module_path(node))
+        if m is None:
+            continue
+        block_of[node] = m.group(1)
+        seen = containers.setdefault(m.group(2), [])
+        if m.group(1) not in seen:
+            seen.append(m.group(1))
+    repeated = {c for c, blocks in containers.items() if len(blocks) >= 2}
+    block_of = {n: b for n, b in block_of.items() if b.rsplit(".", 1)[0] in repeated}
+    if not block_of:
+        return None
+    save, recompute = set(), set()
+    for node, block in block_of.items():
+        if "recompute" in node.meta:  # the user's policy, or a value kept saved on purpose
+            continue
+        read_outside = any(u not in backward and block_of.get(u) != block for u in node.users)
+        if read_outside:
+            save.add(node.name)
+        elif _can_rerun(node) if node.target is not operator.getitem else node.args[0].name in recompute:
+            recompute.add(node.name)  # an output of a multi-output op reruns with that op alone
+    if not recompute:  # blocks that are one op each: nothing reruns
+        return None
+    blocks = tuple(dict.fromkeys(block_of.values()))
+    return BlockTags(blocks, frozenset(save), frozenset(recompute))
+
+
+def _backward(joint: fx.GraphModule) -> set[fx.Node]:
+    """The backward's nodes: those AOTAutograd traced for it, and any computed from a tangent."""
+    reached: set[fx.Node] = set()
+    for node in joint.graph.nodes:
+        tangent = node.op == "placeholder" and node.name.startswith("tangents")
+        if tangent or is_backward_node(node) or any(a in reached for a in node.all_input_nodes):
+            reached.add(node)
+    return reached
+
+
+def _can_rerun(node: fx.Node) -> bool:
+    target = node.target
+    if not isinstance(target, torch._ops.OpOverload) or target.namespace not in ("aten", "prims"):
+        return False
+    if torch.Tag.nondeterministic_seeded in target.tags:
+        return False
+    schema = target._schema  # views rerun (their bases do); writes do not
+    return not (schema.is_mutable or any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments))
