@@ -12,6 +12,8 @@ shows; nothing is dropped silently. Names on the command line:
     streamed                  eager, saved-tensor hooks + side stream (TRL's when importable, else
                               bench/streamed.py)
     checkpoint                eager, torch.utils.checkpoint around every block
+    checkpoint-compiled       the same model compiled by Inductor (torch.compile traces the checkpoints:
+                              what a user who checkpoints by hand and compiles gets)
     inductor-amb[=F]          Inductor with torch._functorch.config.activation_memory_budget=F during compile
     intree                    Inductor with torch's in-tree activation offloading, on the tensors fxoffload
                               (policy="auto") chose
@@ -50,6 +52,7 @@ KINDS = (
     "save_on_cpu",
     "streamed",
     "checkpoint",
+    "checkpoint-compiled",
     "inductor-amb",
     "intree",
 )
@@ -175,13 +178,16 @@ def prepare(
         return Prepared(_step(model, batch, ctx, around_forward=hooks), note)
     if kind == "streamed":
         return _streamed(model, batch, ctx)
-    if kind == "checkpoint":
+    if kind in ("checkpoint", "checkpoint-compiled"):
         if not blocks:
             raise Skip("the workload lists no blocks to checkpoint")
         for block in blocks:
             _checkpoint_forward(block)
+        compiled = kind == "checkpoint-compiled"
+        step_model = torch.compile(model, backend="inductor") if compiled else model
         return Prepared(
-            _step(model, batch, ctx), f"torch.utils.checkpoint around each of {len(blocks)} blocks"
+            _step(step_model, batch, ctx),
+            f"torch.utils.checkpoint around each of {len(blocks)} blocks" + (", compiled by Inductor" if compiled else ""),
         )
     if kind == "inductor-amb":
         from torch._functorch import config as functorch_config

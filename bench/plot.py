@@ -14,7 +14,9 @@ from typing import Any
 
 from .methods import SWEPT
 
-COLORS = {"fxoffload": "tab:blue", "inductor-amb": "tab:orange", "checkpoint": "tab:green"}
+COLORS = {
+    "fxoffload": "tab:blue", "inductor-amb": "tab:orange", "checkpoint": "tab:green", "checkpoint-compiled": "tab:olive",
+}
 
 
 def pareto(points: list[tuple[float, float]]) -> list[int]:

@@ -32,7 +32,10 @@ def test_bench_smoke(tmp_path, capsys, restore_threads):
     with a 1 MiB ``min_bytes`` above every tensor of the tiny preset."""
     pytest.importorskip("matplotlib")
     out, png = tmp_path / "bench.json", tmp_path / "bench.png"
-    methods = "eager,fxoffload-all,fxoffload-budget=0.5,fxoffload-recompute=0.8,save_on_cpu,streamed,checkpoint,intree"
+    methods = (
+        "eager,fxoffload-all,fxoffload-budget=0.5,fxoffload-recompute=0.8,save_on_cpu,streamed,checkpoint,"
+        "checkpoint-compiled,intree"
+    )
     argv = ["--preset", "tiny", "--device", "cpu", "--steps", "1", "--warmup", "0", "--batch", "2",
             "--threads", "1", "--inner", "aot_eager", "--methods", methods, "--json", str(out),
             "--png", str(png)]  # fmt: skip
@@ -64,6 +67,7 @@ def test_bench_smoke(tmp_path, capsys, restore_threads):
     assert row["predicted_compute_ms"] > 0 and "model_x" not in rows["eager"]
     assert row["model_x"] == pytest.approx(row["predicted_compute_ms"] / rows["eager"]["step_ms"])
     assert rows["streamed"]["offloaded_MiB"] > 0 and "synchronous" in rows["streamed"]["note"]
+    assert rows["checkpoint-compiled"]["note"].endswith("blocks, compiled by Inductor")
     # torch's pass found the tensors by the names fxoffload gave them, and offloaded some of them.
     assert rows["intree"]["note"].startswith("tagged ")
     tagged, planned = rows["intree"]["note"].split(" tensors")[0].removeprefix("tagged ").split(" of ")
@@ -73,7 +77,7 @@ def test_bench_smoke(tmp_path, capsys, restore_threads):
     assert data["conditions"]["command"].startswith("python -m bench --preset tiny --device cpu")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     printed = capsys.readouterr().out
-    assert "[8/8] intree ..." in printed and "fxoffload-budget=0.5" in printed
+    assert "[9/9] intree ..." in printed and "fxoffload-budget=0.5" in printed
     assert "measured peak MiB (above start)" in printed
 
 
