@@ -85,6 +85,11 @@ OPTION_SETS: dict[str, dict[str, Any]] = {
     # offloads on top: other partitions, random ops kept saved.
     "budget-torch-recompute": {**BASE, "memory_budget": 0.7, "verify_peak": False, "recompute": "inductor",
                                "bandwidth": "0.01GB", "compute_rates": {"flops": 1e13, "memory_bandwidth": 1e12}},
+    # A budget that recomputing each repeated block in turn meets on these small models, cheaper
+    # than torch's activation budgets with offloads (analysis/blocks.py): the fuzz model's blocks
+    # (counters, EMA buffers, autocast, graph breaks) recomputed one at a time.
+    "budget-per-block": {**BASE, "memory_budget": 0.9, "verify_peak": False, "recompute": "inductor",
+                         "bandwidth": "0.01GB", "compute_rates": {"flops": 1e13, "memory_bandwidth": 1e12}},
     # A slow emulated link and one-node prefetch: every wait really blocks, reloads land late.
     "all-slow": {**BASE, "policy": "all", "verify_peak": False, "cpu_link_bandwidth": 2e8, "prefetch": 1},
     # torch's default partitioner saves what min-cut would recompute: other saved sets.
@@ -705,6 +710,7 @@ class RunResult:
     recomputed: int = 0
     graphs: int = 0
     replans: int = 0  # plans made again (``report.replans``), summed over graphs
+    per_block: int = 0  # graphs whose plan recomputes each repeated block in turn
 
 
 def outputs_loss(outs: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -764,6 +770,7 @@ def train(case: Case, backend: Any = None, steps: int = 2) -> RunResult:
         result.offloaded += len(report.offloaded)
         result.recomputed += len(report.recomputed)
         result.replans += len(report.replans)
+        result.per_block += "each repeated block in turn" in report.note
     return result
 
 
@@ -860,6 +867,7 @@ class Outcome:
     recomputed: int = 0
     graphs: int = 0
     replans: int = 0
+    per_block: int = 0
     seconds: float = 0.0
 
     def repro(self, inner: str) -> str:
@@ -943,7 +951,7 @@ def run_case(
             outcome = Outcome(case, name, status, detail, seconds=time.perf_counter() - start)
             if isinstance(got, RunResult):
                 outcome.offloaded, outcome.recomputed = got.offloaded, got.recomputed
-                outcome.graphs, outcome.replans = got.graphs, got.replans
+                outcome.graphs, outcome.replans, outcome.per_block = got.graphs, got.replans, got.per_block
             elif status == ERROR:
                 log.debug("%s raised:\n%s", name, getattr(got, "__fuzz_traceback__", ""))
             outcomes.append(outcome)
@@ -959,9 +967,9 @@ def summary(outcomes: Sequence[Outcome]) -> str:
         mine = [o for o in outcomes if o.options == name]
         counts = Counter(o.status for o in mine)
         rows.append([name, len(mine), *(counts[s] for s in STATUSES), sum(o.graphs for o in mine),
-                     sum(o.offloaded for o in mine), sum(o.recomputed for o in mine), sum(o.replans for o in mine),
-                     f"{sum(o.seconds for o in mine):.0f}"])
-    headers = ["options", "cases", *STATUSES, "graphs", "offloaded", "recomputed", "replans", "s"]
+                     sum(o.offloaded for o in mine), sum(o.recomputed for o in mine), sum(o.per_block for o in mine),
+                     sum(o.replans for o in mine), f"{sum(o.seconds for o in mine):.0f}"])
+    headers = ["options", "cases", *STATUSES, "graphs", "offloaded", "recomputed", "per block", "replans", "s"]
     return tabulate(rows, headers=headers)
 
 

@@ -134,3 +134,31 @@ def test_a_budget_below_torchs_lowest_peak_is_met_block_by_block(link):
     ))  # fmt: skip
     torchs_lowest = peak("inductor", 0.2)
     assert ours < 0.95 * torchs_lowest, (ours, torchs_lowest)
+
+
+class _Autocast(torch.nn.Module):
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, *args):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return self.model(*args).float()
+
+
+def test_under_bf16_autocast_too():
+    """bf16 autocast on a 3-block GPT at memory_budget 0.5: met block by block in the code Inductor
+    generated, the blocks' bf16 matmuls rerun in the backward as checkpointing reruns them, with
+    Inductor's results (to bf16's precision)."""
+    torch.manual_seed(0)
+    cfg = dataclasses.replace(PRESETS["tiny"], dropout=0.0, layers=3)
+    model, batch = _Autocast(GPT(cfg)), gpt_batch(cfg, 8)
+    backend = fxoffload.backend(memory_budget=0.5, recompute="inductor", offload_cpu=True, min_bytes="16KiB")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # a missed budget warns
+        got = train_step(model, batch, backend)
+    assert_same(got, train_step(model, batch, "inductor"), rtol=2e-2, atol=2e-3)
+    (report,) = backend.reports
+    assert "each repeated block in turn" in report.note, report.note
+    recomputed = [r for r in report.saved if r.reason_code == "inductor_recompute"]
+    assert any(r.producer == "addmm" and r.dtype == "bfloat16" for r in recomputed), report.table()

@@ -56,6 +56,15 @@ def test_fuzz_inductor(index, options):
     assert outcome.offloaded > 0
 
 
+def test_fuzz_per_block():
+    """Case 1 of seed 0 (a heterogeneous ModuleList) with each repeated block recomputed in turn:
+    eager's results."""
+    options = {"budget-per-block": fuzz.OPTION_SETS["budget-per-block"]}
+    (outcome,) = fuzz.run_case(fuzz.make_case(0, 1), "aot_eager", options)
+    _check([outcome], "aot_eager")
+    assert outcome.per_block > 0 and outcome.recomputed > 0, "no block recomputed: the comparison says nothing"
+
+
 @pytest.mark.parametrize("seed,index,options,inner", REPLANNED_CASES)
 def test_fuzz_replanned(seed, index, options, inner):
     (outcome,) = fuzz.run_case(fuzz.make_case(seed, index), inner, {options: fuzz.OPTION_SETS[options]})
