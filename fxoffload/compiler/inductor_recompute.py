@@ -17,7 +17,9 @@ that plan (they mostly recompute more, though not always as the model prices it:
 further down can be missed, and pricing all six costs a partition and its analysis each); block by
 block is priced whenever anything must be recomputed (it recomputes less than torch's lowest
 budgets, which recompute outside the blocks too). Where
-none meets it, fxoffload's own budget fit decides (its own recomputation too, on the first
+none meets it on the model but one comes within ``NEAR_MISS`` of it under Inductor, that one is
+compiled and its code judges it (the model counts every buffer of a chain Inductor fuses); where
+none does, or that code misses too, fxoffload's own budget fit decides (its own recomputation too, on the first
 partition): recomputing everything can peak higher than saving (the backward rebuilds at once what
 the forward saved over time). Random ops are kept saved (``rewrite.random_ops``).
 """
@@ -54,6 +56,11 @@ __all__ = ["ACTIVATION_BUDGETS", "PER_BLOCK", "with_inductor_recompute"]
 # backward would otherwise rebuild the whole forward at once.
 ACTIVATION_BUDGETS = (1.0, 0.8, 0.6, 0.4, 0.2, 0.0)
 PER_BLOCK = "per block"
+# How far over the budget a partition's plan may peak on the memory model and still be compiled, its
+# code the judge, where none meets it there: the model counts every buffer of a pointwise chain that
+# Inductor fuses (9-38% over Inductor's code on this project's models; the bench's tiny GPT
+# recomputing block by block: 4.0 MiB on the model, 3.63 MiB in its code).
+NEAR_MISS = 0.1
 
 Pair = tuple[fx.GraphModule, fx.GraphModule]
 
@@ -120,6 +127,9 @@ def with_inductor_recompute(
     if not any(c.cost == 0 for c in meeting):
         candidates += priced(PER_BLOCK) or []
         meeting = [c for c in candidates if c.peak <= budget]
+    near = not meeting and options.inner == "inductor"
+    if near:  # the model counts each buffer of a chain Inductor fuses: its code judges a near miss
+        meeting = [c for c in candidates if c.peak <= budget * (1 + NEAR_MISS)]
     if not meeting:
         low = min((c.peak for c in candidates), default=0)
         log.info(
@@ -128,7 +138,13 @@ def with_inductor_recompute(
         )  # fmt: skip
         return None
     chosen = min(meeting, key=lambda c: (c.cost, c.peak))
-    plan = chosen.plan
+    plan = dataclasses.replace(chosen.plan, judged_on_code=near)
+    if near:
+        log.info(
+            "fxoffload: memory_budget %s: no partition of torch's meets it on the memory model; %s with %d "
+            "offloads predicts %s, within %.0f%%: Inductor's code judges it", fmt_bytes(budget), _named(chosen.budget),
+            len(plan.offloaded), fmt_bytes(chosen.peak), NEAR_MISS * 100,
+        )  # fmt: skip
     log.info(
         "fxoffload: memory_budget %s with %s, %s predicted, %.3f ms recomputed, %d offloaded (%.3f ms a step "
         "in all; %d plans priced, on %d of torch's partitions)",
