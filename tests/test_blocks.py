@@ -106,9 +106,10 @@ def test_a_users_tag_is_left_and_every_tag_given_back_after_the_partition():
 @pytest.mark.parametrize("link", ["0.5GB", None])
 def test_a_budget_below_torchs_lowest_peak_is_met_block_by_block(link):
     """The bench's tiny GPT at memory_budget 0.7 (recompute="inductor", offload_cpu at 0.5 GB/s or an
-    unthrottled link): every activation budget of torch's misses it on the memory model, and
-    recomputing each block in turn meets it. Measured on the CPU allocator, the step peaks below
-    Inductor's at activation_memory_budget 0.2, its lowest on this model, with Inductor's gradients."""
+    unthrottled link): torch's activation budgets meet it on the memory model only with offloads on
+    top, and recomputing each block in turn meets it for less. Measured on the CPU allocator, the step
+    peaks below Inductor's at activation_memory_budget 0.2, its lowest on this model, with Inductor's
+    gradients."""
     torch.manual_seed(0)
     cfg = dataclasses.replace(PRESETS["tiny"], dropout=0.0)  # as the bench builds it
     model, batch = GPT(cfg), gpt_batch(cfg, 8)

@@ -16,12 +16,12 @@ model is kept; lower activation budgets are tried until the recomputation alone 
 that plan (they mostly recompute more, though not always as the model prices it: a cheaper plan
 further down can be missed, and pricing all six costs a partition and its analysis each); block by
 block is priced whenever anything must be recomputed (it recomputes less than torch's lowest
-budgets, which recompute outside the blocks too). Where
-none meets it on the model but one comes within ``NEAR_MISS`` of it under Inductor, that one is
-compiled and its code judges it (the model counts every buffer of a chain Inductor fuses); where
-none does, or that code misses too, fxoffload's own budget fit decides (its own recomputation too, on the first
-partition): recomputing everything can peak higher than saving (the backward rebuilds at once what
-the forward saved over time). Random ops are kept saved (``rewrite.random_ops``).
+budgets, which recompute outside the blocks too). Where none meets it on the model but one comes
+within ``NEAR_MISS`` of it under Inductor, that one is compiled and its code judges it (the model
+counts every buffer of a chain Inductor fuses); where none does, or that code misses too,
+fxoffload's own budget fit decides (its own recomputation too, on the first partition):
+recomputing everything can peak higher than saving (the backward rebuilds at once what the forward
+saved over time). Random ops are kept saved (``rewrite.random_ops``).
 """
 
 from __future__ import annotations
@@ -51,10 +51,10 @@ log = logging.getLogger(__name__)
 
 __all__ = ["ACTIVATION_BUDGETS", "PER_BLOCK", "with_inductor_recompute"]
 
-# The activation memory budgets tried, least recomputation first; then every repeated block
-# recomputed, one at a time (``analysis.blocks``): the most recomputation, and the lowest peak where the
-# backward would otherwise rebuild the whole forward at once.
+# The activation memory budgets tried, least recomputation first.
 ACTIVATION_BUDGETS = (1.0, 0.8, 0.6, 0.4, 0.2, 0.0)
+# Priced apart from them: every repeated block recomputed in turn (``analysis.blocks``), the lowest
+# peak where torch's lowest budgets rebuild the whole forward at once in the backward.
 PER_BLOCK = "per block"
 # How far over the budget a partition's plan may peak on the memory model and still be compiled, its
 # code the judge, where none meets it there: the model counts every buffer of a pointwise chain that
