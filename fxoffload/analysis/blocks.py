@@ -28,7 +28,7 @@ import torch
 import torch.fx as fx
 
 from .._compat import is_backward_node
-from .graph import module_path
+from .graph import closure, module_path
 
 __all__ = ["BlockTags", "NoRepeatedBlocks", "block_tags"]
 
@@ -91,13 +91,9 @@ def block_tags(joint: fx.GraphModule) -> BlockTags | None:
 
 
 def _backward(joint: fx.GraphModule) -> set[fx.Node]:
-    """The backward's nodes: those AOTAutograd traced for it, and any computed from a tangent."""
-    reached: set[fx.Node] = set()
-    for node in joint.graph.nodes:
-        tangent = node.op == "placeholder" and node.name.startswith("tangents")
-        if tangent or is_backward_node(node) or any(a in reached for a in node.all_input_nodes):
-            reached.add(node)
-    return reached
+    """The backward's nodes: the tangents, those AOTAutograd traced for it, and any computed from them."""
+    tangents = (n for n in joint.graph.nodes if n.op == "placeholder" and "tangents" in str(n.target))
+    return closure([*tangents, *filter(is_backward_node, joint.graph.nodes)], "users")
 
 
 def _can_rerun(node: fx.Node) -> bool:

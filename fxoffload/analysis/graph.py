@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import operator
 import re
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import torch
 import torch.fx as fx
@@ -19,9 +19,23 @@ from .._compat import size_hint
 from ..ir import is_transfer
 
 __all__ = [
-    "is_compute", "is_dense", "is_view", "module_path", "mutated_inputs", "op_name", "static_inputs",
+    "closure", "is_compute", "is_dense", "is_view", "module_path", "mutated_inputs", "op_name", "static_inputs",
     "storage_root", "storage_users", "written_args",
 ]  # fmt: skip
+
+
+def closure(starts: Iterable[fx.Node], step: str) -> set[fx.Node]:
+    """``starts`` and every node reached from them through their users (``step="users"``: what is
+    computed from them) or their inputs (``step="inputs"``: what they are computed from)."""
+    seen: set[fx.Node] = set()
+    stack = list(starts)
+    while stack:
+        node = stack.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        stack.extend(node.users if step == "users" else node.all_input_nodes)
+    return seen
 
 
 def is_view(node: fx.Node) -> bool:

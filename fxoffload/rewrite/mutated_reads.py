@@ -27,30 +27,17 @@ placeholder in the backward is not. Graphs that mutate no input are left untouch
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
 
 import torch
 import torch.fx as fx
 
-from ..analysis.graph import is_view, mutated_inputs, written_args
+from ..analysis.graph import closure, is_view, mutated_inputs, written_args
 
 log = logging.getLogger(__name__)
 
 __all__ = ["protect_mutated_reads"]
 
 _VALUES = (torch.Tensor, tuple, list)  # a tensor, or a multi-output op's tuple (not a SymInt)
-
-
-def _closure(starts: Iterable[fx.Node], step: str) -> set[fx.Node]:
-    seen: set[fx.Node] = set()
-    stack = list(starts)
-    while stack:
-        node = stack.pop()
-        if node in seen:
-            continue
-        seen.add(node)
-        stack.extend(node.users if step == "users" else node.all_input_nodes)
-    return seen
 
 
 def _backward_outputs(joint: fx.GraphModule, num_fwd_outputs: int | None) -> list[fx.Node]:
@@ -92,10 +79,10 @@ def protect_mutated_reads(joint: fx.GraphModule, num_fwd_outputs: int | None = N
         return []
     writers = {w for ws in mutated.values() for w in ws}
     tangents = [n for n in graph.nodes if n.op == "placeholder" and "tangents" in str(n.target)]
-    backward = _closure(tangents, "users")
+    backward = closure(tangents, "users")
     backward.update(_backward_outputs(joint, num_fwd_outputs))
     backward.discard(graph.output_node())
-    needed_by_backward = _closure((i for n in backward for i in n.all_input_nodes), "inputs") - backward
+    needed_by_backward = closure((i for n in backward for i in n.all_input_nodes), "inputs") - backward
 
     tagged: list[fx.Node] = []
     for placeholder, by in mutated.items():
