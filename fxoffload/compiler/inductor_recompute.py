@@ -216,8 +216,9 @@ def _alone(
     fxoffload's own (the user's choices stand): its recomputation alone, ``seconds`` a step."""
     why = Reason(
         ReasonCode.RECOMPUTE_CHEAPER,
-        f"{_named(activations)} recomputes {seconds * 1e3:.3g} ms a step, and the plan that meets memory_budget {fmt_bytes(budget)} for the "
-        "least time (recomputation, stall and op calls) offloads nothing of fxoffload's choosing",
+        f"{_named(activations)} recomputes {seconds * 1e3:.3g} ms a step, and the plan that meets "
+        f"memory_budget {fmt_bytes(budget)} for the least time (recomputation, stall and op calls) offloads "
+        "nothing of fxoffload's choosing",
     )
     mine = [t for t in lifetimes.saved if user_choice(t, options) is None and not ineligible_reason(t, options)]
     keep = {**{t.name: why for t in mine}, **(plan_args.get("keep") or {})}
