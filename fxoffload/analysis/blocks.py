@@ -21,14 +21,17 @@ input the forward mutates later).
 from __future__ import annotations
 
 import dataclasses
+import logging
 import operator
 import re
 
-import torch
 import torch.fx as fx
 
 from .._compat import is_backward_node
 from .graph import closure, module_path
+from .recompute import op_cannot_rerun
+
+log = logging.getLogger(__name__)
 
 __all__ = ["BlockTags", "NoRepeatedBlocks", "block_tags"]
 
@@ -82,12 +85,19 @@ def block_tags(joint: fx.GraphModule) -> BlockTags | None:
         read_outside = any(u not in backward and block_of.get(u) != block for u in node.users)
         if read_outside:
             save.add(node.name)
-        elif _can_rerun(node) if node.target is not operator.getitem else node.args[0].name in recompute:
-            recompute.add(node.name)  # an output of a multi-output op reruns with that op alone
+        elif node.target is operator.getitem:
+            if node.args[0].name in recompute:  # an output of a multi-output op reruns with that op alone
+                recompute.add(node.name)
+        elif op_cannot_rerun(node.target, views_rerun=True) is None:
+            recompute.add(node.name)
     if not recompute:  # blocks that are one op each: nothing reruns
         return None
-    blocks = tuple(dict.fromkeys(block_of.values()))
-    return BlockTags(blocks, frozenset(save), frozenset(recompute))
+    tags = BlockTags(tuple(dict.fromkeys(block_of.values())), frozenset(save), frozenset(recompute))
+    log.debug(
+        "fxoffload: blocks %s: %d outputs kept saved, %d nodes tagged to rerun in the backward",
+        tags.describe(), len(save), len(recompute),
+    )  # fmt: skip
+    return tags
 
 
 def _backward(joint: fx.GraphModule) -> set[fx.Node]:
@@ -95,12 +105,3 @@ def _backward(joint: fx.GraphModule) -> set[fx.Node]:
     tangents = (n for n in joint.graph.nodes if n.op == "placeholder" and "tangents" in str(n.target))
     return closure([*tangents, *filter(is_backward_node, joint.graph.nodes)], "users")
 
-
-def _can_rerun(node: fx.Node) -> bool:
-    target = node.target
-    if not isinstance(target, torch._ops.OpOverload) or target.namespace not in ("aten", "prims"):
-        return False
-    if torch.Tag.nondeterministic_seeded in target.tags:
-        return False
-    schema = target._schema  # views rerun (their bases do); writes do not
-    return not (schema.is_mutable or any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments))

@@ -126,12 +126,20 @@ def _why_not(t: SavedTensor, node: fx.Node | None, min_bytes: int) -> Reason | N
         return Reason(ReasonCode.MULTI_OUTPUT, "one output of a multi-output op (recomputing reruns the whole op)")
     if not is_compute(node):
         return Reason(ReasonCode.NOT_COMPUTE, "not a compute op")
-    target = node.target
+    return op_cannot_rerun(node.target)
+
+
+def op_cannot_rerun(target: object, views_rerun: bool = False) -> Reason | None:
+    """Why an op cannot run again in the backward, or None: not an ATen operator, random (it would
+    draw new numbers), writing its inputs or (unless ``views_rerun``: a view reruns where its base
+    does) aliasing them, or of another namespace than aten and prims."""
     if not isinstance(target, torch._ops.OpOverload):
         return Reason(ReasonCode.NOT_ATEN, f"{target} is not an ATen operator")
     if torch.Tag.nondeterministic_seeded in target.tags:
         return Reason(ReasonCode.RANDOM_OP, "random op: recomputing would draw different numbers")
-    if target._schema.is_mutable or any(a.alias_info is not None for a in target._schema.arguments):
+    schema = target._schema
+    if schema.is_mutable or any(a.alias_info is not None and (a.alias_info.is_write or not views_rerun)
+                                for a in schema.arguments):  # fmt: skip
         return Reason(ReasonCode.MUTATES_INPUTS, "mutates or aliases its inputs")
     if target.namespace not in ("aten", "prims"):
         return Reason(ReasonCode.OTHER_NAMESPACE, f"{target.namespace}:: op (only aten and prims ops are recomputed)")
