@@ -7,6 +7,7 @@ Supported: torch 2.11 and 2.13. Nothing here may depend on pieces that exist in 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import inspect
 import types
 from collections.abc import Callable, Iterator
@@ -143,6 +144,34 @@ def inductor_mode_options(mode: str | None) -> dict[str, Any]:
     if mode is None or mode == "default":
         return {}
     return dict(list_mode_options(mode))
+
+
+@dataclasses.dataclass(frozen=True)
+class RealizeLimits:
+    """When Inductor's lowering stores a pointwise expression in a buffer rather than inline it into
+    its readers (``analysis.fusion``): read by several ops, past ``reads`` buffers read or ``opcount``
+    ops; read by any, past ``acc_reads``."""
+
+    reads: int
+    opcount: int
+    acc_reads: int
+
+
+def inductor_realize_limits(cpu: bool) -> RealizeLimits:
+    """Inductor's realize thresholds from its config: a fixed value where one is set, else the
+    device's default (torch 2.13 leaves ``realize_opcount_threshold`` and
+    ``realize_acc_reads_threshold`` None and keeps a CPU value and a GPU value; torch 2.11 sets one
+    for both)."""
+
+    def pick(name: str, fallback: int) -> int:
+        value = getattr(inductor_config, name, None)
+        if value is None:
+            stem = name.removeprefix("realize_")
+            value = getattr(inductor_config, f"realize_cpu_{stem}" if cpu else f"_realize_{stem}_default", None)
+        return int(value) if value is not None else fallback
+
+    return RealizeLimits(pick("realize_reads_threshold", 4), pick("realize_opcount_threshold", 30),
+                         pick("realize_acc_reads_threshold", 8))  # fmt: skip
 
 
 def cudagraphs_enabled(config_patches: dict[str, Any]) -> bool:

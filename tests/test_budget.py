@@ -38,11 +38,12 @@ def _above_start(report, nbytes):
     return nbytes - start.live["parameters"] - start.live["inputs"]
 
 
-# GPT tiny at 0.45 of its predicted peak: the first plan fits on the FX model but Inductor's code
-# peaks at 4.1 MiB, over the budget (3.9 MiB); planned again for 3.7 MiB (4.0 MiB), then 3.6 MiB: the
-# code meets it within the tolerance.
+# GPT tiny (with dropout) at 0.6 of its predicted peak: the first plan fits on the FX model but
+# Inductor's code peaks at 5.1 MiB, over the budget (5.0 MiB) by more than the tolerance; planned again
+# for 4.8 MiB, its code peaks at 4.6 MiB. (Before the model fused as Inductor does, 0.45 of a peak
+# predicted 4% higher missed by more: its plans rarely miss now.)
 def test_a_budget_the_code_misses_is_planned_again_and_met_when_measured():
-    report, said, measured = _compile_and_measure(memory_budget=0.45)
+    report, said, measured = _compile_and_measure(memory_budget=0.6)
     assert 1 <= len(report.replans) <= 2, report.summary()  # max_replans (2) at most
     targets = []
     for i, line in enumerate(report.replans, 1):
@@ -66,8 +67,8 @@ def test_a_budget_the_code_misses_is_planned_again_and_met_when_measured():
 
 def test_without_planning_again_the_same_budget_is_warned_about():
     """The rule broken on purpose (``max_replans=0``): the first plan's code is kept, and the warning
-    says so."""
-    report, said, measured = _compile_and_measure(memory_budget=0.45, max_replans=0)
+    says so (0.47: its code peaks 5% over the budget)."""
+    report, said, measured = _compile_and_measure(memory_budget=0.47, max_replans=0)
     assert report.replans == ()
     (warning,) = [s for s in said if "is not met by the code Inductor generated" in s]
     assert re.search(r"memory_budget [\d.]+ MiB is not met by the code Inductor generated: it peaks at [\d.]+ MiB", warning)

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import fxoffload
+from fxoffload.planning.budget import BUDGET_TOLERANCE
 
 from .conftest import assert_same, calls_cost_the_step, cpu_backend, train_step
 
@@ -156,10 +157,11 @@ def test_a_target_is_not_raised_where_the_budget_chose_nothing():
 
 def test_just_past_torchs_reach_offloads_on_top_of_its_recompute(caplog):
     """A budget that torch's partitioner with the offloads that hide just misses: an un-hidden offload
-    on top of its recomputation meets it (the cheaper way), not fxoffload's own fit from the start."""
+    on top of its recomputation meets it (the cheaper way), not fxoffload's own fit from the start
+    (0.57: torch's partitions bottom out at 2.1 MiB in the code, the budget is 2.06 MiB)."""
     torch.manual_seed(0)
     model, x = Blocks(), (torch.randn(N, D),)
-    backend = _backend("inductor", memory_budget=0.5, offload_cpu=True)
+    backend = _backend("inductor", memory_budget=0.57, offload_cpu=True)
     with caplog.at_level(logging.INFO, logger="fxoffload"), warnings.catch_warnings():
         warnings.simplefilter("error", RuntimeWarning)  # a missed budget warns
         got = train_step(model, x, backend)
@@ -195,7 +197,7 @@ def test_offloads_that_hide_are_priced_by_their_op_calls(op_time, bf16, caplog):
         expected = train_step(model, x, "inductor")
     assert_same(got, expected, rtol=1e-5, atol=1e-7)
     (report,) = backend.reports
-    assert report.compiled_memory().peak.total <= report.memory_budget, report.summary()
+    assert report.compiled_memory().peak.total <= report.memory_budget * (1 + BUDGET_TOLERANCE), report.summary()
     assert ("bfloat16" in report.table()) == bf16  # autocast reached the saved tensors
     chosen = [r.getMessage() for r in caplog.records if "plans priced, on" in r.getMessage()]
     assert chosen, [r.getMessage() for r in caplog.records]

@@ -92,7 +92,9 @@ def _save_matmuls(ctx, op, *args, **kwargs):
 def test_recomputing_keeps_results_with_and_without_checkpoint(mode, inner):
     torch.manual_seed(0)
     model, x = Stack(mode), (torch.randn(N, D),)
-    backend = _backend(inner)
+    # 0.6: under Inductor the model of the recomputing plans peaks where their code does (2.0 MiB),
+    # above half the step's peak (1.8 MiB), which only copies that stall reach.
+    backend = _backend(inner, memory_budget=0.6)
     got = _run(model, x, backend)
     (report,) = backend.reports
     assert report.recomputed, report.table()

@@ -18,6 +18,11 @@ Rules (sizes from fake values, symbolic sizes at their hints):
 - Host tensors (the outputs of ``fxoffload.offload`` and the backward placeholders holding them) are
   not device memory. A ``fxoffload.reload`` allocates its device destination when it is issued.
 
+- Under Inductor (``fuses``), the graphs as Inductor compiles them (``fusion``): pointwise ops it
+  inlines into other kernels have no buffer and read where those kernels run, a kernel writes in
+  place of a buffer it reads last, kernels fused side by side run together, and of the measured
+  scratch only the extern matmuls' counts.
+
 A plan is data to this model: ``with_plan(baseline, off)`` is the timeline of the pair once the
 plan's tensors are off the device over the points ``off`` gives (``planning.off_device``). The planner's
 budget fit compares plans with it, without rewriting graphs; ``simulate`` on the rewritten pair gives
@@ -38,6 +43,7 @@ import torch.fx as fx
 
 from ..ir import OFFLOAD, RELOAD, WAIT, is_transfer
 from ..sizes import tensor_bytes
+from .fusion import Fusion, extern_scratch, inductor_fusion
 from .graph import static_inputs, storage_root
 
 CATEGORIES = ("parameters", "inputs", "saved", "transient", "gradients", "outside")
@@ -114,15 +120,18 @@ def _owners(nodes: Sequence[fx.Node]) -> dict[fx.Node, fx.Node]:
     return {n: storage_root(n) for n in nodes if isinstance(n.meta.get("val"), torch.Tensor)}
 
 
-def _last_uses(nodes: Sequence[fx.Node], owners: dict[fx.Node, fx.Node]) -> dict[fx.Node, int]:
-    """Index of the last node reading each storage owner (the output node counts)."""
+def _last_uses(nodes: Sequence[fx.Node], owners: dict[fx.Node, fx.Node], fusion: Fusion | None) -> dict[fx.Node, int]:
+    """Index of the last node reading each storage owner (the output node counts); a node Inductor
+    inlines reads where the kernel computing it runs (``fusion.runs_at``)."""
     index = {n: i for i, n in enumerate(nodes)}
+    runs_at = fusion.runs_at if fusion is not None else {}
     last: dict[fx.Node, int] = {}
     for n in nodes:
+        at = index[runs_at.get(n, n)]
         for inp in n.all_input_nodes:
             owner = owners.get(inp)
             if owner is not None:
-                last[owner] = max(last.get(owner, -1), index[n])
+                last[owner] = max(last.get(owner, -1), at)
     return last
 
 
@@ -136,6 +145,22 @@ def _born(nodes: Sequence[fx.Node]) -> dict[int, list[fx.Node]]:
         at = index[parent] if isinstance(parent, fx.Node) and parent.op == "call_function" else i
         out.setdefault(at, []).append(n)
     return out
+
+
+def _in_place(
+    node: fx.Node, dying: Sequence[fx.Node], fusion: Fusion | None, donated: Sequence[fx.Node] = ()
+) -> fx.Node | None:
+    """The storage among ``dying`` (read for the last time by ``node``: Inductor's own buffers count,
+    ``Fusion.allocated``) and ``donated`` (saved tensors read last there) that Inductor's kernel for
+    ``node`` writes its output into: one of the same bytes and dtype (``Fusion.kernels``)."""
+    if fusion is None or node not in fusion.kernels:
+        return None
+    dtype = node.meta["val"].dtype
+    for x in [d for d in dying if d in fusion.allocated] + list(donated):
+        val = x.meta.get("val")
+        if isinstance(val, torch.Tensor) and val.dtype == dtype and _bytes(x) == _bytes(node):
+            return x
+    return None
 
 
 def _running(live: dict[str, int], node: fx.Node, scratch: Mapping[fx.Node, int], phase: str) -> MemoryPoint:
@@ -152,6 +177,7 @@ def simulate(
     temporaries: Mapping[fx.Node, int] | None = None,
     outside: int = 0,
     outside_backward: int = 0,
+    fuses: bool = False,
 ) -> MemoryTimeline:
     """The device-memory timeline of one training step through ``fw`` then ``bw``.
 
@@ -159,14 +185,20 @@ def simulate(
     ``measure.standalone.op_temporaries``), counted at that node's point as "transient". ``outside``: bytes
     code before the pair holds through it (``outside.OutsideMemory.outside``); ``outside_backward``:
     bytes more there during the backward, which later code made after this pair's forward (the
-    gradients of later calls of the same pair: ``OutsideMemory.outside_backward``)."""
+    gradients of later calls of the same pair: ``OutsideMemory.outside_backward``). ``fuses``: the
+    graphs run as Inductor compiles them: the nodes it inlines into other kernels without a buffer,
+    what they read alive until those kernels run, outputs written in place of an input read last
+    there, and of ``temporaries`` only the extern matmuls' (``fusion``)."""
     scratch = temporaries or {}
+    if fuses:  # Inductor's code allocates the extern matmuls' scratch; its own kernels take none
+        scratch = extern_scratch(scratch)
     live = dict.fromkeys(CATEGORIES, 0)
     live["outside"] = outside
     points: list[MemoryPoint] = []
-    saved = _forward(fw, num_fwd_outputs, static_input_indices, scratch, live, points)
+    fusions = (inductor_fusion(fw), inductor_fusion(bw)) if fuses else (None, None)
+    saved = _forward(fw, num_fwd_outputs, static_input_indices, scratch, live, points, fusions[0])
     live["outside"] += outside_backward
-    _backward(bw, saved, scratch, live, points)
+    _backward(bw, saved, scratch, live, points, fusions[1])
     return MemoryTimeline(tuple(points))
 
 
@@ -177,12 +209,13 @@ def _forward(
     scratch: Mapping[fx.Node, int],
     live: dict[str, int],
     points: list[MemoryPoint],
+    fusion: Fusion | None,
 ) -> tuple[dict[str, fx.Node], set[str]]:
     """Walk the forward, appending its points; returns the storage owner of each saved output that
     the forward made (by name), and the names of the saved outputs that outlive the step anyway."""
-    nodes = list(fw.graph.nodes)
+    nodes = list(fusion.order if fusion is not None and fusion.order else fw.graph.nodes)
     owners = _owners(nodes)
-    last = _last_uses(nodes, owners)
+    last = _last_uses(nodes, owners, fusion)
     static = static_inputs(fw, static_input_indices)
     outputs = list(fw.graph.output_node().args[0])
     saved_owners = {owners[o] for o in outputs[num_fwd_outputs:] if o in owners}
@@ -190,11 +223,12 @@ def _forward(
     category: dict[fx.Node, str] = {}
     frees: dict[int, list[fx.Node]] = {}
     born = _born(nodes)
+    inlined = fusion.inlined if fusion is not None else frozenset()
     for i, n in enumerate(nodes):
         if n.op == "output":
             break
         for m in born.get(i, ()):
-            if owners.get(m) is not m or not _bytes(m):
+            if owners.get(m) is not m or not _bytes(m) or m in inlined:
                 continue
             if m.op == "placeholder":
                 category[m] = "parameters" if m in static else "inputs"
@@ -203,6 +237,10 @@ def _forward(
                 if m not in saved_owners and m not in user_owners:
                     frees.setdefault(last.get(m, i), []).append(m)
             live[category[m]] += _bytes(m)
+        reused = _in_place(n, frees.get(i, ()), fusion)
+        if reused is not None:  # written in place: that storage is n's now
+            frees[i].remove(reused)
+            live["transient"] -= _bytes(reused)
         points.append(_running(live, n, scratch, "forward"))  # while n runs: inputs, output, scratch
         for dead in frees.pop(i, ()):
             live[category[dead]] -= _bytes(dead)
@@ -223,13 +261,14 @@ def _backward(
     scratch: Mapping[fx.Node, int],
     live: dict[str, int],
     points: list[MemoryPoint],
+    fusion: Fusion | None,
 ) -> None:
     """Walk the backward, appending its points: saved tensors enter as placeholders named like the
     forward outputs (``saved``, from ``_forward``) and are freed after their last reader."""
     saved_owner_of, persistent = saved
-    nodes = list(bw.graph.nodes)
+    nodes = list(fusion.order if fusion is not None and fusion.order else bw.graph.nodes)
     bw_owners = _owners(nodes)
-    last = _last_uses(nodes, bw_owners)
+    last = _last_uses(nodes, bw_owners, fusion)
     grads = {bw_owners[o] for o in bw.graph.output_node().args[0] if isinstance(o, fx.Node) and o in bw_owners}
     # A forward storage saved through several placeholders is freed after the last of them.
     saved_last: dict[fx.Node, int] = {}
@@ -243,11 +282,14 @@ def _backward(
     category: dict[fx.Node, str] = {}
     frees: dict[int, list[fx.Node]] = {}
     born = _born(nodes)
+    inlined = fusion.inlined if fusion is not None else frozenset()
     for i, n in enumerate(nodes):
         if n.op == "output":
             break
         for m in born.get(i, ()):
             if bw_owners.get(m) is not m or m.name in saved_owner_of or m.name in persistent or not _bytes(m):
+                continue
+            if m in inlined:
                 continue
             if m.op == "placeholder":
                 category[m] = "transient"  # tangents
@@ -256,6 +298,12 @@ def _backward(
             live[category[m]] += _bytes(m)
             if category[m] == "transient":
                 frees.setdefault(last.get(m, i), []).append(m)
+        # Written in place of a storage it reads last: one Inductor allocated, or a saved tensor.
+        reused = _in_place(n, frees.get(i, ()), fusion, frees_saved.get(i, ()))
+        if reused is not None:
+            kind = "saved" if reused in frees_saved.get(i, ()) else "transient"
+            (frees_saved if kind == "saved" else frees)[i].remove(reused)
+            live[kind] -= _bytes(reused)
         points.append(_running(live, n, scratch, "backward"))  # while n runs
         for dead in frees.pop(i, ()):
             live[category[dead]] -= _bytes(dead)

@@ -18,7 +18,8 @@ further down can be missed, and pricing all six costs a partition and its analys
 block is priced whenever anything must be recomputed (it recomputes less than torch's lowest
 budgets, which recompute outside the blocks too). Where none meets it on the model but one comes
 within ``NEAR_MISS`` of it under Inductor, that one is compiled and its code judges it (the model
-counts every buffer of a chain Inductor fuses); where none does, or that code misses too,
+follows Inductor's fusion and scheduling only in part, ``analysis.fusion``); where none does, or
+that code misses too,
 fxoffload's own budget fit decides (its own recomputation too, on the first partition):
 recomputing everything can peak higher than saving (the backward rebuilds at once what the forward
 saved over time). Random ops are kept saved (``rewrite.random_ops``).
@@ -57,9 +58,10 @@ ACTIVATION_BUDGETS = (1.0, 0.8, 0.6, 0.4, 0.2, 0.0)
 # peak where torch's lowest budgets rebuild the whole forward at once in the backward.
 PER_BLOCK = "per block"
 # How far over the budget a partition's plan may peak on the memory model and still be compiled, its
-# code the judge, where none meets it there: the model counts every buffer of a pointwise chain that
-# Inductor fuses (9-38% over Inductor's code on this project's models; the bench's tiny GPT
-# recomputing block by block: 4.0 MiB on the model, 3.63 MiB in its code).
+# code the judge, where none meets it there: the model follows Inductor's scheduler only in part
+# (``analysis.fusion``: within 3.6% of its code on the bench's transformers, 8-15% over on a GRU;
+# before it fused, the bench's tiny GPT recomputing block by block was 4.0 MiB on it, 3.63 MiB in
+# its code).
 NEAR_MISS = 0.1
 
 Pair = tuple[fx.GraphModule, fx.GraphModule]

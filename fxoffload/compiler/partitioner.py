@@ -14,6 +14,7 @@ import torch.fx as fx
 
 from .. import _compat
 from ..analysis.blocks import NoRepeatedBlocks, block_tags
+from ..analysis.fusion import extern_scratch
 from ..analysis.memory import kept_saved_bytes, param_grad_bytes, simulate
 from ..analysis.outside import OutsideMemory
 from ..options import OffloadOptions
@@ -83,6 +84,11 @@ class OffloadPartitioner(_compat.CustomPartitionerFn):
         # Keep the forward torch's partitioner made, before the pass changes it (``unchanged_forward``).
         self.keep_unchanged_forward = False
         self.unchanged_forward: UnchangedForward | None = None
+
+    @property
+    def fuses(self) -> bool:
+        """Whether the memory model fuses as Inductor compiles (``memory.simulate``)."""
+        return self.options.inner == "inductor"
 
     def record_output_code(self, kind: str, code: str) -> None:
         """Inductor's wrapper code for the graphs of this pair (``PlannedPair.output_code``)."""
@@ -162,7 +168,7 @@ class OffloadPartitioner(_compat.CustomPartitionerFn):
             outside = self.outside
             held, later = (outside.outside(kept), outside.outside_backward(kept)) if outside is not None else (0, 0)
             temporaries = plan.costs.temporaries if plan.costs is not None else {}
-            memory_after = simulate(fw, bw, num_fwd_outputs, static, temporaries, held, later)
+            memory_after = simulate(fw, bw, num_fwd_outputs, static, temporaries, held, later, self.fuses)
         timings = PassTimings(pass_s, repartition_s[0], time.perf_counter() - start, *nodes_in)
         output_code: dict[str, str] = {}
         grads = param_grad_bytes(fw, bw, static)
@@ -198,17 +204,7 @@ def unchanged_forward(
     return UnchangedForward(fx.GraphModule(fw, graph), dtypes, kept_saved_bytes(fw, num_fwd_outputs, static))
 
 
-_MATMULS = {"mm", "addmm", "bmm", "baddbmm"}
-
-
 def matmul_scratch(temporaries: Mapping[fx.Node, int]) -> tuple[tuple[str, int], ...]:
-    """The measured scratch (``measure.standalone.op_temporaries``) of the matmul nodes, by name, for
-    the replay of Inductor's code: Inductor calls them as extern kernels, whose scratch its code
-    cannot show. On a CPU with bf16 matmul units oneDNN takes it from torch's allocator (up to about
-    twice the output of a small bf16 ``mm`` on a 2-core EPYC; none in fp32): left out, the replay was
-    10% under the allocator's peak of a GPT under bf16 autocast (``tests/test_autocast.py``). Other
-    ops are left out: measured on the FX graph's layouts, their scratch may not be what Inductor's
-    layouts need (a channels-last ``convolution_backward``)."""
-    return tuple(
-        sorted((n.name, b) for n, b in temporaries.items() if getattr(n.target, "__name__", "").split(".")[0] in _MATMULS)
-    )
+    """The measured scratch (``measure.standalone.op_temporaries``) that Inductor's code allocates
+    (``fusion.extern_scratch``: the matmuls'), by node name, for the replay of that code."""
+    return tuple(sorted((n.name, b) for n, b in extern_scratch(temporaries).items()))

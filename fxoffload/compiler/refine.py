@@ -69,14 +69,14 @@ def refine(
     """Try ``start`` (default: ``budget``), then a target moved by each miss, ``limit`` more times at
     most, and return the trial kept and every trial judged.
 
-    A trial over the budget is planned again for a target lowered by the miss. A trial that can be
-    raised (``raisable``) and peaks below ``raise_below`` of the budget is planned again for a
-    target raised by the slack: a plan made on a model that over-counts (the FX model under autocast
-    counts casts Inductor fuses) offloads more than the budget needs, and the code it compiles to is
-    the judge. Kept: of the trials within ``tolerance`` of the budget, the cheapest (``cost``); else
-    the lowest peak (the first trial when none could be judged). ``budget`` None: the first trial's
-    ``budget``. ``attempt`` returns None to stop; ``on_replan(trial, next_target)`` hears of each
-    trial planned again."""
+    A trial over the budget by more than ``tolerance`` is planned again for a target lowered by the
+    miss. A trial that can be raised (``raisable``) and peaks below ``raise_below`` of the budget is
+    planned again for a target raised by the slack: a plan made on a model that over-counts (where
+    Inductor fuses or reuses buffers in ways the FX model does not follow) offloads more than the
+    budget needs, and the code it compiles to is the judge. Kept: of the trials within
+    ``tolerance`` of the budget, the cheapest (``cost``); else the lowest peak (the first trial when
+    none could be judged). ``budget`` None: the first trial's ``budget``. ``attempt`` returns None
+    to stop; ``on_replan(trial, next_target)`` hears of each trial planned again."""
     trials: list[Trial[T]] = []
     target = start if start is not None else budget
     for i in range(limit + 1):
@@ -89,7 +89,7 @@ def refine(
         budget = budget if budget is not None else trial.budget
         if budget is None or i == limit:
             break
-        over = trial.peak > budget
+        over = trial.peak > budget * (1 + tolerance)  # met within it: another compile buys nothing
         slack = trial.raisable and trial.peak < budget * raise_below
         if (over and trial.lowest_reachable) or not (over or slack):
             break

@@ -69,8 +69,9 @@ class OffloadPlan:
     partition_costs: PlanCosts | None = None
     # The budget fit's own estimate of the peak with this plan (None without memory_budget).
     fit_peak: int | None = None
-    # Kept although its memory model peaks over the target: within what that model over-counts where
-    # Inductor fuses, the code Inductor generates judges it (a lower target is planned on a miss).
+    # Kept although its memory model peaks over the target: within what that model may over-count
+    # (``analysis.fusion`` follows Inductor's scheduler in part), the code Inductor generates judges
+    # it (a lower target is planned on a miss).
     judged_on_code: bool = False
 
     @property
