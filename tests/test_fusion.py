@@ -174,3 +174,24 @@ def test_a_kernel_writes_in_place_of_a_buffer_it_reads_last():
     at_relu = [p for p in fused.points if p.node == "relu"][0]
     at_relu_unfused = [p for p in unfused.points if p.node == "relu"][0]
     assert at_relu_unfused.total - at_relu.total == one
+
+
+def test_a_recomputed_pointwise_chain_costs_what_its_kernel_loads():
+    """``node_time`` under Inductor (how ``recompute="inductor"`` prices torch's partitions): the GELU
+    chain's inlined ops cost nothing of their own, the kernel that computes them loads ``h`` once and
+    writes its output once: a fifth of the five passes over memory the graph's nodes make one by one."""
+    from fxoffload.analysis.cost import device_rates, node_time
+
+    def f(x, w1, w2):
+        h = torch.mm(x, w1)
+        return torch.mm(h * 0.5 * (1.0 + torch.erf(h * 0.7071)), w2).sum()
+
+    gm = _graph(f, torch.randn(256, 256), torch.randn(256, 1024), torch.randn(1024, 4))
+    rates = device_rates(torch.device("cpu"))
+    fusion = inductor_fusion(gm)
+    chain = [n for n in gm.graph.nodes if n.op == "call_function" and n in fusion.inlined | fusion.kernels]
+    fused = sum(node_time(n, rates, fusion) for n in chain)
+    one_by_one = sum(node_time(n, rates) for n in chain)
+    h_bytes = 256 * 1024 * 4
+    assert fused == pytest.approx(2 * h_bytes / rates.memory_bandwidth + rates.launch)
+    assert fused < one_by_one / 3

@@ -3,9 +3,12 @@
 Compute time of a node is the larger of its FLOPs at the device's rate (torch's own FLOP formulas,
 ``torch.utils.flop_counter``, called on the fake values' shapes, so nothing runs) and the bytes it
 reads and writes at the device's memory bandwidth, plus a launch overhead. Views, getitems and the
-transfer ops themselves cost nothing. Fusion is not modelled: a chain of pointwise ops that Inductor
-fuses into one kernel is charged for every intermediate, so a window of memory-bound code is
-over-estimated, which is the unsafe direction (a copy predicted hidden behind it may not be).
+transfer ops themselves cost nothing. The windows of the copies are priced node by node: a chain
+of pointwise ops that Inductor fuses into one kernel is charged for every intermediate, so a window
+of memory-bound code is over-estimated, which is the unsafe direction (a copy predicted hidden
+behind it may not be); the first steps' measurements correct it. What recomputation costs under
+Inductor is priced as Inductor compiles it (``node_time(..., fusion)``): a recomputed pointwise
+chain runs inside the kernels that read it.
 
 On a CPU (``offload_cpu=True``) the figures are fixed and meant to be at the fast end (``CPU_RATES``):
 predicted windows short rather than long, so that what policy="auto" calls hidden is. They are not
@@ -33,6 +36,7 @@ import torch.fx as fx
 
 from .._compat import size_hint
 from ..sizes import tensor_bytes
+from .fusion import Fusion
 from .graph import is_compute
 
 log = logging.getLogger(__name__)
@@ -135,9 +139,15 @@ def _flops(node: fx.Node) -> int | None:
         return None
 
 
-def _io_bytes(node: fx.Node) -> int:
+def _io_bytes(node: fx.Node, fusion: Fusion | None = None) -> int:
+    """Bytes ``node`` reads and writes; under Inductor (``fusion``) what its kernel loads: for an
+    input computed inside it, the buffers that input's expression reads."""
+    ins: set[fx.Node] = set(node.all_input_nodes)
+    if fusion is not None:
+        ins = set(fusion.reads[node]) if node in fusion.reads else ins
+        ins = {r for i in ins for r in (fusion.reads.get(i) or (i,) if i in fusion.inlined else (i,))}
     total = 0
-    for n in (*node.all_input_nodes, node):
+    for n in (*ins, node):
         val = n.meta.get("val")
         if isinstance(val, torch.Tensor):
             total += tensor_bytes(val)
@@ -146,11 +156,14 @@ def _io_bytes(node: fx.Node) -> int:
     return total
 
 
-def node_time(node: fx.Node, rates: DeviceRates) -> float:
-    """Predicted seconds of compute for one node (0 for placeholders, views and our transfers)."""
-    if not is_compute(node):
+def node_time(node: fx.Node, rates: DeviceRates, fusion: Fusion | None = None) -> float:
+    """Predicted seconds of compute for one node (0 for placeholders, views and our transfers).
+    ``fusion``: the graph as Inductor compiles it (``fusion.inductor_fusion``): a node it computes
+    inside the kernels that read it costs nothing of its own (they load what it reads, it writes
+    nothing), a kernel loads the buffers its expression reads and writes once."""
+    if not is_compute(node) or (fusion is not None and node in fusion.inlined):
         return 0.0
-    memory = _io_bytes(node) / rates.memory_bandwidth
+    memory = _io_bytes(node, fusion) / rates.memory_bandwidth
     flops = _flops(node)
     if flops:
         val = node.meta.get("val")

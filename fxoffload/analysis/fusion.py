@@ -85,6 +85,9 @@ class Fusion:
     kernels: frozenset[fx.Node] = frozenset()
     allocated: frozenset[fx.Node] = frozenset()
     order: tuple[fx.Node, ...] = ()  # the graph's nodes as Inductor runs them; () where as in the graph
+    # For each pointwise node, the buffers its expression reads (through the inlined nodes it reads):
+    # what the kernel computing it loads (``cost.node_time``).
+    reads: Mapping[fx.Node, frozenset[fx.Node]] = dataclasses.field(default_factory=dict)
 
 
 def _name(node: fx.Node) -> str:
@@ -196,7 +199,7 @@ def inductor_fusion(gm: fx.GraphModule) -> Fusion:
     kernels = frozenset(n for n in nodes if _pointwise(n) and n not in inlined and n not in addmms)
     allocated = kernels | {n for n in nodes if n in addmms or _name(n) in _MATMULS}
     order = _schedule(nodes, index, {k: reads[k] for k in kernels}, runs_at)
-    return Fusion(frozenset(inlined), runs_at, kernels, frozenset(allocated), order)
+    return Fusion(frozenset(inlined), runs_at, kernels, frozenset(allocated), order, reads)
 
 
 def _reaches(a: fx.Node, b: fx.Node, index: Mapping[fx.Node, int]) -> bool:

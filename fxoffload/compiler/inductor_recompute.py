@@ -36,6 +36,7 @@ import torch.fx as fx
 
 from ..analysis.blocks import NoRepeatedBlocks
 from ..analysis.cost import node_time
+from ..analysis.fusion import Fusion, inductor_fusion
 from ..analysis.graph import is_compute
 from ..analysis.lifetimes import GraphLifetimes
 from ..analysis.recompute import RecomputeOption
@@ -154,7 +155,8 @@ def with_inductor_recompute(
         len(plan.offloaded), chosen.cost * 1e3, len(candidates), len({c.budget for c in candidates}),
     )  # fmt: skip
     fw, bw = chosen.pair
-    return fw, bw, _with_recomputed(plan, lifetimes, costs, chosen, budget_bytes(options.memory_budget, costs.baseline))
+    budget = budget_bytes(options.memory_budget, costs.baseline)
+    return fw, bw, _with_recomputed(plan, lifetimes, costs, chosen, budget, _fusion(chosen.pair[1], options))
 
 
 def _plans_on(
@@ -170,7 +172,8 @@ def _plans_on(
     """On one of torch's partitions (``found``, ``costs``: its lifetimes and cost model): the partition
     alone, with the offloads that hide on top and, where both miss ``budget``, with the fit's."""
     recomputed = [n for n in pair[1].graph.nodes if is_compute(n) and n.name not in first_bw]
-    seconds = sum(node_time(n, costs.rates) for n in recomputed)
+    fusion = _fusion(pair[1], options)
+    seconds = sum(node_time(n, costs.rates, fusion) for n in recomputed)
 
     def candidate(plan: OffloadPlan) -> _Candidate:
         return _Candidate(activations, pair, found, plan, planned_memory(plan).peak_bytes, seconds)
@@ -242,9 +245,16 @@ def _fitted(
     return plan
 
 
+def _fusion(bw: fx.GraphModule, options: OffloadOptions) -> Fusion | None:
+    """How Inductor compiles a partition's backward, where it does: its recomputed pointwise chains
+    then cost only what their kernels load (``cost.node_time``), not a pass over memory each."""
+    return inductor_fusion(bw) if options.inner == "inductor" else None
+
+
 def _with_recomputed(
-    plan: OffloadPlan, first: GraphLifetimes, costs: PlanCosts, chosen: _Candidate, budget: int
-) -> OffloadPlan:
+    plan: OffloadPlan, first: GraphLifetimes, costs: PlanCosts, chosen: _Candidate, budget: int,
+    fusion: Fusion | None = None,
+) -> OffloadPlan:  # fmt: skip
     """``plan`` with a ``recompute`` decision for every tensor the first partition saved that torch's
     partitioner recomputes in the chosen one, the first partition's costs (its baseline is the
     memory before any change) and the user's ``budget`` (for the verdict on the generated code)."""
@@ -255,7 +265,7 @@ def _with_recomputed(
     reason = Reason(ReasonCode.INDUCTOR_RECOMPUTE, f"recomputed in the backward by {_named(chosen.budget)}")
     recomputed = tuple(
         Decision(t, Action.RECOMPUTE, reason, recompute=RecomputeOption(
-            t.name, t.producer, node_time(bw_nodes[t.name], costs.rates) if t.name in bw_nodes else 0.0, ()
+            t.name, t.producer, node_time(bw_nodes[t.name], costs.rates, fusion) if t.name in bw_nodes else 0.0, ()
         ))
         for t in first.saved if t.name not in now
     )  # fmt: skip
