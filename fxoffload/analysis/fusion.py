@@ -39,14 +39,13 @@ Not modelled: the fusions the scheduler declines, buffers it makes local to one 
 from __future__ import annotations
 
 import dataclasses
-import operator
 from collections.abc import Mapping
 
 import torch
 import torch.fx as fx
 
 from .._compat import inductor_realize_limits
-from .graph import is_view
+from .graph import is_view, storage_root, storage_users
 
 __all__ = ["Fusion", "extern_scratch", "inductor_fusion"]
 
@@ -137,25 +136,6 @@ def _addmms(nodes: list[fx.Node]) -> dict[fx.Node, fx.Node]:
     return out
 
 
-def _readers(node: fx.Node) -> list[fx.Node]:
-    """The nodes reading ``node`` through any chain of views, the views left out."""
-    out: list[fx.Node] = []
-    stack = [node]
-    while stack:
-        for user in stack.pop().users:
-            if is_view(user) or user.target is operator.getitem:
-                stack.append(user)
-            else:
-                out.append(user)
-    return out
-
-
-def _root(node: fx.Node) -> fx.Node:
-    while is_view(node) and isinstance(node.args[0], fx.Node):
-        node = node.args[0]
-    return node
-
-
 def inductor_fusion(gm: fx.GraphModule) -> Fusion:
     """The nodes of ``gm`` Inductor inlines into the kernels that read them (see the module's rules)."""
     nodes = list(gm.graph.nodes)
@@ -170,7 +150,7 @@ def inductor_fusion(gm: fx.GraphModule) -> Fusion:
             continue
         read, used, count = set(), {_name(n)}, 1
         for arg in n.all_input_nodes:
-            root = _root(arg)
+            root = storage_root(arg)
             if root in inlined:
                 read |= reads[root]
                 used |= ops[root]
@@ -178,7 +158,7 @@ def inductor_fusion(gm: fx.GraphModule) -> Fusion:
             else:
                 read.add(root)
         reads[n] = frozenset(read)
-        readers = _readers(n)
+        readers = [u for u in storage_users(n) if not is_view(u)]  # through views
         if not readers or any(r.op == "output" or not _takes_expression(r, addmms) for r in readers):
             continue
         val = n.meta["val"]
@@ -193,7 +173,7 @@ def inductor_fusion(gm: fx.GraphModule) -> Fusion:
     inlined.update(addmms.values())  # the mm's product is written by the addmm
     runs_at: dict[fx.Node, fx.Node] = {}
     for n in reversed(nodes):
-        if n in inlined or (is_view(n) and _root(n) in inlined):
+        if n in inlined or (is_view(n) and storage_root(n) in inlined):
             at = [runs_at.get(u, u) for u in n.users]
             runs_at[n] = max(at, key=index.__getitem__) if at else n
     kernels = frozenset(n for n in nodes if _pointwise(n) and n not in inlined and n not in addmms)
@@ -233,7 +213,7 @@ def _schedule(
     last: dict[fx.Node, int] = {}
     for n in nodes:
         for arg in n.all_input_nodes:
-            last[_root(arg)] = max(last.get(_root(arg), -1), index[runs_at.get(n, n)])
+            last[storage_root(arg)] = max(last.get(storage_root(arg), -1), index[runs_at.get(n, n)])
     by_read: dict[fx.Node, list[fx.Node]] = {}
     for k in sorted(reads, key=index.__getitem__):
         for r in sorted(reads[k], key=index.__getitem__):  # in the graph's order: the same plan each time
