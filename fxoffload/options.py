@@ -232,6 +232,12 @@ class OffloadOptions:
         return self.base_policy == "auto" and (self.memory_budget is None or self.recompute == "inductor")
 
     @property
+    def fuses(self) -> bool:
+        """Whether the memory model and recomputation's price follow how Inductor compiles the graphs
+        (``analysis.fusion``): under ``inner="inductor"``."""
+        return self.inner == "inductor"
+
+    @property
     def policy_name(self) -> str:
         """The policy as reports print it: "auto", "all", "none", or the function's name."""
         if not callable(self.policy):

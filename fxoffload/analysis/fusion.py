@@ -45,7 +45,7 @@ import torch
 import torch.fx as fx
 
 from .._compat import inductor_realize_limits
-from .graph import is_view, storage_root, storage_users
+from .graph import is_view, last_reads, storage_owners, storage_root, storage_users
 
 __all__ = ["Fusion", "extern_scratch", "inductor_fusion"]
 
@@ -210,10 +210,7 @@ def _schedule(
     buffers the graph makes apart are alive together: recomputing blocks of ``sin``, the FX order
     was 21-24% under Inductor's code, 1.5% with it. Not modelled: the pairs Inductor declines (its
     ``can_fuse`` rules), its ``reorder_for_peak_memory``. Empty where nothing is fused so."""
-    last: dict[fx.Node, int] = {}
-    for n in nodes:
-        for arg in n.all_input_nodes:
-            last[storage_root(arg)] = max(last.get(storage_root(arg), -1), index[runs_at.get(n, n)])
+    last = last_reads(nodes, storage_owners(nodes), runs_at)
     by_read: dict[fx.Node, list[fx.Node]] = {}
     for k in sorted(reads, key=index.__getitem__):
         for r in sorted(reads[k], key=index.__getitem__):  # in the graph's order: the same plan each time

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import operator
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 import torch
 import torch.fx as fx
@@ -19,8 +19,8 @@ from .._compat import size_hint
 from ..ir import is_transfer
 
 __all__ = [
-    "closure", "is_compute", "is_dense", "is_view", "module_path", "mutated_inputs", "op_name", "static_inputs",
-    "storage_root", "storage_users", "written_args",
+    "closure", "is_compute", "is_dense", "is_view", "last_reads", "module_path", "mutated_inputs", "op_name",
+    "static_inputs", "storage_owners", "storage_root", "storage_users", "written_args",
 ]  # fmt: skip
 
 
@@ -76,6 +76,29 @@ def storage_root(node: fx.Node) -> fx.Node:
     while is_view(node):
         node = node.args[0]  # type: ignore[assignment]
     return node
+
+
+def storage_owners(nodes: Iterable[fx.Node]) -> dict[fx.Node, fx.Node]:
+    """Storage owner of every tensor node (itself unless it is a view)."""
+    return {n: storage_root(n) for n in nodes if isinstance(n.meta.get("val"), torch.Tensor)}
+
+
+def last_reads(
+    nodes: Sequence[fx.Node], owners: Mapping[fx.Node, fx.Node], runs_at: Mapping[fx.Node, fx.Node] | None = None
+) -> dict[fx.Node, int]:
+    """Index in ``nodes`` of the last node reading each storage owner (the output node counts); a
+    node in ``runs_at`` reads where the node it maps to runs (Inductor's inlined nodes,
+    ``fusion.Fusion.runs_at``)."""
+    index = {n: i for i, n in enumerate(nodes)}
+    runs_at = runs_at or {}
+    last: dict[fx.Node, int] = {}
+    for n in nodes:
+        at = index[runs_at.get(n, n)]
+        for inp in n.all_input_nodes:
+            owner = owners.get(inp)
+            if owner is not None:
+                last[owner] = max(last.get(owner, -1), at)
+    return last
 
 
 def storage_users(node: fx.Node) -> list[fx.Node]:

@@ -44,7 +44,7 @@ import torch.fx as fx
 from ..ir import OFFLOAD, RELOAD, WAIT, is_transfer
 from ..sizes import tensor_bytes
 from .fusion import Fusion, extern_scratch, inductor_fusion
-from .graph import static_inputs, storage_root
+from .graph import last_reads, static_inputs, storage_owners, storage_root
 
 CATEGORIES = ("parameters", "inputs", "saved", "transient", "gradients", "outside")
 
@@ -113,26 +113,6 @@ def _bytes(node: fx.Node) -> int:
     if not isinstance(val, torch.Tensor) or _is_host(node) or val.device.type == "meta":
         return 0
     return tensor_bytes(val)
-
-
-def _owners(nodes: Sequence[fx.Node]) -> dict[fx.Node, fx.Node]:
-    """Storage owner of every tensor node (itself unless it is a view)."""
-    return {n: storage_root(n) for n in nodes if isinstance(n.meta.get("val"), torch.Tensor)}
-
-
-def _last_uses(nodes: Sequence[fx.Node], owners: dict[fx.Node, fx.Node], fusion: Fusion | None) -> dict[fx.Node, int]:
-    """Index of the last node reading each storage owner (the output node counts); a node Inductor
-    inlines reads where the kernel computing it runs (``fusion.runs_at``)."""
-    index = {n: i for i, n in enumerate(nodes)}
-    runs_at = fusion.runs_at if fusion is not None else {}
-    last: dict[fx.Node, int] = {}
-    for n in nodes:
-        at = index[runs_at.get(n, n)]
-        for inp in n.all_input_nodes:
-            owner = owners.get(inp)
-            if owner is not None:
-                last[owner] = max(last.get(owner, -1), at)
-    return last
 
 
 def _born(nodes: Sequence[fx.Node]) -> dict[int, list[fx.Node]]:
@@ -214,8 +194,8 @@ def _forward(
     """Walk the forward, appending its points; returns the storage owner of each saved output that
     the forward made (by name), and the names of the saved outputs that outlive the step anyway."""
     nodes = list(fusion.order if fusion is not None and fusion.order else fw.graph.nodes)
-    owners = _owners(nodes)
-    last = _last_uses(nodes, owners, fusion)
+    owners = storage_owners(nodes)
+    last = last_reads(nodes, owners, fusion.runs_at if fusion is not None else None)
     static = static_inputs(fw, static_input_indices)
     outputs = list(fw.graph.output_node().args[0])
     saved_owners = {owners[o] for o in outputs[num_fwd_outputs:] if o in owners}
@@ -267,8 +247,8 @@ def _backward(
     forward outputs (``saved``, from ``_forward``) and are freed after their last reader."""
     saved_owner_of, persistent = saved
     nodes = list(fusion.order if fusion is not None and fusion.order else bw.graph.nodes)
-    bw_owners = _owners(nodes)
-    last = _last_uses(nodes, bw_owners, fusion)
+    bw_owners = storage_owners(nodes)
+    last = last_reads(nodes, bw_owners, fusion.runs_at if fusion is not None else None)
     grads = {bw_owners[o] for o in bw.graph.output_node().args[0] if isinstance(o, fx.Node) and o in bw_owners}
     # A forward storage saved through several placeholders is freed after the last of them.
     saved_last: dict[fx.Node, int] = {}

@@ -71,7 +71,7 @@ def plan_costs(
     kept = kept_saved_bytes(fw, num_fwd_outputs, static)
     held, later = (outside.outside(kept), outside.outside_backward(kept)) if outside is not None else (0, 0)
     # Under Inductor, the graphs as it compiles them: fused, written in place (``analysis.fusion``).
-    baseline = simulate(fw, bw, num_fwd_outputs, static, temporaries, held, later, options.inner == "inductor")
+    baseline = simulate(fw, bw, num_fwd_outputs, static, temporaries, held, later, options.fuses)
     return PlanCosts(
         rates,
         tuple(cost.node_start_times(fw, rates, fw_times)),

@@ -248,7 +248,7 @@ def _fitted(
 def _fusion(bw: fx.GraphModule, options: OffloadOptions) -> Fusion | None:
     """How Inductor compiles a partition's backward, where it does: its recomputed pointwise chains
     then cost only what their kernels load (``cost.node_time``), not a pass over memory each."""
-    return inductor_fusion(bw) if options.inner == "inductor" else None
+    return inductor_fusion(bw) if options.fuses else None
 
 
 def _with_recomputed(

@@ -85,11 +85,6 @@ class OffloadPartitioner(_compat.CustomPartitionerFn):
         self.keep_unchanged_forward = False
         self.unchanged_forward: UnchangedForward | None = None
 
-    @property
-    def fuses(self) -> bool:
-        """Whether the memory model fuses as Inductor compiles (``memory.simulate``)."""
-        return self.options.inner == "inductor"
-
     def record_output_code(self, kind: str, code: str) -> None:
         """Inductor's wrapper code for the graphs of this pair (``PlannedPair.output_code``)."""
         if self.pair is not None:
@@ -168,7 +163,7 @@ class OffloadPartitioner(_compat.CustomPartitionerFn):
             outside = self.outside
             held, later = (outside.outside(kept), outside.outside_backward(kept)) if outside is not None else (0, 0)
             temporaries = plan.costs.temporaries if plan.costs is not None else {}
-            memory_after = simulate(fw, bw, num_fwd_outputs, static, temporaries, held, later, self.fuses)
+            memory_after = simulate(fw, bw, num_fwd_outputs, static, temporaries, held, later, self.options.fuses)
         timings = PassTimings(pass_s, repartition_s[0], time.perf_counter() - start, *nodes_in)
         output_code: dict[str, str] = {}
         grads = param_grad_bytes(fw, bw, static)
