@@ -26,6 +26,7 @@ from ..reasons import Reason, ReasonCode
 from ..reporting.report import CompileSpent
 from ..sizes import fmt_bytes
 from .costs import read_outside
+from .frame_stack import on_roomy_stack
 from .pair import PairRegister, PlannedPair
 from .partitioner import OffloadPartitioner, PlanChangesNothing
 from .refine import Trial, attempt_quietly, lowest, refine, say
@@ -75,7 +76,9 @@ class GraphCompiler:
         after = (lambda lower: self._lower_unchanged_forward(partitioner, judge, lower)) if judge is not None else None
         self._inside = []
         try:
-            compiled = _compat.compile_with_inductor(graph, example_inputs, partitioner, patches, sink, code_only, after)
+            compiled = on_roomy_stack(
+                _compat.compile_with_inductor, graph, example_inputs, partitioner, patches, sink, code_only, after
+            )
         except Exception as e:
             stopped = _compat.raised_from(e, PlanChangesNothing)
             said = "the plan, stopped before lowering: it changes nothing" if stopped else f"{what} (failed)"

@@ -1,0 +1,55 @@
+"""Inductor's compile called on a roomy stretch of the interpreter's frame stack.
+
+CPython (3.11 and later) keeps Python frames on a stack of chunks, 16 KiB each, and frees a chunk
+as soon as the first frame in it returns. A hot call whose frame happens to start a new chunk
+therefore maps and unmaps 16 KiB at every call: on the 12-block GPT of ``bench.compile_time`` the
+pattern matcher's ``is_match`` (190,000 calls in the joint-graph passes) sat on such a boundary,
+and the first step paid 1-2 s of kernel time in page faults that ``backend="inductor"``, calling
+the same compile a few frames higher, did not (``docs/results.md``, "the interpreter's frame
+stack"). Which call lands on a boundary depends only on how deep the compile is called.
+
+``on_roomy_stack(fn, ...)`` calls ``fn`` from a frame with a large, unused locals array: the
+interpreter puts that frame at the start of a chunk of its own (1 MiB), and every frame of the
+compile below it fits in the rest of that chunk, so no chunk is mapped and unmapped under it.
+Plain Python (a generated function with many local names): no allocator swapped, no interpreter
+state touched; where frames are not kept in chunks (CPython before 3.11, other interpreters) it is
+a plain call.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+# Local slots of the roomy frame (8 bytes each): 512 KiB of slots make the interpreter allocate a
+# 1 MiB chunk for it (chunk sizes double from 16 KiB until the frame fits), leaving about 512 KiB
+# for the frames under it: thousands of frames, deeper than any compile.
+ROOMY_SLOTS = 65_536
+
+
+@functools.cache
+def _roomy_caller() -> Callable[..., Any]:
+    """A function whose frame has ``ROOMY_SLOTS`` local slots, never assigned (the assignment is
+    unreachable; the names are locals all the same): it costs the interpreter one chunk allocation
+    per call and nothing per slot but clearing it."""
+    names = "=".join(f"_{i}" for i in range(ROOMY_SLOTS))
+    source = f"def roomy(fn, args, kwargs):\n    if False:\n        {names} = None\n    return fn(*args, **kwargs)\n"
+    namespace: dict[str, Any] = {}
+    exec(compile(source, "<fxoffload roomy frame>", "exec"), namespace)  # noqa: S102 (our own source)
+    return namespace["roomy"]
+
+
+def has_chunked_frames() -> bool:
+    """Whether this interpreter keeps frames on a chunked stack that it frees chunk by chunk."""
+    return sys.implementation.name == "cpython" and sys.version_info >= (3, 11)
+
+
+def on_roomy_stack(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+    """``fn(*args, **kwargs)``, called with room below it on the frame stack (see the module's text)."""
+    if not has_chunked_frames():
+        return fn(*args, **kwargs)
+    return _roomy_caller()(fn, args, kwargs)

@@ -1,0 +1,74 @@
+"""The compile called on a roomy stretch of the interpreter's frame stack (``compiler.frame_stack``):
+a hot call on a chunk boundary maps and unmaps 16 KiB at every call; under ``on_roomy_stack`` no
+depth does. Page faults counted with ``resource`` (Linux, CPython 3.11+), not timed."""
+
+import sys
+
+import pytest
+import torch
+
+import fxoffload
+from fxoffload.compiler import frame_stack
+from fxoffload.compiler.frame_stack import has_chunked_frames, on_roomy_stack
+from fxoffload.testing.models import example
+
+resource = pytest.importorskip("resource")
+
+
+def _leaf():
+    return 1
+
+
+def _faults_at_depth(depth: int, calls: int) -> int:
+    """Minor page faults of ``calls`` calls of a leaf made ``depth`` frames down."""
+    if depth:
+        return _faults_at_depth(depth - 1, calls)
+    start = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    for _ in range(calls):
+        _leaf()
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - start
+
+
+def _thrashing_depths(call, depths=range(0, 300), calls=2000):
+    return [d for d in depths if call(_faults_at_depth, d, calls) >= calls]
+
+
+@pytest.mark.skipif(not has_chunked_frames() or not sys.platform.startswith("linux"), reason="CPython 3.11+ on Linux")
+def test_no_depth_thrashes_on_the_roomy_stack():
+    """Plainly called, some depth puts the leaf's frame at the start of a chunk: one page fault or
+    more per call (the chunk mapped and unmapped each time). Called on the roomy stack, none does."""
+    plain = _thrashing_depths(lambda fn, *args: fn(*args))
+    assert plain, "no depth thrashed: this interpreter frees no frame chunk per call"
+    assert _thrashing_depths(on_roomy_stack) == []
+
+
+def test_on_roomy_stack_is_a_call():
+    """Arguments in, the result out, an exception through, the frame's slots untouched."""
+    assert on_roomy_stack(divmod, 7, 2) == (3, 1)
+    assert on_roomy_stack(dict, a=1) == {"a": 1}
+    with pytest.raises(ZeroDivisionError):
+        on_roomy_stack(divmod, 1, 0)
+    if has_chunked_frames():
+        assert frame_stack._roomy_caller().__code__.co_nlocals >= frame_stack.ROOMY_SLOTS
+
+
+def test_inductor_compiles_on_the_roomy_stack(monkeypatch):
+    """Every Inductor compile of the backend runs below the roomy frame (taken away, this fails)."""
+    from fxoffload import _compat
+
+    seen = []
+    original = _compat.compile_with_inductor
+
+    def spying(*args, **kwargs):
+        frame, names = sys._getframe(), []
+        while frame is not None:
+            names.append(frame.f_code.co_filename)
+            frame = frame.f_back
+        seen.append("<fxoffload roomy frame>" in names)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(_compat, "compile_with_inductor", spying)
+    torch._dynamo.reset()
+    model, batch = example("mlp")
+    torch.compile(model, backend=fxoffload.backend(offload_cpu=True, policy="all", min_bytes=0))(*batch).backward()
+    assert seen and all(seen) == has_chunked_frames(), seen
