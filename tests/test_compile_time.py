@@ -17,10 +17,12 @@ from torch._inductor.graph import GraphLowering
 
 import fxoffload
 from fxoffload import _compat
+from fxoffload.analysis.memory import MemoryPoint, MemoryTimeline
 from fxoffload.compiler import compile as compile_module
 from fxoffload.compiler.compile import GraphCompiler, copy_graph_module
 from fxoffload.compiler.pair import PairRegister
 from fxoffload.compiler.partitioner import OffloadPartitioner
+from fxoffload.compiler.verify import MODEL_AGREEMENT, MODEL_MARGIN, checked_model_floor, unchanged_floor
 from fxoffload.options import OffloadOptions
 from fxoffload.testing.models import example
 
@@ -50,6 +52,14 @@ def counted(monkeypatch):
     torch._dynamo.reset()
     with torch._inductor.config.patch(fx_graph_cache=False):
         yield counts
+
+
+@pytest.fixture
+def judged_on_code(monkeypatch):
+    """The FX model never stands in for the unchanged code (``checked_model_floor``): on ``_Probe``
+    it agrees with the plan's code and puts the unchanged code 1.4% above it, enough to settle
+    ``verify_peak`` alone; these tests are about the code lowered when it does not."""
+    monkeypatch.setattr(compile_module, "checked_model_floor", lambda *args: None)
 
 
 def _one_step(backend, name="mlp"):
@@ -126,10 +136,10 @@ class _Probe(torch.nn.Module):
         return (h * (h.detach() @ self.probe).amax(-1, keepdim=True)).mean()
 
 
-def _probe_step(backend):
-    """One step of ``_Probe`` compiled with ``backend``: its report, its gradients equal to eager's."""
+def _probe_step(backend, probe=_Probe):
+    """One step of ``probe`` compiled with ``backend``: its report, its gradients equal to eager's."""
     torch.manual_seed(0)
-    model, x = _Probe(), torch.randn(1024, 64)
+    model, x = probe(), torch.randn(1024, 64)
     eager = copy.deepcopy(model)
     torch.compile(model, backend=backend)(x).backward()
     eager(x).backward()
@@ -139,7 +149,7 @@ def _probe_step(backend):
     return report
 
 
-def test_verify_peak_lowers_the_unchanged_forward_inside_the_plans_compile(counted, monkeypatch):
+def test_verify_peak_lowers_the_unchanged_forward_inside_the_plans_compile(judged_on_code, counted, monkeypatch):
     """Policy "all" on ``_Probe``: the plan's code peaks above the floor, and under the unchanged
     forward's code, lowered inside the plan's compile (the same trace and partition, no kernel
     built), whose replay is the unchanged pair's up to its forward's end: a lower bound of that pair's
@@ -171,7 +181,7 @@ def test_verify_peak_lowers_the_unchanged_forward_inside_the_plans_compile(count
     assert replay.peak_bytes >= forward_peak > plan_peak
 
 
-def test_an_unchanged_forward_that_gives_no_figure_leaves_the_check_to_the_whole_pair(counted, monkeypatch):
+def test_an_unchanged_forward_that_gives_no_figure_leaves_the_check_to_the_whole_pair(judged_on_code, counted, monkeypatch):
     """Where the forward lowered in the plan's compile gives no figure (code this reader does not
     know, here forced), nothing is kept from it and the pair is lowered whole, as before: the same
     plan kept, one lowering more."""
@@ -184,7 +194,66 @@ def test_an_unchanged_forward_that_gives_no_figure_leaves_the_check_to_the_whole
     assert not backend._compiler._unchanged_forward_peak
 
 
-def test_a_plan_made_again_reuses_the_unchanged_forwards_peak(counted):
+class _DeepProbe(_Probe):
+    """``_Probe`` with six saved layers: offloading them lowers the forward's peak, at the probe, by
+    about a tenth, and that peak stays above the floor."""
+
+    def __init__(self):
+        super().__init__()
+        layers = [m for _ in range(6) for m in (torch.nn.Linear(64, 64), torch.nn.Tanh())]
+        self.body = torch.nn.Sequential(*layers)
+
+
+def test_verify_peak_takes_the_model_at_its_word_where_it_agrees_with_the_plans_code(counted, monkeypatch):
+    """Policy "all" on ``_DeepProbe``: the FX model gives the plan's code its peak and its forward's
+    within ``MODEL_AGREEMENT``, and puts the code without offloading well above it: nothing more is
+    lowered (two lowerings, the plan's; one compile). The model was right: Inductor's own code for
+    the graph peaks higher. Without the checked model (taken away), the unchanged forward is lowered
+    inside the plan's compile to judge it, and the verdict is the same."""
+    backend = fxoffload.backend(offload_cpu=True, policy="all", min_bytes=0)
+    report = _probe_step(backend, _DeepProbe)
+    assert report.offloaded and not report.note, report.note
+    assert [s.what for s in report.timings.spent] == ["the plan"], report.timings.spent
+    assert counted == {"codegen": 2, "load": 2}, counted
+    plan_peak = report.compiled_memory().peak_bytes
+    saved = [(r.producer, r.nbytes) for r in report.saved]
+    assert unchanged_floor(report.memory_before, saved, report.compiled_memory()) < plan_peak  # not the floor's doing
+    assert plan_peak < checked_model_floor(report.memory_before, report.memory_after, report.compiled_memory())
+
+    torch._dynamo.reset()
+    inductor = _probe_step(fxoffload.backend(offload_cpu=True, policy="none"), _DeepProbe)
+    assert inductor.compiled_memory().peak_bytes > plan_peak
+
+    monkeypatch.setattr(compile_module, "checked_model_floor", lambda *args: None)
+    counted.clear()
+    torch._dynamo.reset()
+    judged = _probe_step(fxoffload.backend(offload_cpu=True, policy="all", min_bytes=0), _DeepProbe)
+    assert [s.what for s in judged.timings.spent] == ["the plan", VERIFY_INSIDE], judged.timings.spent
+    assert counted == {"codegen": 3, "load": 2}, counted
+    assert {r.name for r in judged.offloaded} == {r.name for r in report.offloaded}
+
+
+def _timeline(forward: int, backward: int) -> MemoryTimeline:
+    return MemoryTimeline((MemoryPoint("forward", "a", {"saved": forward}), MemoryPoint("backward", "b", {"saved": backward})))
+
+
+def test_the_model_stands_for_the_unchanged_code_only_where_it_agrees_with_the_plans():
+    """``checked_model_floor``: the unchanged pair's modelled peak, less the model's disagreement with
+    the plan's code and ``MODEL_MARGIN``; no figure where the model is further than
+    ``MODEL_AGREEMENT`` from that code, at its peak or at its forward's, or has no points."""
+    before, code = _timeline(1000, 1100), _timeline(900, 950)
+    assert checked_model_floor(before, code, code) == int(1100 * (1 - MODEL_MARGIN))
+    off = _timeline(900, 950 + 10)  # 1% high at the peak
+    assert checked_model_floor(before, off, code) == int(1100 * (1 - 10 / 950 - MODEL_MARGIN))
+    too_far = 1 + MODEL_AGREEMENT + 0.01
+    assert checked_model_floor(before, _timeline(900, int(950 * too_far)), code) is None
+    assert checked_model_floor(before, _timeline(int(900 * too_far), 950), code) is None  # its forward
+    assert checked_model_floor(before, _timeline(int(900 / too_far), 950), code) is None  # low as well as high
+    assert checked_model_floor(None, code, code) is None
+    assert checked_model_floor(before, MemoryTimeline(()), code) is None
+
+
+def test_a_plan_made_again_reuses_the_unchanged_forwards_peak(judged_on_code, counted):
     """The unchanged forward's peak is kept per graph and what code before it holds: a plan made again
     for the same graph (``auto`` from measured copy times) is judged against it without lowering it
     again (two more lowerings: the new plan's)."""

@@ -30,7 +30,13 @@ from .frame_stack import on_roomy_stack
 from .pair import PairRegister, PlannedPair
 from .partitioner import OffloadPartitioner, PlanChangesNothing
 from .refine import Trial, attempt_quietly, lowest, refine, say
-from .verify import autos_own_picks, plan_kept, unchanged_floor, with_peak_not_lowered
+from .verify import (
+    autos_own_picks,
+    checked_model_floor,
+    plan_kept,
+    unchanged_floor,
+    with_peak_not_lowered,
+)
 
 log = logging.getLogger(__name__)
 
@@ -407,17 +413,22 @@ class GraphCompiler:
 def needs_unchanged_code(pair: PlannedPair, timeline: MemoryTimeline, opts: OffloadOptions) -> bool:
     """Whether ``verify_peak`` needs code without offloading to judge ``pair``'s plan, whose code
     ``timeline`` replays: it changes the graphs, returns a loss alone, and its code peaks above what
-    the unchanged code holds at the end of its forward anyway (``unchanged_floor``)."""
+    the unchanged code holds at the end of its forward anyway (``unchanged_floor``) and above where
+    the FX model, checked against the plan's code, puts the unchanged code (``checked_model_floor``)."""
     if not pair.plan.changes_graphs or not timeline.points or not returns_only_scalars(pair.fw, pair.num_fwd_outputs):
         return False
+    mine = autos_own_picks(pair.plan, opts.offload_modules)
     saved = [(d.saved.producer, d.saved.nbytes) for d in pair.plan.decisions]
-    floor = unchanged_floor(pair.memory_before, saved, timeline)
-    if floor is not None and plan_kept(timeline.peak_bytes, floor, autos_own_picks(pair.plan, opts.offload_modules)):
-        log.debug(
-            "fxoffload: graph %d: Inductor's code peaks at %s, below the %s the unchanged code holds",
-            pair.graph_id, fmt_bytes(timeline.peak_bytes), fmt_bytes(floor),
-        )  # fmt: skip
-        return False
+    for floor, what in (
+        (unchanged_floor(pair.memory_before, saved, timeline), "what the unchanged code holds"),
+        (checked_model_floor(pair.memory_before, pair.memory_after, timeline), "the FX model's unchanged peak, checked"),
+    ):
+        if floor is not None and plan_kept(timeline.peak_bytes, floor, mine):
+            log.debug(
+                "fxoffload: graph %d: Inductor's code peaks at %s, below %s (%s)",
+                pair.graph_id, fmt_bytes(timeline.peak_bytes), fmt_bytes(floor), what,
+            )  # fmt: skip
+            return False
     return True
 
 

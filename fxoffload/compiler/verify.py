@@ -26,7 +26,13 @@ from ..reporting.report import saved_rows
 from ..sizes import fmt_bytes
 from .pair import PlannedPair
 
-__all__ = ["autos_own_picks", "unchanged_floor", "with_peak_not_lowered"]
+__all__ = ["autos_own_picks", "checked_model_floor", "unchanged_floor", "with_peak_not_lowered"]
+
+# The FX model (fusing as Inductor does) stands in for the code without offloading only where it
+# agrees with the plan's own code this closely, at the peak and at the forward's; the figure it
+# gives is then lowered by that disagreement and by ``MODEL_MARGIN`` more.
+MODEL_AGREEMENT = 0.02
+MODEL_MARGIN = 0.01
 
 # Ops whose output Inductor's no-op removal may turn into an alias of their input (a saved tensor it
 # then holds no buffer for): left out of ``unchanged_floor``.
@@ -60,6 +66,33 @@ def unchanged_floor(
     maybe_alias = sum(nbytes for producer, nbytes in saved if producer in _MAY_BECOME_ALIASES)
     held = start["parameters"] + start["inputs"] + start.get("outside", 0)
     return held + max(0, ends[-1].live["saved"] - maybe_alias)
+
+
+def checked_model_floor(
+    memory_before: MemoryTimeline | None, memory_after: MemoryTimeline | None, code: MemoryTimeline
+) -> int | None:
+    """What the code without offloading peaks at, by the FX model checked against the plan's code:
+    the plan's graphs and the unchanged ones are the same ops but for the copies, so Inductor fuses
+    and frees them alike, and a model that gives the plan's code (``code``, replayed) its peak and
+    its forward's peak within ``MODEL_AGREEMENT`` is taken at its word for the unchanged pair
+    (``memory_before``), less that disagreement and ``MODEL_MARGIN``. None where it is further off
+    (the tiny CNN under bf16 autocast, 23% under: Inductor's scheduler runs kernels in its own order)
+    or has no figure: then the unchanged code is lowered to judge the plan."""
+    if memory_before is None or memory_after is None or not memory_before.points or not code.points:
+        return None
+    if not memory_after.points:
+        return None
+
+    def forward(timeline: MemoryTimeline) -> int:
+        return max((p.total for p in timeline.points if p.phase == "forward"), default=0)
+
+    pairs = ((memory_after.peak_bytes, code.peak_bytes), (forward(memory_after), forward(code)))
+    if any(real <= 0 for _, real in pairs):
+        return None
+    off = max(abs(modelled - real) / real for modelled, real in pairs)
+    if off > MODEL_AGREEMENT:
+        return None
+    return int(memory_before.peak_bytes * (1 - off - MODEL_MARGIN))
 
 
 def plan_kept(plan_peak: int, unchanged_peak: int, autos_own: bool) -> bool:
