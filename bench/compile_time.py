@@ -32,6 +32,8 @@ _METHODS = {
     "fxoffload-all": {"policy": "all"},
     "fxoffload-all-noverify": {"policy": "all", "verify_peak": False},
     "fxoffload-auto": {"policy": "auto"},
+    # auto where nothing is worth offloading: the plan's compile stops after the pass, then Inductor's own
+    "fxoffload-auto-nothing": {"policy": "auto", "min_bytes": "1GiB"},
     "fxoffload-budget": {"memory_budget": 0.7},
     "fxoffload-recompute": {"memory_budget": 0.7, "recompute": "inductor"},
 }
@@ -54,7 +56,7 @@ def _one(method: str, layers: int, steps: int, link: str) -> dict:
     if options is None:
         compiled = torch.compile(model, backend="inductor")
     else:
-        backend = fxoffload.backend(**options, offload_cpu=True, cpu_link_bandwidth=link, min_bytes=0)
+        backend = fxoffload.backend(**{"min_bytes": 0, **options}, offload_cpu=True, cpu_link_bandwidth=link)
         compiled = torch.compile(model, backend=backend)
     times = []
 
