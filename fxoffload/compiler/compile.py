@@ -419,9 +419,10 @@ def needs_unchanged_code(pair: PlannedPair, timeline: MemoryTimeline, opts: Offl
         return False
     mine = autos_own_picks(pair.plan, opts.offload_modules)
     saved = [(d.saved.producer, d.saved.nbytes) for d in pair.plan.decisions]
+    checked = checked_model_floor(pair.memory_before, pair.memory_after, timeline)
     for floor, what in (
         (unchanged_floor(pair.memory_before, saved, timeline), "what the unchanged code holds"),
-        (checked_model_floor(pair.memory_before, pair.memory_after, timeline), "the FX model's unchanged peak, checked"),
+        (checked, "the FX model's unchanged peak, checked against the plan's code"),
     ):
         if floor is not None and plan_kept(timeline.peak_bytes, floor, mine):
             log.debug(

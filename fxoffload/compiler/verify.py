@@ -78,9 +78,8 @@ def checked_model_floor(
     (``memory_before``), less that disagreement and ``MODEL_MARGIN``. None where it is further off
     (the tiny CNN under bf16 autocast, 23% under: Inductor's scheduler runs kernels in its own order)
     or has no figure: then the unchanged code is lowered to judge the plan."""
-    if memory_before is None or memory_after is None or not memory_before.points or not code.points:
-        return None
-    if not memory_after.points:
+    timelines = (memory_before, memory_after, code)
+    if any(t is None or not t.points for t in timelines):
         return None
 
     def forward(timeline: MemoryTimeline) -> int:
