@@ -207,6 +207,7 @@ def compile_with_inductor(
     on_output_code: Callable[[str, str], None] | None = None,
     code_only: bool = False,
     after_backward: Callable[[Callable[[fx.GraphModule], str]], None] | None = None,
+    graph_patches: Callable[[fx.GraphModule], dict[str, Any]] | None = None,
 ) -> Callable[..., Any]:
     """Inductor's ``compile_fx`` with our partitioner plugged in for the duration of this compile.
 
@@ -218,6 +219,8 @@ def compile_with_inductor(
     ``after_backward(lower_like_forward)`` runs once the backward is compiled, still inside this
     compile: ``lower_like_forward(graph)`` lowers another graph with the forward's inputs and
     arguments, for its wrapper code alone (no trace, no partition: the same fake tensors).
+    ``graph_patches(graph)``: Inductor config patched while that graph (the partitioned forward or
+    backward, also one lowered lazily at the first backward call) is lowered.
     """
     from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 
@@ -259,13 +262,14 @@ def compile_with_inductor(
         return compiled
 
     def _inner_compile(graph: fx.GraphModule, inputs: Any, **kwargs: Any) -> Any:
-        if on_output_code is None:
-            return compile_fx_inner(graph, inputs, **kwargs)
-        kind = "backward" if kwargs.get("is_backward") else "inference" if kwargs.get("is_inference") else "forward"
-        if code_only:
-            return until_code(graph, inputs, kwargs, lambda code: on_output_code(kind, code))
-        with capture_output_code(lambda code: on_output_code(kind, code)):
-            return compile_fx_inner(graph, inputs, **kwargs)
+        with inductor_config.patch(graph_patches(graph) if graph_patches is not None else {}):
+            if on_output_code is None:
+                return compile_fx_inner(graph, inputs, **kwargs)
+            kind = "backward" if kwargs.get("is_backward") else "inference" if kwargs.get("is_inference") else "forward"
+            if code_only:
+                return until_code(graph, inputs, kwargs, lambda code: on_output_code(kind, code))
+            with capture_output_code(lambda code: on_output_code(kind, code)):
+                return compile_fx_inner(graph, inputs, **kwargs)
 
     patches = dict(config_patches)
     patches["custom_partitioner_fn"] = partitioner

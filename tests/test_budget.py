@@ -32,17 +32,28 @@ def _compile_and_measure(**options):
     return report, said, measured
 
 
+@pytest.fixture
+def inductor_reuse(monkeypatch):
+    """The plan's graphs lowered with Inductor's own pool reuse (``compiler.lowering``'s rule taken
+    away): it keeps an offloaded buffer for a later allocation, so the code peaks above the FX model,
+    which now follows the code closely enough that its plans for the GPT meet their budgets."""
+    from fxoffload.compiler import compile as compile_module
+
+    monkeypatch.setattr(compile_module, "no_pool_reuse_where_it_copies", lambda graph: {})
+
+
 def _above_start(report, nbytes):
     """``nbytes`` less the parameters and inputs live when the step starts (all placeholders in)."""
     start = report.memory_before.points[-1]
     return nbytes - start.live["parameters"] - start.live["inputs"]
 
 
-# GPT tiny (with dropout) at 0.6 of its predicted peak: the first plan fits on the FX model but
+# GPT tiny (with dropout) at 0.6 of its predicted peak, lowered with Inductor's own pool reuse
+# (``inductor_reuse``): the first plan fits on the FX model but
 # Inductor's code peaks at 5.1 MiB, over the budget (5.0 MiB) by more than the tolerance; planned again
 # for 4.8 MiB, its code peaks at 4.6 MiB. (Before the model fused as Inductor does, 0.45 of a peak
 # predicted 4% higher missed by more: its plans rarely miss now.)
-def test_a_budget_the_code_misses_is_planned_again_and_met_when_measured():
+def test_a_budget_the_code_misses_is_planned_again_and_met_when_measured(inductor_reuse):
     report, said, measured = _compile_and_measure(memory_budget=0.6)
     assert 1 <= len(report.replans) <= 2, report.summary()  # max_replans (2) at most
     targets = []
@@ -65,7 +76,7 @@ def test_a_budget_the_code_misses_is_planned_again_and_met_when_measured():
     assert measured <= _above_start(report, report.memory_budget) * 1.03, (measured, report.summary())
 
 
-def test_without_planning_again_the_same_budget_is_warned_about():
+def test_without_planning_again_the_same_budget_is_warned_about(inductor_reuse):
     """The rule broken on purpose (``max_replans=0``): the first plan's code is kept, and the warning
     says so (0.47: its code peaks 5% over the budget)."""
     report, said, measured = _compile_and_measure(memory_budget=0.47, max_replans=0)

@@ -273,7 +273,8 @@ def inductor_patches(monkeypatch):
     """Records the Inductor config patches of every compile and runs the graphs eagerly instead."""
     seen = []
 
-    def spy(gm, example_inputs, partitioner, config_patches, on_output_code=None, code_only=False, after_backward=None):
+    def spy(gm, example_inputs, partitioner, config_patches, on_output_code=None, code_only=False, after_backward=None,
+            graph_patches=None):
         seen.append(dict(config_patches))
         return _compat.compile_with_aot_eager(gm, example_inputs, partitioner)
 

@@ -26,7 +26,7 @@ from ..reasons import Reason, ReasonCode
 from ..reporting.report import CompileSpent
 from ..sizes import fmt_bytes
 from .costs import read_outside
-from .frame_stack import on_roomy_stack
+from .lowering import no_pool_reuse_where_it_copies, on_roomy_stack
 from .pair import PairRegister, PlannedPair
 from .partitioner import OffloadPartitioner, PlanChangesNothing
 from .refine import Trial, attempt_quietly, lowest, refine, say
@@ -83,7 +83,8 @@ class GraphCompiler:
         self._inside = []
         try:
             compiled = on_roomy_stack(
-                _compat.compile_with_inductor, graph, example_inputs, partitioner, patches, sink, code_only, after
+                _compat.compile_with_inductor, graph, example_inputs, partitioner, patches, sink, code_only, after,
+                graph_patches=no_pool_reuse_where_it_copies,
             )
         except Exception as e:
             stopped = _compat.raised_from(e, PlanChangesNothing)

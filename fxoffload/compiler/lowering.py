@@ -1,4 +1,5 @@
-"""Inductor's compile called on a roomy stretch of the interpreter's frame stack.
+"""How fxoffload has Inductor lower its graphs: on a roomy stretch of the interpreter's frame
+stack, and without a freed buffer kept for later where a graph copies to or from the host.
 
 CPython (3.11 and later) keeps Python frames on a stack of chunks, 16 KiB each, and frees a chunk
 as soon as the first frame in it returns. A hot call whose frame happens to start a new chunk
@@ -14,6 +15,9 @@ compile below it fits in the rest of that chunk, so no chunk is mapped and unmap
 Plain Python (a generated function with many local names): no allocator swapped, no interpreter
 state touched; where frames are not kept in chunks (CPython before 3.11, other interpreters) it is
 a plain call.
+
+``no_pool_reuse_where_it_copies(graph)``: the Inductor config a graph is lowered with; a graph that
+copies to or from the host keeps no freed buffer for a later allocation of its size (see there).
 """
 
 from __future__ import annotations
@@ -22,6 +26,10 @@ import functools
 import sys
 from collections.abc import Callable
 from typing import Any, TypeVar
+
+import torch.fx as fx
+
+from ..ir import is_transfer
 
 T = TypeVar("T")
 
@@ -53,3 +61,14 @@ def on_roomy_stack(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
     if not has_chunked_frames():
         return fn(*args, **kwargs)
     return _roomy_caller()(fn, args, kwargs)
+
+
+def no_pool_reuse_where_it_copies(graph: fx.GraphModule) -> dict[str, Any]:
+    """Inductor's config for lowering ``graph``: where it copies tensors to or from the host, no
+    buffer freed is kept for a later allocation of its size (``allow_buffer_reuse``). Inductor keeps
+    one where its own estimate of the graph's peak allows, and that estimate counts the host copies
+    as bytes of the device: the offloaded output of one block's MLP was held from its wait to the
+    next block's, and the plans' code peaked 8-17% higher on the tiny transformers (docs/results.md,
+    eighth session). Buffers written in place of a dying input (``inplace_buffers``) stay as they
+    are, and so does every graph without a copy: compiled as Inductor compiles it."""
+    return {"allow_buffer_reuse": False} if any(is_transfer(n) for n in graph.graph.nodes) else {}
