@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import fxoffload
-from fxoffload.compiler import lowering as frame_stack
+from fxoffload.compiler import lowering
 from fxoffload.compiler.lowering import has_chunked_frames, on_roomy_stack
 from fxoffload.testing.models import example
 
@@ -49,7 +49,7 @@ def test_on_roomy_stack_is_a_call():
     with pytest.raises(ZeroDivisionError):
         on_roomy_stack(divmod, 1, 0)
     if has_chunked_frames():
-        assert frame_stack._roomy_caller().__code__.co_nlocals >= frame_stack.ROOMY_SLOTS
+        assert lowering._roomy_caller().__code__.co_nlocals >= lowering.ROOMY_SLOTS
 
 
 def test_inductor_compiles_on_the_roomy_stack(monkeypatch):
@@ -89,7 +89,7 @@ def test_only_a_graph_that_copies_is_lowered_without_pool_reuse():
     assert no_pool_reuse_where_it_copies(torch.fx.GraphModule({}, graph)) == {"allow_buffer_reuse": False}
 
 
-def _budget_plan_peaks(monkeypatch=None):
+def _budget_plan_peaks():
     """The tiny GPT under ``memory_budget=0.5``: its plan's code peak and the FX model's."""
     from bench.workloads import build
 

@@ -72,6 +72,10 @@ class MemoryTimeline:
     def peak_bytes(self) -> int:
         return self.peak.total if self.points else 0
 
+    def phase_peak(self, phase: str, default: int = 0) -> int:
+        """The most bytes live at a point of ``phase`` ("forward" or "backward"); ``default`` if none."""
+        return max((p.total for p in self.points if p.phase == phase), default=default)
+
 
 def bytes_over_points(n: int, spans: Sequence[tuple[int, int, int]]) -> list[int]:
     """At each of ``n`` points, the sum of ``nbytes`` of the ``(start, stop, nbytes)`` spans that

@@ -360,7 +360,7 @@ class GraphCompiler:
         # Not where the FX model's forward, which Inductor's fusion mostly lowers, peaks no higher than
         # the plan's code (the MLP's, at the backward's end): that code would not settle it.
         before = pair.memory_before
-        modelled = max((p.total for p in before.points if p.phase == "forward"), default=0) if before else 0
+        modelled = before.phase_peak("forward") if before else 0
         if modelled and not plan_kept(timeline.peak_bytes, modelled, autos_own_picks(pair.plan, opts.offload_modules)):
             return
         start = time.perf_counter()

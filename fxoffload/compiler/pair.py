@@ -104,8 +104,9 @@ class PlannedPair:
         """The expected peak in the forward and in the backward."""
 
         def peaks(points: tuple[MemoryPoint, ...]) -> tuple[int, int]:
-            fw = max((p.total for p in points if p.phase == "forward"), default=0)
-            return fw, max((p.total for p in points if p.phase == "backward"), default=fw)
+            timeline = MemoryTimeline(points)
+            fw = timeline.phase_peak("forward")
+            return fw, timeline.phase_peak("backward", default=fw)
 
         return self._read("phase_peaks", self.expected_memory(), peaks)
 

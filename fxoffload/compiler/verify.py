@@ -81,11 +81,10 @@ def checked_model_floor(
     timelines = (memory_before, memory_after, code)
     if any(t is None or not t.points for t in timelines):
         return None
-
-    def forward(timeline: MemoryTimeline) -> int:
-        return max((p.total for p in timeline.points if p.phase == "forward"), default=0)
-
-    pairs = ((memory_after.peak_bytes, code.peak_bytes), (forward(memory_after), forward(code)))
+    pairs = (
+        (memory_after.peak_bytes, code.peak_bytes),
+        (memory_after.phase_peak("forward"), code.phase_peak("forward")),
+    )
     if any(real <= 0 for _, real in pairs):
         return None
     off = max(abs(modelled - real) / real for modelled, real in pairs)
