@@ -8,7 +8,7 @@ from fxoffload import ir
 from fxoffload.analysis import output_code as codecheck
 from fxoffload.testing.models import GPT, MLP, GPTConfig, gpt_batch
 from fxoffload.reporting.report import OffloadReport
-from fxoffload.rewrite.transfers import materialised
+from fxoffload.rewrite.kernel_runs import materialised
 
 from .conftest import cpu_backend, train_step
 

@@ -32,6 +32,7 @@ from ..ir import OFFLOAD, ORDER, RELOAD, TRANSFER_OPS, WAIT, fake_impl, transfer
 from ..options import BROKEN_RULES
 from ..planning.decisions import OffloadPlan
 from .host_layout import host_layouts
+from .kernel_runs import between_kernel_runs, materialised, routing_cost
 
 __all__ = ["BROKEN_RULES", "apply_plan", "hoist_saved_views", "host_placeholder_name", "materialised"]
 
@@ -44,6 +45,7 @@ def apply_plan(
     cpu_link: tuple[float, float] = (0.0, 0.0),
     broken_rule: str | None = None,
     graph_id: int = -1,
+    kernel_runs: bool = False,
 ) -> None:
     """Insert one offload/wait pair in ``fw`` and one reload/wait pair in ``bw`` per offloaded tensor.
 
@@ -54,6 +56,7 @@ def apply_plan(
     ``broken_rule``: one of ``BROKEN_RULES``, broken on purpose (the option of that name, for the
     tests that prove the suite notices each breakage); None in every real use. ``graph_id`` names
     the copies (``ir.transfer_name``), so that their measured times find their tensors.
+    ``kernel_runs``: for Inductor's C++ backend (``kernel_runs.between_kernel_runs``).
     """
     chosen = plan.offloaded
     if not chosen:
@@ -89,6 +92,8 @@ def apply_plan(
     output.args = (tuple(outputs),) + tuple(output.args[1:])
     host_layouts(fw, bw, host_placeholder_name, broken_rule)
     for gm in (fw, bw):
+        if kernel_runs:
+            between_kernel_runs(gm.graph)
         gm.graph.lint()
         gm.recompile()
 
@@ -376,42 +381,13 @@ def _issue_before(
             if a.target is ORDER:
                 a.args = (a.args[0], [*a.args[1], copy])
                 return _tensor_result(c)
-        inp = min(inputs, key=lambda a: a.op != "placeholder")  # a parameter or input if there is one
+        inp = min(inputs, key=lambda a: routing_cost(a, c))
         with graph.inserting_before(c):
             routed = graph.call_function(ORDER, (inp, [copy]))
         routed.meta["val"] = inp.meta["val"]
         c.replace_input_with(inp, routed)
         return _tensor_result(c)
     return None
-
-
-# Ops whose outputs every compiler materialises and whose inputs are buffers: Inductor lowers them
-# to extern kernels (matmuls, convolutions, attention), aot_eager runs them as they are. Data edges
-# to and from them cost no buffer that the graph would not have anyway.
-_MATERIALISED = frozenset(
-    getattr(torch.ops.aten, name)
-    for name in (
-        "mm", "addmm", "bmm", "baddbmm", "_addmm_activation", "convolution", "convolution_backward",
-        "_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_backward",
-        "_scaled_dot_product_efficient_attention", "_scaled_dot_product_efficient_attention_backward",
-        "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_cudnn_attention_backward",
-        "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention_for_cpu_backward",
-        "_flash_attention_forward", "_flash_attention_backward",
-        "_efficient_attention_forward", "_efficient_attention_backward",
-    )
-    if hasattr(torch.ops.aten, name)
-)  # fmt: skip
-
-
-def materialised(n: fx.Node) -> bool:
-    """True when ``n``'s output (or, for a multi-output op, its getitems) is a buffer in every compiler."""
-    if n.op == "placeholder":
-        return True
-    if n.op != "call_function":
-        return False
-    if n.target is operator.getitem:
-        return isinstance(n.args[0], fx.Node) and materialised(n.args[0])
-    return getattr(n.target, "overloadpacket", None) in _MATERIALISED or n.target in TRANSFER_OPS
 
 
 def _tensor_result(n: fx.Node) -> fx.Node | None:
