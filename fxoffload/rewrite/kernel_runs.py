@@ -24,7 +24,7 @@ import torch
 import torch.fx as fx
 
 from ..analysis.graph import is_view, storage_root, storage_users
-from ..ir import OFFLOAD, RELOAD, TRANSFER_OPS, WAIT
+from ..ir import OFFLOAD, RELOAD, TRANSFER_OPS, WAIT, is_transfer
 
 __all__ = ["between_kernel_runs", "materialised", "routing_cost"]
 
@@ -63,14 +63,11 @@ def between_kernel_runs(graph: fx.Graph) -> int:
     Inductor schedules by the graph's order where its memory reordering leaves it. Returns how
     many were moved."""
     ops = [n for n in graph.nodes if n.op == "call_function" and n.target in (OFFLOAD, RELOAD, WAIT)]
-    up = [n for n in ops if n.target is RELOAD or n.target is WAIT and _is_transfer(n.args[0], RELOAD)]
-    down = [n for n in ops if n not in set(up)]
+    up = [n for n in ops if n.target is RELOAD or n.target is WAIT and is_transfer(n.args[0], RELOAD)]
+    going_up = set(up)
+    down = [n for n in ops if n not in going_up]
     # The last first down, the first first up: each moves past the ones moved before it.
     return sum(_later(n) for n in reversed(down)) + sum(_earlier(n) for n in up)
-
-
-def _is_transfer(n: object, op) -> bool:
-    return isinstance(n, fx.Node) and n.op == "call_function" and n.target is op
 
 
 def _later(n: fx.Node) -> bool:
