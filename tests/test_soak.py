@@ -58,7 +58,10 @@ def test_200_steps_identical_and_no_growth():
     (report,) = backend.reports
     assert report.offloaded, "the soak must exercise offloading"
     assert len(set(pool[2:])) == 1, f"the host pool changed after step 2: {sorted(set(pool))}"
-    assert len(set(live[1:])) == 1, f"live tensors changed: {live}"
+    # No growth: never more live tensors at a sample than at the one before. (Not "always the same":
+    # the count is the process's, and under pytest-xdist an earlier test's tensors released late,
+    # between steps 20 and 40, made it drop by 23 in CI; a leak of one tensor a step adds 20 a sample.)
+    assert all(b <= a for a, b in zip(live[1:], live[2:])), f"live tensors grew: {live}"
     # Process memory: allow allocator noise, not a leak (a leak of the offloaded bytes per step
     # would add report.offloaded_bytes * 190 ~ several MiB).
     assert rss[-1] - rss[1] < 2048, f"RSS grew by {rss[-1] - rss[1]} KiB: {rss}"
