@@ -31,15 +31,17 @@ def _step(policy: str, layers: int = 1):
 
 
 def _inside_a_run(graph: fx.Graph) -> list[str]:
-    """Offloads, reloads and waits standing between two generated-code nodes of ``graph``."""
-    def generated(n):
+    """Offloads, reloads and waits standing between two generated-code nodes of ``graph`` (alone or
+    among other transfer ops: a cluster of them splits the run as one does)."""
+    def copy(n):
+        return n.op == "call_function" and n.target in (OFFLOAD, RELOAD, WAIT)
+
+    def generated(n, step):
+        while copy(n):
+            n = n.prev if step < 0 else n.next
         return n.op == "call_function" and not materialised(n)
 
-    return [
-        n.name for n in graph.nodes
-        if n.op == "call_function" and n.target in (OFFLOAD, RELOAD, WAIT)
-        and generated(n.prev) and generated(n.next)
-    ]  # fmt: skip
+    return [n.name for n in graph.nodes if copy(n) and generated(n.prev, -1) and generated(n.next, +1)]
 
 
 def _kernel_calls(code: str) -> int:
