@@ -49,6 +49,17 @@ def _kernel_calls(code: str) -> int:
     return len(re.findall(r"^\s+cpp_fused\w+\(", body, re.M))
 
 
+@pytest.fixture(scope="module", autouse=True)
+def lowered_here():
+    """Every graph of this module lowered, not read from Inductor's FX graph cache: under torch 2.11,
+    in this module with a warm cache, the forward with the copies left in place came with 12 kernel
+    calls where its fresh lowering has 14 (as many as with them moved; not traced further)."""
+    from torch._inductor import config
+
+    with config.patch(fx_graph_cache=False):
+        yield
+
+
 @pytest.fixture(scope="module")
 def plain_and_all():
     return _step("none", layers=2), _step("all", layers=2)
