@@ -66,10 +66,8 @@ def test_a_budget_under_autocast_is_met_on_the_measured_bytes():
 
 
 def test_a_plan_that_changes_nothing_runs_inductors_own_code():
-    """Judged, a graph's backward is lowered with its forward and without donated buffers (a backward
-    retaining the graph must run); a plan that offloads nothing is then compiled as Inductor compiles
-    it. Under bf16 autocast the early backward peaks higher: kept, "auto" with nothing to offload would
-    cost memory."""
+    """A plan that offloads nothing, stopped before anything is lowered, is compiled as Inductor
+    compiles it: the step holds what Inductor's holds, under bf16 autocast too."""
     inductor, _, _ = _unchanged_bf16()
     measured, report, _ = _run(True, policy="auto", min_bytes="1GiB", verify_peak=True)
     assert not report.offloaded, report.table()

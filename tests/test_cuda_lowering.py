@@ -71,7 +71,7 @@ def test_cuda_code_keeps_kernels_between_copies_and_waits():
 
 
 def test_cuda_codegen_touches_no_private_torch_api():
-    """Private torch pieces live in fxoffload/_compat.py, so a torch upgrade is one file's work."""
+    """Private torch pieces live in fxoffload/_compat/, so a torch upgrade is one package's work."""
     cuda_codegen = pytest.importorskip("fxoffload.testing.cuda_codegen")
     tree = ast.parse(inspect.getsource(cuda_codegen))
     private = []

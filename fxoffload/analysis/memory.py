@@ -41,6 +41,7 @@ from collections.abc import Iterable, Mapping, Sequence
 import torch
 import torch.fx as fx
 
+from .._compat import donates_saved_buffers
 from ..ir import OFFLOAD, RELOAD, WAIT, is_transfer
 from ..sizes import tensor_bytes
 from .fusion import Fusion, extern_scratch, inductor_fusion
@@ -261,6 +262,7 @@ def _backward(
             owner = saved_owner_of[n.name]
             saved_last[owner] = max(saved_last.get(owner, i), last.get(n, i))
     frees_saved: dict[int, list[fx.Node]] = {}
+    donates = donates_saved_buffers()  # Inductor may write into a saved tensor it reads last
     for owner, i in saved_last.items():
         frees_saved.setdefault(i, []).append(owner)
     category: dict[fx.Node, str] = {}
@@ -283,7 +285,8 @@ def _backward(
             if category[m] == "transient":
                 frees.setdefault(last.get(m, i), []).append(m)
         # Written in place of a storage it reads last: one Inductor allocated, or a saved tensor.
-        reused = _in_place(n, frees.get(i, ()), fusion, frees_saved.get(i, ()))
+        donated = frees_saved.get(i, ()) if donates else ()
+        reused = _in_place(n, frees.get(i, ()), fusion, donated)
         if reused is not None:
             kind = "saved" if reused in frees_saved.get(i, ()) else "transient"
             (frees_saved if kind == "saved" else frees)[i].remove(reused)

@@ -26,7 +26,7 @@ from ..reasons import Reason, ReasonCode
 from ..reporting.report import CompileSpent
 from ..sizes import fmt_bytes
 from .costs import read_outside
-from .lowering import no_pool_reuse_where_it_copies, on_roomy_stack
+from .lowering import host_placeholders, no_pool_reuse_where_it_copies, on_roomy_stack
 from .pair import PairRegister, PlannedPair
 from .partitioner import OffloadPartitioner, PlanChangesNothing
 from .refine import Trial, attempt_quietly, lowest, refine, say
@@ -84,7 +84,7 @@ class GraphCompiler:
         try:
             compiled = on_roomy_stack(
                 _compat.compile_with_inductor, graph, example_inputs, partitioner, patches, sink, code_only, after,
-                graph_patches=no_pool_reuse_where_it_copies,
+                graph_patches=no_pool_reuse_where_it_copies, not_donated=host_placeholders,
             )
         except Exception as e:
             stopped = _compat.raised_from(e, PlanChangesNothing)
@@ -139,10 +139,9 @@ class GraphCompiler:
         if pair is not None and checked and compiled is not None:
             compiled, pair = self._no_higher_than_unchanged(pristine, example_inputs, opts, patches, compiled, pair)
         say(best, drop=lambda w: "cannot be reached" in str(w.message) and opts.memory_budget is not None)
-        # A plan that changes nothing (stopped before lowering, swapped by verify_peak, or judged).
-        early = _compat.can_lower_backward_at_compile()
-        changes_nothing = pair is not None and not pair.plan.changes_graphs and early
-        if pair is not None and (compiled is None or changes_nothing):
+        # A plan that changes nothing, stopped before lowering or swapped by verify_peak; one judged
+        # on its code was lowered as Inductor lowers it (donated buffers: ``_compat.donated``).
+        if pair is not None and compiled is None:
             compiled = self._as_inductor_does(pristine, example_inputs, opts, patches, pair)
         assert compiled is not None
         pair = self._keep(pair)
@@ -159,10 +158,9 @@ class GraphCompiler:
         pair: PlannedPair,
     ) -> Compiled:
         """A plan that changes nothing, compiled as ``backend="inductor"`` compiles it: its backward
-        lowered at its first call, with donated buffers (lowered with the forward to be judged, the
-        backward has none: under bf16 autocast its code peaked 4.7% above Inductor's on the GPT of
-        ``bench.memory``). The report keeps the early code where it was judged on it; where the early
-        compile was stopped before lowering (no budget: nothing to judge), this code goes on it."""
+        lowered at its first call. The report keeps the early code where it was judged on it; where
+        the early compile was stopped before lowering (no budget: nothing to judge), this code goes
+        on it."""
         unchanged = self._unchanged_partitioner(opts, pair)
         log.debug("fxoffload: graph %d: the plan changes nothing; compiled as Inductor does", pair.graph_id)
         sink = pair.output_code.__setitem__ if not pair.output_code else None

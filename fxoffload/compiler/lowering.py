@@ -29,7 +29,7 @@ from typing import Any, TypeVar
 
 import torch.fx as fx
 
-from ..ir import is_transfer
+from ..ir import RELOAD, is_transfer
 
 T = TypeVar("T")
 
@@ -72,3 +72,11 @@ def no_pool_reuse_where_it_copies(graph: fx.GraphModule) -> dict[str, Any]:
     eighth session). Buffers written in place of a dying input (``inplace_buffers``) stay as they
     are, and so does every graph without a copy: compiled as Inductor compiles it."""
     return {"allow_buffer_reuse": False} if any(is_transfer(n) for n in graph.graph.nodes) else {}
+
+
+def host_placeholders(graph: fx.GraphModule) -> frozenset[str]:
+    """The placeholders of a backward that hold host copies (what its reloads read): never donated to
+    Inductor for its own buffers (``_compat.donated``)."""
+    return frozenset(
+        n.name for n in graph.graph.find_nodes(op="placeholder") if any(is_transfer(u, RELOAD) for u in n.users)
+    )

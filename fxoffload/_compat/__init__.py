@@ -1,4 +1,5 @@
-"""Every private torch API fxoffload uses, in one file, so a torch upgrade is one file's work.
+"""Every private torch API fxoffload uses, in one package, so a torch upgrade is one package's work
+(donated buffers: ``_compat.donated``).
 
 Supported: torch 2.11 and 2.13. Nothing here may depend on pieces that exist in only one of them
 (the ``ao::`` offload ops of torch >= 2.12, for example, are never used).
@@ -23,9 +24,15 @@ from torch._inductor import config as inductor_config
 from torch._inductor.custom_graph_pass import CustomPartitionerFn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from .donated import backward_lowered_at_compile, can_lower_backward_at_compile, donates_saved_buffers, lowering_backward
+
 __all__ = [
     "CustomPartitionerFn",
     "aot_autograd",
+    "backward_lowered_at_compile",
+    "can_lower_backward_at_compile",
+    "donates_saved_buffers",
+    "lowering_backward",
     "boxed_nop",
     "call_partitioner",
     "checkpoint_tags",
@@ -208,6 +215,7 @@ def compile_with_inductor(
     code_only: bool = False,
     after_backward: Callable[[Callable[[fx.GraphModule], str]], None] | None = None,
     graph_patches: Callable[[fx.GraphModule], dict[str, Any]] | None = None,
+    not_donated: Callable[[fx.GraphModule], frozenset[str]] | None = None,
 ) -> Callable[..., Any]:
     """Inductor's ``compile_fx`` with our partitioner plugged in for the duration of this compile.
 
@@ -220,8 +228,8 @@ def compile_with_inductor(
     compile: ``lower_like_forward(graph)`` lowers another graph with the forward's inputs and
     arguments, for its wrapper code alone (no trace, no partition: the same fake tensors).
     ``graph_patches(graph)``: Inductor config patched while that graph (the partitioned forward or
-    backward, also one lowered lazily at the first backward call) is lowered.
-    """
+    backward, also one lowered lazily at the first backward call) is lowered. ``not_donated(graph)``: a
+    backward's placeholders whose buffers Inductor must not reuse (``donated.lowering_backward``)."""
     from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 
     if code_only and on_output_code is None:
@@ -252,11 +260,14 @@ def compile_with_inductor(
         return codes[0]
 
     def inner_compile(graph: fx.GraphModule, inputs: Any, **kwargs: Any) -> Any:
+        finish = None
         if kwargs.get("is_backward"):
-            _backward_without_donated_buffers()
+            finish = lowering_backward(graph, not_donated(graph) if not_donated is not None else frozenset())
         elif after_backward is not None:
             forward_call.append((list(inputs), dict(kwargs)))
         compiled = _inner_compile(graph, inputs, **kwargs)
+        if finish is not None:
+            compiled = finish(compiled)
         if kwargs.get("is_backward") and after_backward is not None and forward_call:
             after_backward(lower_like_forward)
         return compiled
@@ -404,19 +415,6 @@ def cpu_block_sizes_flag() -> Any:
         return None
 
 
-def _backward_without_donated_buffers() -> None:
-    """Called as a backward is lowered: where donated buffers are off for this compile
-    (``backward_lowered_at_compile``), record that it has none, as a lazily lowered backward does
-    when its first call retains the graph. AOTAutograd's runtime otherwise reads "unknown" (None) as
-    "some", and refuses ``backward(retain_graph=True)`` while ``donated_buffer`` is on globally."""
-    if getattr(functorch_config, "donated_buffer", True):
-        return
-    context = torch._guards.TracingContext.try_get()
-    meta = getattr(context, "fw_metadata", None)
-    if meta is not None and getattr(meta, "bw_donated_idxs", []) is None:
-        meta.bw_donated_idxs = []
-
-
 def inductor_channels_last_nodes(gm: fx.GraphModule) -> set[fx.Node] | None:
     """The nodes of a forward ``gm`` whose outputs Inductor lays out channels-last when it returns them
     (its layout optimization: ``GraphLowering.decide_layout_opt``, then
@@ -434,30 +432,6 @@ def inductor_channels_last_nodes(gm: fx.GraphModule) -> set[fx.Node] | None:
         return set(find(types.SimpleNamespace(module=gm)))  # it reads only ``self.module``
     except Exception:  # a torch whose heuristics read more: unknown, never a failed compile
         return None
-
-
-def can_lower_backward_at_compile() -> bool:
-    """Whether this torch has ``functorch.config.force_non_lazy_backward_lowering``."""
-    return hasattr(functorch_config, "force_non_lazy_backward_lowering")
-
-
-@contextlib.contextmanager
-def backward_lowered_at_compile() -> Iterator[bool]:
-    """AOTAutograd lowers the backward while the forward compiles, not at the first backward call
-    (``functorch.config.force_non_lazy_backward_lowering``). Yields False, changing nothing, where
-    this torch has no such option: the backward is then lowered lazily.
-
-    Without donated buffers (``functorch.config.donated_buffer``): lowered early, a backward with
-    them refuses ``backward(retain_graph=True)``, which a lazily lowered one accepts by compiling
-    itself without them at that first call. Turned off here, the early backward runs wherever
-    ``backend="inductor"``'s does; the cost is Inductor not reusing a saved tensor's buffer for an
-    output in that backward (the GPT's backward code is identical either way, on a CPU)."""
-    if not can_lower_backward_at_compile():
-        yield False
-        return
-    donated = {"donated_buffer": False} if hasattr(functorch_config, "donated_buffer") else {}
-    with functorch_config.patch(force_non_lazy_backward_lowering=True, **donated):
-        yield True
 
 
 def profiler_active() -> bool:

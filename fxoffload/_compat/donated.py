@@ -1,0 +1,119 @@
+"""Donated buffers in a backward lowered while its forward compiles (private torch pieces).
+
+AOTAutograd lets Inductor write a backward's buffers into the saved tensors it reads for the last
+time ("donated buffers", ``functorch.config.donated_buffer``): Inductor's own backward, lowered at
+its first call, writes the logits' gradient into the saved logits. fxoffload lowers a backward with
+its forward where it judges a plan by the code (``force_non_lazy_backward_lowering``); that backward
+keeps its donated buffers too, so a plan's code holds what Inductor's holds. Two things differ from
+Inductor's lazily lowered one, and are handled here:
+
+- The host copies fxoffload's reloads read are never donated (on a CPU they are CPU tensors like the
+  device's; a host buffer must never become a kernel's output): ``lowering_backward``'s
+  ``not_donated``, in every backward, lowered early or lazily.
+- ``backward(retain_graph=True)``: code that writes into saved tensors would corrupt what a second
+  backward reads, so AOTAutograd refuses to run a backward with donated buffers then, and lowers a
+  lazy one without them when its first call keeps the graph. Lowered early, the runtime check is told
+  this backward has none, and a call that keeps the graph runs the backward's FX graph as it stands
+  (eagerly, said once in a warning), never the code that overwrites.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import warnings
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch._functorch import config as functorch_config
+
+log = logging.getLogger(__name__)
+
+_early = [0]  # backward_lowered_at_compile contexts open (compiles run on one thread)
+
+
+def can_lower_backward_at_compile() -> bool:
+    """Whether this torch has ``functorch.config.force_non_lazy_backward_lowering``."""
+    return hasattr(functorch_config, "force_non_lazy_backward_lowering")
+
+
+def donates_saved_buffers() -> bool:
+    """Whether Inductor may write a backward's buffers into the saved tensors it reads last."""
+    return bool(getattr(functorch_config, "donated_buffer", False))
+
+
+@contextlib.contextmanager
+def backward_lowered_at_compile() -> Iterator[bool]:
+    """AOTAutograd lowers the backward while the forward compiles, not at the first backward call
+    (``functorch.config.force_non_lazy_backward_lowering``), with donated buffers where torch's
+    config has them (see the module's docstring for ``retain_graph``). Yields False, changing
+    nothing, where this torch has no such option: the backward is then lowered lazily."""
+    if not can_lower_backward_at_compile():
+        yield False
+        return
+    _early[0] += 1
+    try:
+        with functorch_config.patch(force_non_lazy_backward_lowering=True):
+            yield True
+    finally:
+        _early[0] -= 1
+
+
+def lowering_backward(graph: fx.GraphModule, not_donated: frozenset[str]) -> Callable[[Any], Any] | None:
+    """Called as ``graph``, a backward, is about to be lowered: its placeholders named in
+    ``not_donated`` are taken out of the buffers Inductor may reuse. Returns ``finish(compiled)``,
+    to call on what Inductor compiled, where this backward is lowered early with donated buffers;
+    else None."""
+    context = torch._guards.TracingContext.try_get()
+    meta = getattr(context, "fw_metadata", None)
+    donated = getattr(meta, "bw_donated_idxs", None)
+    if not donated:
+        return None
+    names = [n.name for n in graph.graph.find_nodes(op="placeholder")]
+    donated = [i for i in donated if i < len(names) and names[i] not in not_donated]
+    meta.bw_donated_idxs = donated  # what Inductor reads (``get_donated_idxs``) as it lowers
+    if not _early[0] or not donated:
+        return None
+    eager = _graph_copy(graph)  # before Inductor's passes change it
+
+    def finish(compiled: Any) -> Any:
+        meta.bw_donated_idxs = []  # AOTAutograd's runtime check: a graph kept is handled here
+        return _eager_when_graph_kept(compiled, eager)
+
+    return finish
+
+
+def _graph_copy(gm: fx.GraphModule) -> fx.GraphModule:
+    graph = fx.Graph()
+    graph.output(graph.graph_copy(gm.graph, {}))
+    return fx.GraphModule(gm, graph)
+
+
+def _eager_when_graph_kept(compiled: Any, eager: fx.GraphModule) -> Any:
+    """``compiled`` (Inductor's ``CompiledFxGraph``, boxed: it takes the argument list and empties
+    it) running ``eager`` instead where the autograd call keeps the graph (``retain_graph``)."""
+    run = getattr(compiled, "current_callable", None)
+    if run is None:  # stopped for its code, or not Inductor's: nothing that runs to guard
+        return compiled
+    said: list[bool] = []
+
+    def current_callable(args: list[Any]) -> Any:
+        if not torch._C._autograd._get_current_graph_task_keep_graph():
+            return run(args)
+        if not said:
+            said.append(True)
+            warnings.warn(
+                "fxoffload: backward(retain_graph=True) through a backward Inductor lowered with donated "
+                "buffers (it writes into saved tensors a second backward reads): its FX graph runs "
+                "eagerly instead, slower; torch._functorch.config.donated_buffer=False compiles it "
+                "without them",
+                stacklevel=2,
+            )
+        out = eager(*args)
+        args.clear()
+        return out
+
+    compiled.current_callable = current_callable
+    return compiled
