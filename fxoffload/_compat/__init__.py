@@ -260,14 +260,14 @@ def compile_with_inductor(
         return codes[0]
 
     def inner_compile(graph: fx.GraphModule, inputs: Any, **kwargs: Any) -> Any:
-        finish = None
+        keyed, finish = {}, None
         if kwargs.get("is_backward"):
-            finish = lowering_backward(graph, not_donated(graph) if not_donated is not None else frozenset())
+            keyed, finish = lowering_backward(graph, not_donated(graph) if not_donated is not None else frozenset())
         elif after_backward is not None:
             forward_call.append((list(inputs), dict(kwargs)))
-        compiled = _inner_compile(graph, inputs, **kwargs)
-        if finish is not None:
-            compiled = finish(compiled)
+        with inductor_config.patch(keyed):
+            compiled = _inner_compile(graph, inputs, **kwargs)
+        compiled = finish(compiled) if finish is not None else compiled
         if kwargs.get("is_backward") and after_backward is not None and forward_call:
             after_backward(lower_like_forward)
         return compiled

@@ -28,6 +28,8 @@ from typing import Any
 import torch
 import torch.fx as fx
 from torch._functorch import config as functorch_config
+from torch._inductor import config as inductor_config
+from torch._inductor.custom_graph_pass import CustomGraphPass
 
 log = logging.getLogger(__name__)
 
@@ -61,28 +63,53 @@ def backward_lowered_at_compile() -> Iterator[bool]:
         _early[0] -= 1
 
 
-def lowering_backward(graph: fx.GraphModule, not_donated: frozenset[str]) -> Callable[[Any], Any] | None:
+def lowering_backward(
+    graph: fx.GraphModule, not_donated: frozenset[str]
+) -> tuple[dict[str, Any], Callable[[Any], Any] | None]:
     """Called as ``graph``, a backward, is about to be lowered: its placeholders named in
-    ``not_donated`` are taken out of the buffers Inductor may reuse. Returns ``finish(compiled)``,
-    to call on what Inductor compiled, where this backward is lowered early with donated buffers;
-    else None."""
+    ``not_donated`` are taken out of the buffers Inductor may reuse. Returns the Inductor config to
+    lower it with (``_cache_key``), and ``finish(compiled)``, to call on what Inductor compiled,
+    where this backward is lowered early with donated buffers (else None)."""
     context = torch._guards.TracingContext.try_get()
     meta = getattr(context, "fw_metadata", None)
-    donated = getattr(meta, "bw_donated_idxs", None)
-    if not donated:
-        return None
-    names = [n.name for n in graph.graph.find_nodes(op="placeholder")]
-    donated = [i for i in donated if i < len(names) and names[i] not in not_donated]
-    meta.bw_donated_idxs = donated  # what Inductor reads (``get_donated_idxs``) as it lowers
+    donated = list(getattr(meta, "bw_donated_idxs", None) or ())
+    if donated:
+        names = [n.name for n in graph.graph.find_nodes(op="placeholder")]
+        donated = [i for i in donated if i < len(names) and names[i] not in not_donated]
+        meta.bw_donated_idxs = donated  # what Inductor reads (``get_donated_idxs``) as it lowers
     if not _early[0] or not donated:
-        return None
+        return _cache_key(donated), None
     eager = _graph_copy(graph)  # before Inductor's passes change it
 
     def finish(compiled: Any) -> Any:
         meta.bw_donated_idxs = []  # AOTAutograd's runtime check: a graph kept is handled here
         return _eager_when_graph_kept(compiled, eager)
 
-    return finish
+    return _cache_key(donated), finish
+
+
+class _DonatedKey(CustomGraphPass):
+    """A post-grad pass that changes nothing, there for its ``uuid``: the buffers donated."""
+
+    def __init__(self, donated: tuple[int, ...]) -> None:
+        self.donated = donated
+
+    def __call__(self, graph: fx.Graph) -> None:
+        pass
+
+    def uuid(self) -> Any:
+        return ("fxoffload: donated buffers", self.donated)
+
+
+def _cache_key(donated: list[int]) -> dict[str, Any]:
+    """Inductor's FX graph cache keys a backward on its graph and config, not on the buffers donated
+    to it: code that writes into saved tensors came back from the cache for the same graph lowered
+    without donated buffers (measured: a plan's early backward, in a later process), which a second
+    backward through a kept graph would read corrupted. The donated buffers go into the key as a
+    post-grad pass that does nothing; where the user has a pass of their own there, no cache."""
+    if inductor_config.post_grad_custom_post_pass is not None:
+        return {"fx_graph_cache": False}
+    return {"post_grad_custom_post_pass": _DonatedKey(tuple(donated))}
 
 
 def _graph_copy(gm: fx.GraphModule) -> fx.GraphModule:
