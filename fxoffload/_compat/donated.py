@@ -79,7 +79,7 @@ def lowering_backward(
         meta.bw_donated_idxs = donated  # what Inductor reads (``get_donated_idxs``) as it lowers
     if not _early[0] or not donated:
         return _cache_key(donated), None
-    eager = _graph_copy(graph)  # before Inductor's passes change it
+    eager = _graph_copy(graph)  # before Inductor's passes change it; made a module when first run
 
     def finish(compiled: Any) -> Any:
         meta.bw_donated_idxs = []  # AOTAutograd's runtime check: a graph kept is handled here
@@ -112,25 +112,26 @@ def _cache_key(donated: list[int]) -> dict[str, Any]:
     return {"post_grad_custom_post_pass": _DonatedKey(tuple(donated))}
 
 
-def _graph_copy(gm: fx.GraphModule) -> fx.GraphModule:
+def _graph_copy(gm: fx.GraphModule) -> tuple[fx.GraphModule, fx.Graph]:
     graph = fx.Graph()
     graph.output(graph.graph_copy(gm.graph, {}))
-    return fx.GraphModule(gm, graph)
+    return gm, graph
 
 
-def _eager_when_graph_kept(compiled: Any, eager: fx.GraphModule) -> Any:
+def _eager_when_graph_kept(compiled: Any, eager: tuple[fx.GraphModule, fx.Graph]) -> Any:
     """``compiled`` (Inductor's ``CompiledFxGraph``, boxed: it takes the argument list and empties
-    it) running ``eager`` instead where the autograd call keeps the graph (``retain_graph``)."""
+    it) running the graph of ``eager`` (its root module, the graph) instead where the autograd call
+    keeps the graph (``retain_graph``)."""
     run = getattr(compiled, "current_callable", None)
     if run is None:  # stopped for its code, or not Inductor's: nothing that runs to guard
         return compiled
-    said: list[bool] = []
+    module: list[fx.GraphModule] = []
 
     def current_callable(args: list[Any]) -> Any:
         if not torch._C._autograd._get_current_graph_task_keep_graph():
             return run(args)
-        if not said:
-            said.append(True)
+        if not module:
+            module.append(fx.GraphModule(*eager))
             warnings.warn(
                 "fxoffload: backward(retain_graph=True) through a backward Inductor lowered with donated "
                 "buffers (it writes into saved tensors a second backward reads): its FX graph runs "
@@ -138,7 +139,7 @@ def _eager_when_graph_kept(compiled: Any, eager: fx.GraphModule) -> Any:
                 "without them",
                 stacklevel=2,
             )
-        out = eager(*args)
+        out = module[0](*args)
         args.clear()
         return out
 
