@@ -33,6 +33,7 @@ from .refine import Trial, attempt_quietly, lowest, refine, say
 from .verify import (
     autos_own_picks,
     checked_model_floor,
+    fit_is_lowest,
     plan_kept,
     unchanged_floor,
     with_peak_not_lowered,
@@ -252,12 +253,8 @@ class GraphCompiler:
             timeline = pair.code_memory() if pair is not None and lowered else None
             if pair is None or timeline is None or not timeline.points or pair.memory_budget is None:
                 return Trial((compiled, pair if lowered else None), None, target, said=said)
-            # The plan is the fit's smallest peak already when it predicts more than the target (unless
-            # it was kept for its code to judge: then a lower target may find another).
-            after = pair.memory_after.peak_bytes if pair.memory_after is not None else 0
             plan = pair.plan
-            over = after > (target if target is not None else pair.memory_budget)
-            lowest_reachable = over and not plan.judged_on_code
+            lowest_reachable = fit_is_lowest(pair, timeline, target if target is not None else pair.memory_budget)
             return Trial(
                 (compiled, pair), timeline.peak_bytes, target, lowest_reachable, said, pair.memory_budget,
                 cost=plan.time_cost, raisable=plan.budget_chose,

@@ -93,6 +93,19 @@ def checked_model_floor(
     return int(memory_before.peak_bytes * (1 - off - MODEL_MARGIN))
 
 
+def fit_is_lowest(pair: PlannedPair, code: MemoryTimeline, target: int) -> bool:
+    """Whether a lower target cannot lower the peak of ``pair``'s code (``code``, its replay): the
+    fit predicts more than ``target`` already, so it offloads and recomputes all it can by the
+    model. Not where that code peaks in the forward with saved activations still on the device: the
+    model peaked elsewhere, and a lower target may move them (the GPT under bf16 autocast: the model
+    at a dropout, the code at the next attention, 2.34 MiB over a 2.15 MiB budget, met at 2.02 once
+    planned again). In the backward those bytes may be reloads. Nor where the plan was kept for
+    its code to judge: a lower target may find another."""
+    after = pair.memory_after.peak_bytes if pair.memory_after is not None else 0
+    held = code.peak.live.get("saved", 0) if code.peak.phase == "forward" else 0
+    return after > target and not pair.plan.judged_on_code and not held
+
+
 def plan_kept(plan_peak: int, unchanged_peak: int, autos_own: bool) -> bool:
     """The plan's code stays if it peaks lower than the unchanged code (or no higher, unless its
     picks are "auto"'s own: copies that buy nothing are not kept)."""
