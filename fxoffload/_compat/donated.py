@@ -20,7 +20,6 @@ Inductor's lazily lowered one, and are handled here:
 from __future__ import annotations
 
 import contextlib
-import logging
 import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -30,8 +29,6 @@ import torch.fx as fx
 from torch._functorch import config as functorch_config
 from torch._inductor import config as inductor_config
 from torch._inductor.custom_graph_pass import CustomGraphPass
-
-log = logging.getLogger(__name__)
 
 _early = [0]  # backward_lowered_at_compile contexts open (compiles run on one thread)
 
