@@ -16,7 +16,7 @@ import torch
 import torch.fx as fx
 
 from .._compat import size_hint
-from ..ir import is_transfer
+from ..ir import RELOAD, is_transfer
 
 __all__ = [
     "closure", "is_compute", "is_dense", "is_view", "last_reads", "module_path", "mutated_inputs", "op_name",
@@ -55,6 +55,11 @@ def _returns_alias(node: fx.Node) -> bool:
         return False
     info = schema.returns[0].alias_info
     return info is not None and not info.is_write
+
+
+def holds_host_copy(node: fx.Node) -> bool:
+    """A backward placeholder that holds a host copy: the tensor a reload copies back."""
+    return node.op == "placeholder" and any(is_transfer(u, RELOAD) and u.args[0] is node for u in node.users)
 
 
 def is_compute(node: fx.Node) -> bool:

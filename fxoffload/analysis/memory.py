@@ -42,10 +42,10 @@ import torch
 import torch.fx as fx
 
 from .._compat import donates_saved_buffers
-from ..ir import OFFLOAD, RELOAD, WAIT, is_transfer
+from ..ir import OFFLOAD, WAIT, is_transfer
 from ..sizes import tensor_bytes
 from .fusion import Fusion, extern_scratch, inductor_fusion
-from .graph import last_reads, static_inputs, storage_owners, storage_root
+from .graph import holds_host_copy, last_reads, static_inputs, storage_owners, storage_root
 
 CATEGORIES = ("parameters", "inputs", "saved", "transient", "gradients", "outside")
 
@@ -108,9 +108,7 @@ def _is_host(node: fx.Node) -> bool:
         return True
     if is_transfer(node, WAIT):
         return _is_host(node.args[0])
-    if node.op == "placeholder":
-        return any(is_transfer(u, RELOAD) and u.args[0] is node for u in node.users)
-    return False
+    return holds_host_copy(node)
 
 
 def _bytes(node: fx.Node) -> int:

@@ -29,7 +29,8 @@ from typing import Any, TypeVar
 
 import torch.fx as fx
 
-from ..ir import RELOAD, is_transfer
+from ..analysis.graph import holds_host_copy
+from ..ir import is_transfer
 
 T = TypeVar("T")
 
@@ -77,6 +78,4 @@ def no_pool_reuse_where_it_copies(graph: fx.GraphModule) -> dict[str, Any]:
 def host_placeholders(graph: fx.GraphModule) -> frozenset[str]:
     """The placeholders of a backward that hold host copies (what its reloads read): never donated to
     Inductor for its own buffers (``_compat.donated``)."""
-    return frozenset(
-        n.name for n in graph.graph.find_nodes(op="placeholder") if any(is_transfer(u, RELOAD) for u in n.users)
-    )
+    return frozenset(n.name for n in graph.graph.find_nodes(op="placeholder") if holds_host_copy(n))
