@@ -180,3 +180,44 @@ def test_donated_buffers_are_in_inductors_cache_key(tmp_path):
     assert _cached_step(tmp_path / "broken", donate=True, keyed=False)[0] == ["mm"]
     reused, hits = _cached_step(tmp_path / "broken", donate=False, keyed=False)
     assert hits and reused == ["mm"], (reused, hits)
+
+
+def _aliasing_case(monkeypatch, broken: bool):
+    """A fuzz model (seed 31, case 23, three of its blocks: a ReLU, a transposed mix, a bf16 matmul
+    chain) under torch's default partitioner, which saves the ReLU's output and its transpose (one
+    storage): its parameter gradients and input gradient with fxoffload (``policy="all"``) and in
+    eager, and the backward's code. ``broken``: the rule that never donates a placeholder sharing
+    its storage removed."""
+    import dataclasses
+
+    from bench import fuzz
+
+    if broken:
+        monkeypatch.setattr(donated, "_sharing_storage", lambda placeholders: frozenset())
+    case = fuzz.make_case(31, 23)
+    case = dataclasses.replace(case, blocks=tuple(case.blocks[i] for i in (2, 3, 5)))
+    backend = fxoffload.backend(inner="inductor", **fuzz.OPTION_SETS["all-default-part"])
+    offloaded = fuzz.train(case, backend, steps=1).tensors
+    eager = fuzz.train(case, None, steps=1).tensors
+    (pair,) = backend._register.pairs()
+    grads = [k for k in eager if ".grad." in k or "input_grad" in k]
+    return {k: (offloaded[k], eager[k]) for k in grads}, pair
+
+
+def test_saved_tensors_sharing_a_storage_are_never_donated(monkeypatch):
+    """Two saved tensors of one storage (an activation and its transpose) are both donated by
+    AOTAutograd; Inductor wrote the input gradient in place of one while the same kernel read the
+    other, and the transposed mix's weight ``s`` got a gradient near zero (``bench.fuzz --seed 31
+    --case 23 --options all-default-part``). Neither is donated: the code writes into neither and
+    every gradient is eager's; the rule broken on purpose, the code reuses one and ``s`` is wrong."""
+    grads, pair = _aliasing_case(monkeypatch, broken=False)
+    shared = donated._sharing_storage(list(pair.bw.graph.find_nodes(op="placeholder")))
+    assert len(shared) >= 2, shared
+    assert not (set(_REUSE.findall(pair.output_code["backward"])) & shared)
+    for name, (got, want) in grads.items():
+        torch.testing.assert_close(got, want, rtol=2e-2, atol=1e-4, msg=name)
+    grads, pair = _aliasing_case(monkeypatch, broken=True)
+    assert set(_REUSE.findall(pair.output_code["backward"])) & shared
+    s = next(k for k in grads if k.endswith("blocks.1.s"))
+    got, want = grads[s]
+    assert not torch.allclose(got, want, rtol=2e-2, atol=1e-4)

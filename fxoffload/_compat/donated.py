@@ -4,12 +4,14 @@ AOTAutograd lets Inductor write a backward's buffers into the saved tensors it r
 time ("donated buffers", ``functorch.config.donated_buffer``): Inductor's own backward, lowered at
 its first call, writes the logits' gradient into the saved logits. fxoffload lowers a backward with
 its forward where it judges a plan by the code (``force_non_lazy_backward_lowering``); that backward
-keeps its donated buffers too, so a plan's code holds what Inductor's holds. Two things differ from
-Inductor's lazily lowered one, and are handled here:
+keeps its donated buffers too, so a plan's code holds what Inductor's holds. Three things differ from
+Inductor's own, and are handled here:
 
 - The host copies fxoffload's reloads read are never donated (on a CPU they are CPU tensors like the
   device's; a host buffer must never become a kernel's output): ``lowering_backward``'s
   ``not_donated``, in every backward, lowered early or lazily.
+- Saved tensors that share a storage (an activation and a view of it) are never donated: AOTAutograd
+  donates both, and Inductor, seeing two inputs, writes into one while it reads the other.
 - ``backward(retain_graph=True)``: code that writes into saved tensors would corrupt what a second
   backward reads, so AOTAutograd refuses to run a backward with donated buffers then, and lowers a
   lazy one without them when its first call keeps the graph. Lowered early, the runtime check is told
@@ -71,8 +73,12 @@ def lowering_backward(
     meta = getattr(context, "fw_metadata", None)
     donated = list(getattr(meta, "bw_donated_idxs", None) or ())
     if donated:
-        names = [n.name for n in graph.graph.find_nodes(op="placeholder")]
-        donated = [i for i in donated if i < len(names) and names[i] not in not_donated]
+        placeholders = list(graph.graph.find_nodes(op="placeholder"))
+        shared = _sharing_storage(placeholders)
+        donated = [
+            i for i in donated
+            if i < len(placeholders) and placeholders[i].name not in not_donated and placeholders[i].name not in shared
+        ]  # fmt: skip
         meta.bw_donated_idxs = donated  # what Inductor reads (``get_donated_idxs``) as it lowers
     if not _early[0] or not donated:
         return _cache_key(donated), None
@@ -83,6 +89,23 @@ def lowering_backward(
         return _eager_when_graph_kept(compiled, eager)
 
     return _cache_key(donated), finish
+
+
+def _sharing_storage(placeholders: list[fx.Node]) -> frozenset[str]:
+    """The placeholders whose storage another placeholder shares (a saved activation and a saved view
+    of it: ``relu`` and its transpose under torch's default partitioner). AOTAutograd checks a saved
+    tensor against the forward's inputs and outputs and the backward's outputs, not against the other
+    saved tensors, and donates both; Inductor, which sees two inputs, then wrote a gradient in place
+    of one while the same kernel read the other (measured: a parameter's gradient near zero,
+    ``bench.fuzz --seed 31 --case 23``). Such a placeholder is never donated."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    owners: dict[Any, list[str]] = {}
+    for n in placeholders:
+        val = n.meta.get("val")
+        if isinstance(val, torch.Tensor) and not val.is_sparse:
+            owners.setdefault(StorageWeakRef(val.untyped_storage()), []).append(n.name)
+    return frozenset(name for names in owners.values() if len(names) > 1 for name in names)
 
 
 class _DonatedKey(CustomGraphPass):

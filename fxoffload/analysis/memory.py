@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import dataclasses
 import operator
+from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 
 import torch
@@ -261,6 +262,8 @@ def _backward(
             saved_last[owner] = max(saved_last.get(owner, i), last.get(n, i))
     frees_saved: dict[int, list[fx.Node]] = {}
     donates = donates_saved_buffers()  # Inductor may write into a saved tensor it reads last
+    # ... but never into a storage saved through two placeholders (``_compat.donated``)
+    through = Counter(saved_owner_of[n.name] for n in nodes if n.op == "placeholder" and n.name in saved_owner_of)
     for owner, i in saved_last.items():
         frees_saved.setdefault(i, []).append(owner)
     category: dict[fx.Node, str] = {}
@@ -283,7 +286,7 @@ def _backward(
             if category[m] == "transient":
                 frees.setdefault(last.get(m, i), []).append(m)
         # Written in place of a storage it reads last: one Inductor allocated, or a saved tensor.
-        donated = frees_saved.get(i, ()) if donates else ()
+        donated = [o for o in frees_saved.get(i, ()) if through[o] == 1] if donates else ()
         reused = _in_place(n, frees.get(i, ()), fusion, donated)
         if reused is not None:
             kind = "saved" if reused in frees_saved.get(i, ()) else "transient"
