@@ -17,6 +17,7 @@ held the source over every allocation of the run. Moved, the built-in GPT's forw
 peaked at 3.27 MB in Inductor's code against 2.33 MB with the waits where the plan put them, and a
 CNN's at 2.47 against 1.81 MB, for two or three kernel calls fewer (docs/results.md, eleventh session).
 Inductor's GPU backends launch each fused node apart: none of this is done there.
+
 Each ``fxoffload.order`` node already stands right before the extern node it routes an input of.
 Which input it routes matters too (``routing_cost``).
 """
