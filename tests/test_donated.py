@@ -2,8 +2,9 @@
 
 A plan judged on its code (``verify_peak``, ``memory_budget``) has its backward lowered while the
 forward compiles. It keeps the donated buffers Inductor's own backward has (the logits' gradient
-written into the saved logits), never donates a host copy, and a backward that keeps the graph
-(``retain_graph=True``) runs its FX graph instead of code that overwrites what the next one reads.
+written into the saved logits), never donates a host copy nor a saved tensor whose storage another
+shares, and a backward that keeps the graph (``retain_graph=True``) runs its FX graph instead of
+code that overwrites what the next one reads.
 """
 
 import copy
