@@ -74,11 +74,8 @@ def lowering_backward(
     donated = list(getattr(meta, "bw_donated_idxs", None) or ())
     if donated:
         placeholders = list(graph.graph.find_nodes(op="placeholder"))
-        shared = _sharing_storage(placeholders)
-        donated = [
-            i for i in donated
-            if i < len(placeholders) and placeholders[i].name not in not_donated and placeholders[i].name not in shared
-        ]  # fmt: skip
+        kept_out = not_donated | _sharing_storage(placeholders)
+        donated = [i for i in donated if i < len(placeholders) and placeholders[i].name not in kept_out]
         meta.bw_donated_idxs = donated  # what Inductor reads (``get_donated_idxs``) as it lowers
     if not _early[0] or not donated:
         return _cache_key(donated), None

@@ -256,14 +256,16 @@ def _backward(
     grads = {bw_owners[o] for o in bw.graph.output_node().args[0] if isinstance(o, fx.Node) and o in bw_owners}
     # A forward storage saved through several placeholders is freed after the last of them.
     saved_last: dict[fx.Node, int] = {}
+    through: Counter[fx.Node] = Counter()  # how many placeholders hold each
     for i, n in enumerate(nodes):
         if n.op == "placeholder" and n.name in saved_owner_of:
             owner = saved_owner_of[n.name]
             saved_last[owner] = max(saved_last.get(owner, i), last.get(n, i))
+            through[owner] += 1
     frees_saved: dict[int, list[fx.Node]] = {}
-    donates = donates_saved_buffers()  # Inductor may write into a saved tensor it reads last
-    # ... but never into a storage saved through two placeholders (``_compat.donated``)
-    through = Counter(saved_owner_of[n.name] for n in nodes if n.op == "placeholder" and n.name in saved_owner_of)
+    # Inductor may write into a saved tensor it reads last, but never into a storage saved through
+    # two placeholders (``_compat.donated``)
+    donates = donates_saved_buffers()
     for owner, i in saved_last.items():
         frees_saved.setdefault(i, []).append(owner)
     category: dict[fx.Node, str] = {}
