@@ -9,6 +9,7 @@ compiler ran per graph and the seconds they took, and each compile by what it wa
 
     python -m bench.compile_time                       # the 12-block GPT, returning its loss
     python -m bench.compile_time --layers 4 --methods inductor,fxoffload-all,fxoffload-all-noverify
+    python -m bench.compile_time --methods inductor,fxoffload-all --repeat 3   # rounds, interleaved: medians
 
 CPU figures on a CPU (``offload_cpu=True``, the copy engine's link emulated at ``--cpu-link``).
 """
@@ -19,6 +20,7 @@ import argparse
 import json
 import os
 import resource
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -97,44 +99,73 @@ def _one(method: str, layers: int, steps: int, link: str) -> dict:
     return row
 
 
+def _run(method: str, args: argparse.Namespace) -> dict:
+    """One method's row, from a process of its own with an empty Inductor cache."""
+    with tempfile.TemporaryDirectory() as cache:
+        env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=cache)
+        cmd = [sys.executable, "-m", "bench.compile_time", "--one", method, "--layers", str(args.layers),
+               "--steps", str(args.steps), "--cpu-link", args.cpu_link]  # fmt: skip
+        out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
+    if out.returncode != 0:
+        raise SystemExit(f"{method} failed:\n{out.stderr[-4000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def summarise(rounds: list[dict[str, dict]]) -> tuple[list[dict], dict[str, float]]:
+    """Each method's median run (by the sum of its first three steps; the lower middle of an even
+    count), in the first round's order, and each method's ratio to Inductor: the median of the
+    rounds' ratios, each against the Inductor run of its own round (none without an Inductor row)."""
+    rows, ratios = [], {}
+    for method in rounds[0]:
+        runs = sorted((one[method] for one in rounds), key=lambda r: sum(r["steps_s"][:3]))
+        rows.append(runs[(len(runs) - 1) // 2])
+        if all("inductor" in one for one in rounds):
+            paired = sorted(sum(one[method]["steps_s"][:3]) / sum(one["inductor"]["steps_s"][:3]) for one in rounds)
+            ratios[method] = statistics.median(paired)
+    return rows, ratios
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--methods", default=",".join(_METHODS), help=f"comma-separated, of {', '.join(_METHODS)}")
     parser.add_argument("--layers", type=int, default=12)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--cpu-link", default="2GB", help="the emulated link's bytes/s (default 2GB)")
+    parser.add_argument("--repeat", type=int, default=1, help="rounds of every method, interleaved (default 1)")
     parser.add_argument("--one", help=argparse.SUPPRESS)  # a child process: this method's row as JSON
     args = parser.parse_args(argv)
     if args.one:
         print(json.dumps(_one(args.one, args.layers, args.steps, args.cpu_link)))
         return
+    if args.repeat < 1:
+        parser.error(f"--repeat must be >= 1, got {args.repeat}")
     methods = [m for m in args.methods.split(",") if m]
     unknown = [m for m in methods if m not in _METHODS]
     if unknown:
         parser.error(f"unknown methods {unknown}; allowed: {', '.join(_METHODS)}")
-    rows = []
-    for method in methods:
-        with tempfile.TemporaryDirectory() as cache:
-            env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=cache)
-            cmd = [sys.executable, "-m", "bench.compile_time", "--one", method, "--layers", str(args.layers),
-                   "--steps", str(args.steps), "--cpu-link", args.cpu_link]  # fmt: skip
-            out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
-            if out.returncode != 0:
-                raise SystemExit(f"{method} failed:\n{out.stderr[-4000:]}")
-            rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
-    base = next((r for r in rows if r["method"] == "inductor"), None)
+    rounds: list[dict[str, dict]] = []
+    for i in range(args.repeat):
+        # Round by round, each round's order the last one's reversed: a machine that drifts (it
+        # does, by 10% in an hour) weighs on every method alike, and each round pairs them.
+        order = methods if i % 2 == 0 else methods[::-1]
+        rounds.append({m: _run(m, args) for m in order})
+    rows, ratios = summarise(rounds)
     table = []
     for r in rows:
         first3 = sum(r["steps_s"][:3])
-        ratio = f"{first3 / sum(base['steps_s'][:3]):.2f}" if base else "-"
+        ratio = f"{ratios[r['method']]:.2f}" if r["method"] in ratios else "-"
         steps = " / ".join(f"{s:.2f}" for s in r["steps_s"][:3])
+        spread = [sum(one[r["method"]]["steps_s"][:3]) for one in rounds]
         settled = f"{r['settled_s']:.2f} ({r['settled_steps']})" if r.get("settled_steps") else "-"
-        table.append([r["method"], steps, f"{first3:.2f}", ratio, settled, r.get("compiles", "-"),
+        table.append([r["method"], steps, f"{first3:.2f}" + (f" ({min(spread):.1f}-{max(spread):.1f})" if len(rounds) > 1 else ""),
+                      ratio, settled, r.get("compiles", "-"),
                       f"{r['compile_s']:.2f}" if "compile_s" in r else "-", f"{r['pass_s']:.2f}" if "pass_s" in r else "-",
                       r.get("offloaded", "-"), r.get("replans", "-"), f"{r['minflt']:,}", f"{r['sys_s']:.2f}"])  # fmt: skip
     headers = ["method", "steps 1/2/3 s", "sum s", "x inductor", "settled s (steps)", "compile runs", "compile s",
                "pass s", "offloaded", "replans", "step 1 page faults", "step 1 kernel s"]  # fmt: skip
-    print(f"GPT, {args.layers} blocks (dim 64, seq 64, batch 8), returning its loss; cold Inductor cache per method")
+    print(f"GPT, {args.layers} blocks (dim 64, seq 64, batch 8), returning its loss; cold Inductor cache per method"
+          + (f"; {len(rounds)} rounds: each method's median run, its sums' range, x inductor the median of the"
+             " rounds' ratios" if len(rounds) > 1 else ""))
     print(tabulate(table, headers=headers))
     print("\nWhere each method's compiles went (report.timings.spent; after the table's steps):")
     for r in rows:

@@ -327,6 +327,30 @@ def test_compile_time_names_the_methods_it_knows(capsys):
         compile_time(["--methods", "inductor,fxoffload-sometimes"])
     err = capsys.readouterr().err
     assert "unknown methods ['fxoffload-sometimes']" in err and "fxoffload-auto" in err
+    with pytest.raises(SystemExit):
+        compile_time(["--methods", "inductor", "--repeat", "0"])
+    assert "--repeat must be >= 1, got 0" in capsys.readouterr().err
+
+
+def test_compile_time_rounds_pair_each_method_with_its_rounds_inductor():
+    """``--repeat``: each method's median run, and its ratio the median of the rounds' own ratios (a
+    round whose every run ran slow counts as one ratio, not as a slow fxoffload)."""
+    from bench.compile_time import summarise
+
+    def run(method, *steps):
+        return {"method": method, "steps_s": list(steps)}
+
+    rounds = [
+        {"inductor": run("inductor", 10.0, 1, 1), "fxoffload-all": run("fxoffload-all", 11.0, 1, 1)},  # Inductor 12, fxoffload 13
+        {"fxoffload-all": run("fxoffload-all", 17.0, 1, 1), "inductor": run("inductor", 15.0, 1, 1)},  # 17, 19
+        {"inductor": run("inductor", 11.0, 1, 1), "fxoffload-all": run("fxoffload-all", 14.0, 1, 1)},  # 13, 16
+    ]
+    rows, ratios = summarise(rounds)
+    assert [r["method"] for r in rows] == ["inductor", "fxoffload-all"]
+    assert [r["steps_s"][0] for r in rows] == [11.0, 14.0]  # the median runs
+    assert ratios["inductor"] == 1.0
+    assert ratios["fxoffload-all"] == pytest.approx(19 / 17)  # 13/12, 19/17, 16/13: the middle one
+    assert summarise([{"fxoffload-all": run("fxoffload-all", 1.0)}])[1] == {}
 
 
 def test_op_overhead_times_each_transfer_op_call(capsys):
