@@ -24,10 +24,12 @@ from torch._inductor import config as inductor_config
 from torch._inductor.custom_graph_pass import CustomPartitionerFn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from .scheduler_runs import TransferOps, joining_runs
 from .donated import backward_lowered_at_compile, can_lower_backward_at_compile, donates_saved_buffers, lowering_backward
 
 __all__ = [
     "CustomPartitionerFn",
+    "TransferOps",
     "aot_autograd",
     "backward_lowered_at_compile",
     "can_lower_backward_at_compile",
@@ -216,6 +218,7 @@ def compile_with_inductor(
     after_backward: Callable[[Callable[[fx.GraphModule], str]], None] | None = None,
     graph_patches: Callable[[fx.GraphModule], dict[str, Any]] | None = None,
     not_donated: Callable[[fx.GraphModule], frozenset[str]] | None = None,
+    join_runs: TransferOps | None = None,
 ) -> Callable[..., Any]:
     """Inductor's ``compile_fx`` with our partitioner plugged in for the duration of this compile.
 
@@ -229,7 +232,9 @@ def compile_with_inductor(
     arguments, for its wrapper code alone (no trace, no partition: the same fake tensors).
     ``graph_patches(graph)``: Inductor config patched while that graph (the partitioned forward or
     backward, also one lowered lazily at the first backward call) is lowered. ``not_donated(graph)``: a
-    backward's placeholders whose buffers Inductor must not reuse (``donated.lowering_backward``)."""
+    backward's placeholders whose buffers Inductor must not reuse (``donated.lowering_backward``).
+    ``join_runs``: fxoffload's transfer ops, whose gaps between C++ kernel runs Inductor's schedule
+    closes where the device peak does not rise (``scheduler_runs.joining_runs``)."""
     from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 
     if code_only and on_output_code is None:
@@ -273,7 +278,8 @@ def compile_with_inductor(
         return compiled
 
     def _inner_compile(graph: fx.GraphModule, inputs: Any, **kwargs: Any) -> Any:
-        with inductor_config.patch(graph_patches(graph) if graph_patches is not None else {}):
+        patched = inductor_config.patch(graph_patches(graph) if graph_patches is not None else {})
+        with patched, joining_runs(join_runs) if join_runs is not None else contextlib.nullcontext():
             if on_output_code is None:
                 return compile_fx_inner(graph, inputs, **kwargs)
             kind = "backward" if kwargs.get("is_backward") else "inference" if kwargs.get("is_inference") else "forward"

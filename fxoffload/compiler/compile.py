@@ -19,6 +19,7 @@ from ..analysis.code_memory import replay_forward
 from ..analysis.lifetimes import returns_only_scalars
 from ..analysis.memory import MemoryTimeline
 from ..analysis.outside import OutsideMemory
+from ..ir import OFFLOAD, RELOAD, TRANSFER_OPS, WAIT
 from ..options import OffloadOptions
 from ..planning.budget import BUDGET_TOLERANCE
 from ..planning.measured import Measured
@@ -42,6 +43,9 @@ from .verify import (
 log = logging.getLogger(__name__)
 
 __all__ = ["GraphCompiler", "budget_verdict", "check_budget", "copy_graph_module"]
+
+# The transfer ops as Inductor's scheduler sees them, for ``_compat.compile_with_inductor(join_runs=...)``.
+_TRANSFERS = _compat.TransferOps(TRANSFER_OPS, OFFLOAD, RELOAD, WAIT)
 
 Compiled = Callable[..., Any]
 
@@ -85,7 +89,7 @@ class GraphCompiler:
         try:
             compiled = on_roomy_stack(
                 _compat.compile_with_inductor, graph, example_inputs, partitioner, patches, sink, code_only, after,
-                graph_patches=no_pool_reuse_where_it_copies, not_donated=host_placeholders,
+                graph_patches=no_pool_reuse_where_it_copies, not_donated=host_placeholders, join_runs=_TRANSFERS,
             )
         except Exception as e:
             stopped = _compat.raised_from(e, PlanChangesNothing)

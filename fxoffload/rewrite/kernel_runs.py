@@ -18,6 +18,11 @@ peaked at 3.27 MB in Inductor's code against 2.33 MB with the waits where the pl
 CNN's at 2.47 against 1.81 MB, for two or three kernel calls fewer (docs/results.md, eleventh session).
 Inductor's GPU backends launch each fused node apart: none of this is done there.
 
+Inductor's memory reordering moves the transfer ops again (a wait up to its copy, a copy up to its
+source) and splits runs anew: what the code's kernels are is decided in Inductor's schedule, where
+``_compat.scheduler_runs`` joins the runs again where the device peak does not rise. This order is
+the FX graph's, which the memory model reads (``analysis.memory``) and Inductor starts from.
+
 Each ``fxoffload.order`` node already stands right before the extern node it routes an input of.
 Which input it routes matters too (``routing_cost``).
 """

@@ -1,0 +1,212 @@
+"""Kernel runs that a transfer op split, joined again in Inductor's schedule where no peak rises.
+
+Inductor's C++ backend writes the nodes it generates code for into one kernel function until an
+extern call comes (``Scheduler._codegen`` flushes at every extern node): a run of kernel nodes is
+one C++ function to compile, and a transfer op standing between two runs splits it in two.
+``rewrite.kernel_runs`` puts the transfer ops at the edges of the runs of the FX graph; Inductor's
+memory reordering (``torch._inductor.memory.reorder_for_peak_memory``, the last reordering of its
+schedule) then moves them again, a wait to just after its copy, a copy to just after its source: on
+the 12-block GPT of ``bench.compile_time`` (policy "all") 26 distinct kernels to compile where
+Inductor's own code has 19, about a second each on a CPU.
+
+``joining_runs`` wraps that reordering, for the graphs lowered inside it: after Inductor's order, a
+group of transfer ops standing between two runs is moved out of the way, the ops that the later run
+reads before the earlier run, the ops that read the earlier run after the later one, when the
+schedule's peak, as Inductor's C++ code allocates it, does not rise. That code allocates the
+buffers of a whole run before calling it (``_run_peak``), so joining two runs holds the later
+one's buffers over the earlier one's call, and a wait moved down holds its source: near the peak
+a join is refused (the forward waits of 86e73b4 stay where they free memory that counts).
+
+Private Inductor pieces (the scheduler's nodes, its memory estimates): torch 2.11 and 2.13 alike.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import torch._inductor.memory as inductor_memory
+from torch._inductor import ir
+from torch._inductor.scheduler import BaseSchedulerNode, NopKernelSchedulerNode
+
+log = logging.getLogger(__name__)
+
+__all__ = ["TransferOps", "join_runs", "joining_runs"]
+
+
+def _op(n: BaseSchedulerNode) -> Any:
+    return getattr(getattr(n, "node", None), "op_overload", None)
+
+
+def _runs_on_cpu(n: BaseSchedulerNode) -> bool:
+    device = n.get_device()
+    return device is not None and device.type == "cpu"
+
+
+def _in_run(n: BaseSchedulerNode) -> bool:
+    """A node that does not end a run of Inductor's C++ code (a kernel, or a view's no-op)."""
+    return not n.is_extern() and not n.is_template() and (isinstance(n, NopKernelSchedulerNode) or _runs_on_cpu(n))
+
+
+def _kernel(n: BaseSchedulerNode) -> bool:
+    return _in_run(n) and not isinstance(n, NopKernelSchedulerNode)
+
+
+def _movable(n: BaseSchedulerNode, transfer_ops: frozenset[Any]) -> bool:
+    """A transfer op, or the output Inductor unpacks from one (``MultiOutput``)."""
+    if _op(n) in transfer_ops:
+        return True
+    inner = getattr(n, "node", None)
+    if isinstance(inner, ir.MultiOutput):
+        return any(_op_of_buffer(i) in transfer_ops for i in inner.inputs)
+    return False
+
+
+def _op_of_buffer(buf: Any) -> Any:
+    return getattr(buf, "op_overload", None)
+
+
+def _depends(later: BaseSchedulerNode, earlier: BaseSchedulerNode) -> bool:
+    """Whether ``later`` reads (through any chain) what ``earlier`` computes."""
+    return any(name in later.ancestors for name in earlier.get_operation_names())
+
+
+def _run_end(order: Sequence[BaseSchedulerNode], start: int) -> int:
+    end = start
+    while end < len(order) and _in_run(order[end]):
+        end += 1
+    return end
+
+
+def _run_start(order: Sequence[BaseSchedulerNode], end: int) -> int:
+    start = end
+    while start > 0 and _in_run(order[start - 1]):
+        start -= 1
+    return start
+
+
+def _join(order: list[BaseSchedulerNode], a: int, b: int) -> list[BaseSchedulerNode] | None:
+    """``order`` with the gap ``order[a:b]`` (transfer ops between the run ending at ``a`` and the
+    one starting at ``b``) moved out of the way, or None where its dependencies forbid it: what the
+    later run reads goes before the earlier run, what reads the earlier run after the later one."""
+    r1 = order[_run_start(order, a) : a]
+    end = _run_end(order, b)
+    r2 = order[b:end]
+    gap = order[a:b]
+    up: list[BaseSchedulerNode] = []
+    for g in reversed(gap):  # what the later run (or an op that goes up) reads
+        if any(_depends(k, g) for k in r2) or any(_depends(u, g) for u in up):
+            up.append(g)
+    up.reverse()
+    down = [g for g in gap if g not in up]
+    if any(_depends(g, k) for g in up for k in r1):
+        return None
+    start = a - len(r1)
+    return order[:start] + up + r1 + r2 + down + order[end:]
+
+
+@dataclasses.dataclass(frozen=True)
+class TransferOps:
+    """fxoffload's transfer ops as the scheduler sees them (``ir``, which this package cannot import)."""
+
+    all: frozenset[Any]
+    offload: Any  # its output, and a wait's of it, are host copies: not device memory
+    reload: Any  # what it reads is a host copy (a backward's input)
+    wait: Any
+
+
+def _host_buffers(order: Sequence[BaseSchedulerNode], ops: TransferOps) -> set[str]:
+    """The names of the buffers that hold host copies: an offload's output, its wait's, the outputs
+    Inductor unpacks from either, and what a reload reads (in a backward, its inputs)."""
+    host: set[str] = set()
+    for n in order:
+        inner = getattr(n, "node", None)
+        op = _op(n)
+        first = inner.inputs[0] if op is not None and getattr(inner, "inputs", None) else None
+        if op is ops.reload and first is not None:
+            host.add(first.get_name())
+        unpacked = isinstance(inner, ir.MultiOutput) and any(i.get_name() in host for i in inner.inputs)
+        if op is ops.offload or (op is ops.wait and first is not None and first.get_name() in host) or unpacked:
+            host.add(inner.get_name())
+            host.update(b.get_name() for b in n.get_outputs())
+    return host
+
+
+def _run_peak(order: Sequence[BaseSchedulerNode], freeable: dict[str, Any], outputs: Any, host: set[str]) -> int:
+    """The schedule's device peak as Inductor's C++ code allocates it: a run's buffers all before
+    its call, what it read last freed after it; an extern node's output at its call. Host copies
+    (``host``) are not device memory; Inductor's own estimate counts them, and on a CPU (where they
+    are plain CPU tensors) they, returned by the forward, made its end the peak of every schedule."""
+    buffers, _, _ = inductor_memory.compute_memory_timeline(list(order), freeable, outputs)
+    alloc, free = [0] * len(order), [0] * len(order)
+    for info in buffers:
+        if info.buffer.get_name() in host:
+            continue
+        alloc[info.start_step] += info.size_alloc
+        if info.end_step != -1:
+            free[info.end_step] += info.size_free
+    current = peak = 0
+    i = 0
+    while i < len(order):
+        end = _run_end(order, i) if _in_run(order[i]) else i + 1
+        peak = max(peak, current + sum(alloc[i:end]))
+        current += sum(alloc[i:end]) - sum(free[i:end])
+        i = end
+    return peak
+
+
+def join_runs(
+    order: list[BaseSchedulerNode], transfer_ops: frozenset[Any], peak: Callable[[Sequence[BaseSchedulerNode]], int]
+) -> tuple[list[BaseSchedulerNode], int]:
+    """``order`` with each gap of transfer ops between two C++ kernel runs moved out of the way
+    where ``peak`` (of a whole schedule) does not rise; and how many gaps were closed."""
+    best = peak(order)
+    closed = 0
+    i = 1
+    while i < len(order):
+        if not (_movable(order[i], transfer_ops) and _kernel(order[i - 1])):
+            i += 1
+            continue
+        b = i
+        while b < len(order) and _movable(order[b], transfer_ops):
+            b += 1
+        if b == len(order) or not any(_kernel(n) for n in order[b : _run_end(order, b)]):
+            i = b
+            continue
+        joined = _join(order, i, b)
+        if joined is not None:
+            value = peak(joined)
+            if value <= best:
+                order, best, closed = joined, value, closed + 1
+                i = _run_start(order, i)  # the joined run may close the next gap too
+                continue
+        i = b
+    return order, closed
+
+
+@contextlib.contextmanager
+def joining_runs(ops: TransferOps) -> Iterator[None]:
+    """Inductor's memory reordering followed by ``join_runs`` for the graphs lowered inside."""
+    original = inductor_memory.reorder_for_peak_memory
+
+    def reorder(nodes: list[BaseSchedulerNode], name_to_buf: Any, name_to_fused_node: Any,
+                graph_inputs: Any, graph_outputs: Any, *args: Any, **kwargs: Any) -> list[BaseSchedulerNode]:  # fmt: skip
+        order = original(nodes, name_to_buf, name_to_fused_node, graph_inputs, graph_outputs, *args, **kwargs)
+        if not any(_op(n) in ops.all for n in order):
+            return order
+        _, freeable = inductor_memory.prepare_planning_info(
+            order, name_to_buf, name_to_fused_node, graph_inputs, graph_outputs
+        )
+        host = _host_buffers(order, ops)
+        joined, closed = join_runs(order, ops.all, lambda o: _run_peak(o, freeable, graph_outputs, host))
+        log.debug("fxoffload: %d gaps between C++ kernel runs closed in Inductor's schedule", closed)
+        return joined
+
+    inductor_memory.reorder_for_peak_memory = reorder
+    try:
+        yield
+    finally:
+        inductor_memory.reorder_for_peak_memory = original
