@@ -18,6 +18,11 @@ from fxoffload.rewrite.kernel_runs import between_kernel_runs, materialised, rou
 from fxoffload.testing.models import GPT, GPTConfig, example, gpt_batch
 
 
+# The copies' speed and calls' cost given, not measured: where the plan puts each wait (and so which
+# runs a join may close without raising the peak) does not move with the machine's load.
+_FIXED = {"offload_cpu": True, "cpu_link_bandwidth": "2GB", "op_time": 20e-6}
+
+
 def _step(policy: str, layers: int = 1):
     """A GPT step compiled by Inductor with ``policy`` (offload_cpu): its pair (the rewritten graphs,
     Inductor's code), its loss and gradients."""
@@ -25,7 +30,7 @@ def _step(policy: str, layers: int = 1):
     torch.manual_seed(0)
     cfg = GPTConfig(layers=layers, dropout=0.0)
     model, batch = GPT(cfg), gpt_batch(cfg, 8)
-    backend = fxoffload.backend(policy=policy, offload_cpu=True, min_bytes=0, verify_peak=False)
+    backend = fxoffload.backend(policy=policy, min_bytes=0, verify_peak=False, **_FIXED)
     loss = torch.compile(model, backend=backend)(*batch)
     loss.backward()
     (pair,) = backend._register.pairs()
@@ -131,14 +136,14 @@ def _gpt_code_memory(bf16: bool = False):
 
 
 def test_runs_are_joined_only_where_the_device_peak_does_not_rise(monkeypatch):
-    """The built-in GPT: its forward's code peaks where it does with the runs left apart (2.33 MB
-    above the start); with every join taken (the peak check broken on purpose) at least a fifth
+    """The built-in GPT: its code peaks no higher, forward and step, than with the runs left apart
+    (forward 2.33 MB above the start, both); with every join taken (the peak check broken on purpose) at least a fifth
     higher (2.87 MB: a joined run allocates the later run's buffers before the earlier one's call)."""
     joined = _gpt_code_memory()
     monkeypatch.setattr(scheduler_runs, "join_runs", lambda order, ops, peak: (order, 0))
     apart = _gpt_code_memory()
-    assert joined.phase_peak("forward") == apart.phase_peak("forward")
-    assert joined.peak_bytes == apart.peak_bytes
+    assert joined.phase_peak("forward") <= apart.phase_peak("forward")
+    assert joined.peak_bytes <= apart.peak_bytes
     monkeypatch.undo()
     monkeypatch.setattr(scheduler_runs, "_run_peak", lambda order, freeable, outputs, host: 0)
     every = _gpt_code_memory()
@@ -146,13 +151,13 @@ def test_runs_are_joined_only_where_the_device_peak_does_not_rise(monkeypatch):
 
 
 def test_host_copies_are_not_device_memory_to_the_join(monkeypatch):
-    """Under bf16 autocast the GPT's backward peaks where it does with the runs left apart (2.41 MB);
+    """Under bf16 autocast the GPT's step peaks no higher than with the runs left apart (2.41 MB);
     with the backward's host copies counted as device memory (the rule broken on purpose), a reload
     moved up freed its host input to Inductor's estimate while its device copy came earlier: the
     backward peaked a tenth higher (2.67 MB)."""
     joined = _gpt_code_memory(bf16=True)
     monkeypatch.setattr(scheduler_runs, "join_runs", lambda order, ops, peak: (order, 0))
-    assert joined.peak_bytes == _gpt_code_memory(bf16=True).peak_bytes
+    assert joined.peak_bytes <= _gpt_code_memory(bf16=True).peak_bytes
     monkeypatch.undo()
     monkeypatch.setattr(scheduler_runs, "_host_buffers", lambda order, ops: set())
     assert _gpt_code_memory(bf16=True).phase_peak("backward") > 1.05 * joined.phase_peak("backward")

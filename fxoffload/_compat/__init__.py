@@ -221,20 +221,17 @@ def compile_with_inductor(
     join_runs: TransferOps | None = None,
 ) -> Callable[..., Any]:
     """Inductor's ``compile_fx`` with our partitioner plugged in for the duration of this compile.
-
     ``on_output_code(kind, code)`` receives the wrapper code Inductor generates for each graph it
-    compiles here ("forward", "backward" or "inference"), also when the code comes from its cache
-    and when the backward is compiled later, at the first backward call. ``code_only``: each graph
-    stops once its wrapper code is generated, before the module is loaded (on a CPU, before its C++
-    kernels are compiled); what is returned cannot run, only the code is wanted (to judge it).
+    compiles here ("forward", "backward" or "inference"), also from its cache and for a backward
+    compiled at its first call. ``code_only``: each graph stops once its wrapper code is generated,
+    before the module is loaded (before C++ builds): what is returned cannot run, only the code is wanted.
     ``after_backward(lower_like_forward)`` runs once the backward is compiled, still inside this
     compile: ``lower_like_forward(graph)`` lowers another graph with the forward's inputs and
     arguments, for its wrapper code alone (no trace, no partition: the same fake tensors).
     ``graph_patches(graph)``: Inductor config patched while that graph (the partitioned forward or
     backward, also one lowered lazily at the first backward call) is lowered. ``not_donated(graph)``: a
     backward's placeholders whose buffers Inductor must not reuse (``donated.lowering_backward``).
-    ``join_runs``: fxoffload's transfer ops, whose gaps between C++ kernel runs Inductor's schedule
-    closes where the device peak does not rise (``scheduler_runs.joining_runs``)."""
+    ``join_runs``: the transfer ops whose C++ kernel runs Inductor's schedule joins (``scheduler_runs``)."""
     from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 
     if code_only and on_output_code is None:
@@ -278,8 +275,7 @@ def compile_with_inductor(
         return compiled
 
     def _inner_compile(graph: fx.GraphModule, inputs: Any, **kwargs: Any) -> Any:
-        patched = inductor_config.patch(graph_patches(graph) if graph_patches is not None else {})
-        with patched, joining_runs(join_runs) if join_runs is not None else contextlib.nullcontext():
+        with inductor_config.patch(graph_patches(graph) if graph_patches else {}), joining_runs(join_runs):
             if on_output_code is None:
                 return compile_fx_inner(graph, inputs, **kwargs)
             kind = "backward" if kwargs.get("is_backward") else "inference" if kwargs.get("is_inference") else "forward"

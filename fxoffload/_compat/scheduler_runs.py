@@ -188,8 +188,12 @@ def join_runs(
 
 
 @contextlib.contextmanager
-def joining_runs(ops: TransferOps) -> Iterator[None]:
-    """Inductor's memory reordering followed by ``join_runs`` for the graphs lowered inside."""
+def joining_runs(ops: TransferOps | None) -> Iterator[None]:
+    """Inductor's memory reordering followed by ``join_runs`` for the graphs lowered inside (None:
+    Inductor's alone)."""
+    if ops is None:
+        yield
+        return
     original = inductor_memory.reorder_for_peak_memory
 
     def reorder(nodes: list[BaseSchedulerNode], name_to_buf: Any, name_to_fused_node: Any,
