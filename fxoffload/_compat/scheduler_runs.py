@@ -12,7 +12,8 @@ Inductor's own code has 19, about a second each on a CPU.
 ``joining_runs`` wraps that reordering, for the graphs lowered inside it: after Inductor's order, a
 group of transfer ops standing between two runs is moved out of the way, the ops that the later run
 reads before the earlier run, the ops that read the earlier run after the later one, when the
-schedule's peak, as Inductor's C++ code allocates it, does not rise. That code allocates the
+schedule's device peak (host copies left out: ``_host_buffers``), as Inductor's C++ code allocates
+it, does not rise. That code allocates the
 buffers of a whole run before calling it (``_run_peak``), so joining two runs holds the later
 one's buffers over the earlier one's call, and a wait moved down holds its source: near the peak
 a join is refused (the forward waits of 86e73b4 stay where they free memory that counts).
