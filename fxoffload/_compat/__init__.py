@@ -24,8 +24,8 @@ from torch._inductor import config as inductor_config
 from torch._inductor.custom_graph_pass import CustomPartitionerFn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from .scheduler_runs import TransferOps, joining_runs
 from .donated import backward_lowered_at_compile, can_lower_backward_at_compile, donates_saved_buffers, lowering_backward
+from .scheduler_runs import TransferOps, joining_runs
 
 __all__ = [
     "CustomPartitionerFn",

@@ -13,10 +13,10 @@ Inductor's own code has 19, about a second each on a CPU.
 group of transfer ops standing between two runs is moved out of the way, the ops that the later run
 reads before the earlier run, the ops that read the earlier run after the later one, when the
 schedule's device peak (host copies left out: ``_host_buffers``), as Inductor's C++ code allocates
-it, does not rise. That code allocates the
-buffers of a whole run before calling it (``_run_peak``), so joining two runs holds the later
-one's buffers over the earlier one's call, and a wait moved down holds its source: near the peak
-a join is refused (the forward waits of 86e73b4 stay where they free memory that counts).
+it, does not rise. That code allocates the buffers of a whole run before calling it (``_run_peak``),
+so joining two runs holds the later one's buffers over the earlier one's call, and a wait moved
+down holds its source: near the peak a join is refused (the forward waits of 86e73b4 stay where
+they free memory that counts).
 
 Private Inductor pieces (the scheduler's nodes, its memory estimates): torch 2.11 and 2.13 alike.
 """
@@ -61,13 +61,8 @@ def _movable(n: BaseSchedulerNode, transfer_ops: frozenset[Any]) -> bool:
     if _op(n) in transfer_ops:
         return True
     inner = getattr(n, "node", None)
-    if isinstance(inner, ir.MultiOutput):
-        return any(_op_of_buffer(i) in transfer_ops for i in inner.inputs)
-    return False
-
-
-def _op_of_buffer(buf: Any) -> Any:
-    return getattr(buf, "op_overload", None)
+    unpacks = isinstance(inner, ir.MultiOutput)
+    return unpacks and any(getattr(i, "op_overload", None) in transfer_ops for i in inner.inputs)
 
 
 def _depends(later: BaseSchedulerNode, earlier: BaseSchedulerNode) -> bool:
