@@ -121,6 +121,46 @@ def test_copies_left_where_the_plan_put_them_split_kernels(monkeypatch, plain_an
     assert _kernel_calls(broken.output_code["backward"]) > _kernel_calls(offloaded.output_code["backward"])
 
 
+def _cached_step(monkeypatch, key: str, join: bool):
+    """A one-block GPT step (policy "all") lowered with ``_JOIN_KEY`` set to ``key`` and the join
+    on or off, its graph id 0 in every compile (the copies carry it in their names) so that the FX
+    graph is the same each time: kernel calls forward and backward, Inductor's FX graph cache hits."""
+    from torch._dynamo.utils import counters
+    from torch._inductor import config
+
+    from fxoffload.compiler import partitioner
+
+    with monkeypatch.context() as m:
+        m.setattr(partitioner, "new_graph_id", lambda: 0)
+        m.setattr(scheduler_runs, "_JOIN_KEY", key)
+        if not join:
+            m.setattr(scheduler_runs, "join_runs", lambda order, ops, peak: (order, 0))
+        counters.clear()
+        with config.patch(fx_graph_cache=True):
+            pair, _, _ = _step("all", layers=1)
+    calls = tuple(_kernel_calls(pair.output_code[g]) for g in ("forward", "backward"))
+    return calls, counters["inductor"]["fxgraph_cache_hit"]
+
+
+def test_the_join_is_in_inductors_cache_key(monkeypatch):
+    """Inductor's FX graph cache keys code on the graph and Inductor's config, not on the schedule
+    changed here: the same graph lowered earlier without the join (an earlier fxoffload, or the join's
+    rule changed: ``_JOIN_KEY`` hashes this module's source) must not come back from it. With the key
+    changed with the join, the joined code is lowered anew (forward 6 kernel calls, not 11); the
+    rule broken on purpose (one key for both), the cache returns the unjoined code."""
+    import uuid
+
+    fresh = uuid.uuid4().hex  # entries of earlier runs of the suite never answer
+    unjoined, hits = _cached_step(monkeypatch, f"{fresh}-earlier", join=False)
+    assert hits == 0
+    joined, hits = _cached_step(monkeypatch, fresh, join=True)
+    assert hits == 0 and joined[0] < unjoined[0], (joined, unjoined)
+    assert _cached_step(monkeypatch, fresh, join=True) == (joined, 2)  # the key still lets the cache work
+    broken = uuid.uuid4().hex
+    assert _cached_step(monkeypatch, broken, join=False) == (unjoined, 0)
+    assert _cached_step(monkeypatch, broken, join=True) == (unjoined, 2)
+
+
 def _gpt_code_memory(bf16: bool = False):
     """The built-in GPT (dropout; fp32, or its forward under bf16 autocast) with every saved tensor
     offloaded: its code's memory."""
@@ -216,3 +256,38 @@ def test_an_order_edge_goes_through_an_input_nothing_else_reads():
     g.output((c, c2, other, g.call_function(torch.neg, (w,))))
     assert routing_cost(alone, c) < routing_cost(w, c2) < routing_cost(shared, c)
     assert materialised(c) and not materialised(alone)
+
+
+def test_a_users_post_grad_pass_still_runs_and_keys_the_cache(monkeypatch):
+    """The join's key takes Inductor's post-grad pre-pass slot: a user's keyed pass there runs on
+    every graph lowered (forward and backward) and its ``uuid`` stays in the key; a plain function
+    there (which keeps Inductor from caching) is left as it is."""
+    from torch._inductor import config
+    from torch._inductor.custom_graph_pass import CustomGraphPass
+
+    ops = scheduler_runs.TransferOps(frozenset(), None, None, None)
+
+    class Counting(CustomGraphPass):
+        calls = 0
+
+        def __call__(self, graph):
+            Counting.calls += 1
+
+        def uuid(self):
+            return "the user's pass"
+
+    mine = Counting()
+    with config.patch(post_grad_custom_pre_pass=mine):
+        with scheduler_runs.joining_runs(ops):
+            keyed = config.post_grad_custom_pre_pass
+        model, batch = example("mlp")
+        torch._dynamo.reset()
+        torch.compile(model, backend=fxoffload.backend(policy="all", min_bytes=0, **_FIXED))(*batch).sum().backward()
+    assert Counting.calls >= 2, Counting.calls
+    assert keyed is not mine and "the user's pass" in keyed.uuid() and scheduler_runs._JOIN_KEY in keyed.uuid()
+
+    def plain(graph):
+        pass
+
+    with config.patch(post_grad_custom_pre_pass=plain), scheduler_runs.joining_runs(ops):
+        assert config.post_grad_custom_pre_pass is plain

@@ -25,12 +25,16 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hashlib
 import logging
+from pathlib import Path
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch._inductor.memory as inductor_memory
+from torch._inductor import config as inductor_config
 from torch._inductor import ir
+from torch._inductor.custom_graph_pass import CustomGraphPass
 from torch._inductor.scheduler import BaseSchedulerNode, NopKernelSchedulerNode
 
 log = logging.getLogger(__name__)
@@ -207,6 +211,41 @@ def joining_runs(ops: TransferOps | None) -> Iterator[None]:
 
     inductor_memory.reorder_for_peak_memory = reorder
     try:
-        yield
+        with inductor_config.patch(_cache_key()):
+            yield
     finally:
         inductor_memory.reorder_for_peak_memory = original
+
+
+# What the code of a graph lowered inside ``joining_runs`` depends on beyond its graph and config: this
+# module's source.
+_JOIN_KEY = hashlib.sha256(Path(__file__).read_bytes()).hexdigest()[:16]
+
+
+class _JoinKey(CustomGraphPass):
+    """The user's post-grad pre-pass (or none), run as it is, its ``uuid`` with ``_JOIN_KEY`` beside."""
+
+    def __init__(self, inner: CustomGraphPass | None) -> None:
+        self.inner = inner
+
+    def __call__(self, graph: Any) -> None:
+        if self.inner is not None:
+            self.inner(graph)
+
+    def uuid(self) -> Any:
+        inner = self.inner.uuid() if self.inner is not None else None
+        if self.inner is not None and not inner:
+            return None  # a pass without a key: Inductor bypasses its cache, as it would without us
+        return ("fxoffload: kernel runs joined", _JOIN_KEY, inner)
+
+
+def _cache_key() -> dict[str, Any]:
+    """Inductor's FX graph cache keys a graph on the graph and Inductor's config, not on a change to
+    the schedule made here: code lowered without the join (an earlier fxoffload, or the join's rule
+    changed) came back from it for the same graph. The join goes into the key as a post-grad pass
+    that does nothing of its own (the user's, where it is a keyed ``CustomGraphPass``, runs inside);
+    a plain function there already keeps Inductor from caching, and is left alone."""
+    user = inductor_config.post_grad_custom_pre_pass
+    if user is not None and not isinstance(user, CustomGraphPass):
+        return {}
+    return {"post_grad_custom_pre_pass": _JoinKey(user)}
