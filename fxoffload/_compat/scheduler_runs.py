@@ -162,8 +162,9 @@ def join_runs(
     order: list[BaseSchedulerNode], transfer_ops: frozenset[Any], peak: Callable[[Sequence[BaseSchedulerNode]], int]
 ) -> tuple[list[BaseSchedulerNode], int]:
     """``order`` with each gap of transfer ops between two C++ kernel runs moved out of the way
-    where ``peak`` (of a whole schedule) does not rise; and how many gaps were closed."""
-    best = peak(order)
+    where ``peak`` (of a whole schedule) does not rise; and how many gaps were closed. ``peak`` is
+    taken only once a gap is found (a CUDA graph, Triton kernels and no C++ run, has none)."""
+    best: int | None = None
     closed = 0
     i = 1
     while i < len(order):
@@ -178,6 +179,7 @@ def join_runs(
             continue
         joined = _join(order, i, b)
         if joined is not None:
+            best = peak(order) if best is None else best
             value = peak(joined)
             if value <= best:
                 order, best, closed = joined, value, closed + 1
