@@ -8,10 +8,7 @@ code that overwrites what the next one reads.
 """
 
 import copy
-import os
 import re
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -136,51 +133,44 @@ def test_host_copies_are_never_donated(monkeypatch):
     assert given & host
 
 
-_CACHED_STEP = """
-import re, sys
-import torch
-from torch._dynamo.utils import counters
-from torch._functorch import config as functorch_config
-import fxoffload
-from fxoffload._compat import donated
-from fxoffload.testing.models import GPT, GPTConfig, gpt_batch
+def _cached_step(monkeypatch, donate: bool, fixed_key: str | None = None):
+    """Reused saved tensors and Inductor's FX graph cache hits of one step, the graph id 0 in every
+    compile (the copies carry it in their names) so that the FX graph is the same each time.
+    ``fixed_key``: the donated buffers' key replaced by one that ignores them (the rule broken on purpose)."""
+    from torch._dynamo.utils import counters
+    from torch._inductor import config
 
-donate, keyed = sys.argv[1] == "1", sys.argv[2] == "1"
-if not keyed:  # the rule broken on purpose
-    donated._cache_key = lambda idxs: {}
-torch.manual_seed(0)
-cfg = GPTConfig(vocab=2048, layers=1, dropout=0.0)
-backend = fxoffload.backend(**OPTIONS)
-with functorch_config.patch(donated_buffer=donate):
-    torch.compile(GPT(cfg), backend=backend)(*gpt_batch(cfg, 4)).backward()
-found = re.findall(re.compile(REUSE, re.M), backend.reports[0].output_code["backward"])
-print(sorted({n for n in found if not n.startswith("buf")}), counters["inductor"]["fxgraph_cache_hit"])
-"""
+    from fxoffload.compiler import partitioner
 
-
-def _cached_step(cache_dir, donate: bool, keyed: bool = True):
-    """Reused saved tensors and FX graph cache hits of one step in a new process sharing ``cache_dir``."""
-    script = f"OPTIONS = {OPTIONS!r}\nREUSE = {_REUSE.pattern!r}\n" + _CACHED_STEP
-    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(cache_dir)}
-    out = subprocess.run(
-        [sys.executable, "-c", script, str(int(donate)), str(int(keyed))],
-        env=env, cwd=os.path.dirname(os.path.dirname(__file__)), capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
-    assert out.returncode == 0, out.stderr[-3000:]
-    reused, hits = out.stdout.strip().splitlines()[-1].rsplit(" ", 1)
-    return eval(reused), int(hits)
+    with monkeypatch.context() as m:
+        m.setattr(partitioner, "new_graph_id", lambda: 0)
+        if fixed_key is not None:
+            m.setattr(donated, "_cache_key", lambda idxs: {"post_grad_custom_post_pass": donated._DonatedKey((fixed_key,))})
+        counters.clear()
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        cfg = GPTConfig(vocab=2048, layers=1, dropout=0.0)
+        backend = fxoffload.backend(**OPTIONS)
+        with config.patch(fx_graph_cache=True), functorch_config.patch(donated_buffer=donate):
+            torch.compile(GPT(cfg), backend=backend)(*gpt_batch(cfg, 4)).backward()
+    found = _REUSE.findall(backend.reports[0].output_code["backward"])
+    return sorted({n for n in found if not n.startswith("buf")}), counters["inductor"]["fxgraph_cache_hit"]
 
 
-def test_donated_buffers_are_in_inductors_cache_key(tmp_path):
+def test_donated_buffers_are_in_inductors_cache_key(monkeypatch):
     """Inductor's FX graph cache keys a backward on its graph, not on its donated buffers: a process
     lowering the backward without them got, from the cache, code that writes into the saved logits.
-    With the buffers in the key (``donated._cache_key``) it gets its own; the rule broken on purpose,
-    the cached code comes back."""
-    assert _cached_step(tmp_path / "keyed", donate=True)[0] == ["mm"]
-    assert _cached_step(tmp_path / "keyed", donate=False)[0] == []
-    assert _cached_step(tmp_path / "broken", donate=True, keyed=False)[0] == ["mm"]
-    reused, hits = _cached_step(tmp_path / "broken", donate=False, keyed=False)
-    assert hits and reused == ["mm"], (reused, hits)
+    With the buffers in the key (``donated._cache_key``) it gets its own; the rule broken on purpose
+    (a key that ignores them, fresh to this run), the cached code comes back."""
+    import uuid
+
+    assert _cached_step(monkeypatch, donate=True)[0] == ["mm"]
+    assert _cached_step(monkeypatch, donate=False)[0] == []
+    fixed = uuid.uuid4().hex
+    reused, forward_hits = _cached_step(monkeypatch, donate=True, fixed_key=fixed)  # its forward may hit
+    assert reused == ["mm"]
+    reused, hits = _cached_step(monkeypatch, donate=False, fixed_key=fixed)
+    assert hits == forward_hits + 1 and reused == ["mm"], (reused, hits, forward_hits)
 
 
 def _aliasing_case(monkeypatch, broken: bool):
