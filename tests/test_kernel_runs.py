@@ -261,9 +261,9 @@ def test_an_order_edge_goes_through_an_input_nothing_else_reads():
 
 
 def test_a_users_post_grad_pass_still_runs_and_keys_the_cache(monkeypatch):
-    """The join's key takes Inductor's post-grad pre-pass slot: a user's keyed pass there runs on
-    every graph lowered (forward and backward) and its ``uuid`` stays in the key; a plain function
-    there (which keeps Inductor from caching) is left as it is."""
+    """The join's key takes Inductor's post-grad pre-pass slot: a user's keyed pass there (or a list
+    of them, on torch 2.13) runs on every graph lowered (forward and backward) and its ``uuid`` stays
+    in the key; a plain function there (which keeps Inductor from caching) is left as it is."""
     from torch._inductor import config
     from torch._inductor.custom_graph_pass import CustomGraphPass
 
@@ -286,13 +286,16 @@ def test_a_users_post_grad_pass_still_runs_and_keys_the_cache(monkeypatch):
         torch._dynamo.reset()
         torch.compile(model, backend=fxoffload.backend(policy="all", min_bytes=0, **_FIXED))(*batch).sum().backward()
     assert Counting.calls >= 2, Counting.calls
-    assert keyed is not mine and "the user's pass" in keyed.uuid() and scheduler_runs._JOIN_KEY in keyed.uuid()
+    assert keyed is not mine and keyed.uuid()[1:] == (scheduler_runs._JOIN_KEY, ("the user's pass",))
+    with config.patch(post_grad_custom_pre_pass=[mine, mine]), scheduler_runs.joining_runs(ops):  # torch 2.13's lists
+        assert config.post_grad_custom_pre_pass.uuid()[2] == ("the user's pass",) * 2
 
     def plain(graph):
         pass
 
-    with config.patch(post_grad_custom_pre_pass=plain), scheduler_runs.joining_runs(ops):
-        assert config.post_grad_custom_pre_pass is plain
+    for unkeyed in (plain, [mine, plain]):
+        with config.patch(post_grad_custom_pre_pass=unkeyed), scheduler_runs.joining_runs(ops):
+            assert config.post_grad_custom_pre_pass is unkeyed
 
 
 _TWO_COMPILES = """

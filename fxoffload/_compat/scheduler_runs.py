@@ -27,8 +27,8 @@ import contextlib
 import dataclasses
 import hashlib
 import logging
-from pathlib import Path
 from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch._inductor.memory as inductor_memory
@@ -225,18 +225,19 @@ _JOIN_KEY = hashlib.sha256(Path(__file__).read_bytes()).hexdigest()[:16]
 
 
 class _JoinKey(CustomGraphPass):
-    """The user's post-grad pre-pass (or none), run as it is, its ``uuid`` with ``_JOIN_KEY`` beside."""
+    """The user's post-grad pre-passes (none, one, or a list on torch 2.13), run as they are, their
+    ``uuid``s with ``_JOIN_KEY`` beside."""
 
-    def __init__(self, inner: CustomGraphPass | None) -> None:
-        self.inner = inner
+    def __init__(self, inner: Sequence[CustomGraphPass]) -> None:
+        self.inner = tuple(inner)
 
     def __call__(self, graph: Any) -> None:
-        if self.inner is not None:
-            self.inner(graph)
+        for p in self.inner:
+            p(graph)
 
     def uuid(self) -> Any:
-        inner = self.inner.uuid() if self.inner is not None else None
-        if self.inner is not None and not inner:
+        inner = tuple(p.uuid() for p in self.inner)
+        if not all(inner):
             return None  # a pass without a key: Inductor bypasses its cache, as it would without us
         return ("fxoffload: kernel runs joined", _JOIN_KEY, inner)
 
@@ -245,9 +246,10 @@ def _cache_key() -> dict[str, Any]:
     """Inductor's FX graph cache keys a graph on the graph and Inductor's config, not on a change to
     the schedule made here: code lowered without the join (an earlier fxoffload, or the join's rule
     changed) came back from it for the same graph. The join goes into the key as a post-grad pass
-    that does nothing of its own (the user's, where it is a keyed ``CustomGraphPass``, runs inside);
+    that does nothing of its own (the user's, where they are keyed ``CustomGraphPass``es, run inside);
     a plain function there already keeps Inductor from caching, and is left alone."""
     user = inductor_config.post_grad_custom_pre_pass
-    if user is not None and not isinstance(user, CustomGraphPass):
+    passes = [] if user is None else list(user) if isinstance(user, (list, tuple)) else [user]
+    if not all(isinstance(p, CustomGraphPass) for p in passes):
         return {}
-    return {"post_grad_custom_pre_pass": _JoinKey(user)}
+    return {"post_grad_custom_pre_pass": _JoinKey(passes)}
