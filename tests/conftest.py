@@ -1,3 +1,4 @@
+import contextlib
 import copy
 import dataclasses
 import re
@@ -171,3 +172,19 @@ def calls_cost_the_step(monkeypatch, seconds=5e-2):
     monkeypatch.setattr(watch, "host_op_seconds", lambda device: (seconds, seconds))
     for module in (watch, measured):
         monkeypatch.setattr(module, "stalled", lambda t: False)
+
+
+@contextlib.contextmanager
+def through_inductors_cache(monkeypatch):
+    """The compiles inside use Inductor's FX graph cache with every graph's id held at 0: the copies
+    carry it in their names, which alone keeps a second compile of one model in a process from the
+    cache. Yields a function: the cache hits since entering."""
+    from torch._dynamo.utils import counters
+    from torch._inductor import config
+
+    from fxoffload.compiler import partitioner
+
+    with monkeypatch.context() as m, config.patch(fx_graph_cache=True):
+        m.setattr(partitioner, "new_graph_id", lambda: 0)
+        counters.clear()
+        yield lambda: counters["inductor"]["fxgraph_cache_hit"]

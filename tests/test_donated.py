@@ -21,7 +21,7 @@ from fxoffload.compiler import compile as compile_module
 from fxoffload.compiler.lowering import host_placeholders
 from fxoffload.testing.models import GPT, GPTConfig, gpt_batch
 
-from .conftest import measured_steady_step
+from .conftest import measured_steady_step, through_inductors_cache
 
 # The blocks' saved tensors offloaded; the logits (the LM head's ``mm``) kept for the backward.
 OPTIONS = {"offload_cpu": True, "min_bytes": 0, "policy": "auto", "offload_modules": ("blocks.*",)}
@@ -134,27 +134,20 @@ def test_host_copies_are_never_donated(monkeypatch):
 
 
 def _cached_step(monkeypatch, donate: bool, fixed_key: str | None = None):
-    """Reused saved tensors and Inductor's FX graph cache hits of one step, the graph id 0 in every
-    compile (the copies carry it in their names) so that the FX graph is the same each time.
-    ``fixed_key``: the donated buffers' key replaced by one that ignores them (the rule broken on purpose)."""
-    from torch._dynamo.utils import counters
-    from torch._inductor import config
-
-    from fxoffload.compiler import partitioner
-
-    with monkeypatch.context() as m:
-        m.setattr(partitioner, "new_graph_id", lambda: 0)
+    """Reused saved tensors and Inductor's FX graph cache hits of one step, through the cache
+    (``through_inductors_cache``). ``fixed_key``: the donated buffers' key replaced by one that
+    ignores them (the rule broken on purpose)."""
+    with through_inductors_cache(monkeypatch) as hits, monkeypatch.context() as m:
         if fixed_key is not None:
             m.setattr(donated, "_cache_key", lambda idxs: {"post_grad_custom_post_pass": donated._DonatedKey((fixed_key,))})
-        counters.clear()
         torch._dynamo.reset()
         torch.manual_seed(0)
         cfg = GPTConfig(vocab=2048, layers=1, dropout=0.0)
         backend = fxoffload.backend(**OPTIONS)
-        with config.patch(fx_graph_cache=True), functorch_config.patch(donated_buffer=donate):
+        with functorch_config.patch(donated_buffer=donate):
             torch.compile(GPT(cfg), backend=backend)(*gpt_batch(cfg, 4)).backward()
-    found = _REUSE.findall(backend.reports[0].output_code["backward"])
-    return sorted({n for n in found if not n.startswith("buf")}), counters["inductor"]["fxgraph_cache_hit"]
+        found = _REUSE.findall(backend.reports[0].output_code["backward"])
+        return sorted({n for n in found if not n.startswith("buf")}), hits()
 
 
 def test_donated_buffers_are_in_inductors_cache_key(monkeypatch):

@@ -17,6 +17,8 @@ from fxoffload.rewrite import kernel_runs, transfers
 from fxoffload.rewrite.kernel_runs import between_kernel_runs, materialised, routing_cost
 from fxoffload.testing.models import GPT, GPTConfig, example, gpt_batch
 
+from .conftest import through_inductors_cache
+
 
 # The copies' speed and calls' cost given, not measured: where the plan puts each wait (and so which
 # runs a join may close without raising the peak) does not move with the machine's load.
@@ -125,23 +127,14 @@ def test_copies_left_where_the_plan_put_them_split_kernels(monkeypatch, plain_an
 
 def _cached_step(monkeypatch, key: str, join: bool):
     """A one-block GPT step (policy "all") lowered with ``_JOIN_KEY`` set to ``key`` and the join
-    on or off, its graph id 0 in every compile (the copies carry it in their names) so that the FX
-    graph is the same each time: kernel calls forward and backward, Inductor's FX graph cache hits."""
-    from torch._dynamo.utils import counters
-    from torch._inductor import config
-
-    from fxoffload.compiler import partitioner
-
-    with monkeypatch.context() as m:
-        m.setattr(partitioner, "new_graph_id", lambda: 0)
+    on or off, through Inductor's cache (``through_inductors_cache``): kernel calls forward and
+    backward, the cache's hits."""
+    with through_inductors_cache(monkeypatch) as hits, monkeypatch.context() as m:
         m.setattr(scheduler_runs, "_JOIN_KEY", key)
         if not join:
             m.setattr(scheduler_runs, "join_runs", lambda order, ops, peak: (order, 0))
-        counters.clear()
-        with config.patch(fx_graph_cache=True):
-            pair, _, _ = _step("all", layers=1)
-    calls = tuple(_kernel_calls(pair.output_code[g]) for g in ("forward", "backward"))
-    return calls, counters["inductor"]["fxgraph_cache_hit"]
+        pair, _, _ = _step("all", layers=1)
+        return tuple(_kernel_calls(pair.output_code[g]) for g in ("forward", "backward")), hits()
 
 
 def test_the_join_is_in_inductors_cache_key(monkeypatch):
