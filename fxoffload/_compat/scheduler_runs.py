@@ -162,9 +162,8 @@ def join_runs(
     order: list[BaseSchedulerNode], transfer_ops: frozenset[Any], peak: Callable[[Sequence[BaseSchedulerNode]], int]
 ) -> tuple[list[BaseSchedulerNode], int]:
     """``order`` with each gap of transfer ops between two C++ kernel runs moved out of the way
-    where ``peak`` (of a whole schedule) does not rise; and how many gaps were closed. ``peak`` is
-    taken only once a gap is found (a CUDA graph, Triton kernels and no C++ run, has none)."""
-    best: int | None = None
+    where ``peak`` (of a whole schedule) does not rise; and how many gaps were closed."""
+    best = peak(order)
     closed = 0
     i = 1
     while i < len(order):
@@ -179,7 +178,6 @@ def join_runs(
             continue
         joined = _join(order, i, b)
         if joined is not None:
-            best = peak(order) if best is None else best
             value = peak(joined)
             if value <= best:
                 order, best, closed = joined, value, closed + 1
@@ -201,8 +199,8 @@ def joining_runs(ops: TransferOps | None) -> Iterator[None]:
     def reorder(nodes: list[BaseSchedulerNode], name_to_buf: Any, name_to_fused_node: Any,
                 graph_inputs: Any, graph_outputs: Any, *args: Any, **kwargs: Any) -> list[BaseSchedulerNode]:  # fmt: skip
         order = original(nodes, name_to_buf, name_to_fused_node, graph_inputs, graph_outputs, *args, **kwargs)
-        if not any(_op(n) in ops.all for n in order):
-            return order
+        if not any(_op(n) in ops.all for n in order) or not any(_kernel(n) for n in order):
+            return order  # nothing to join: no transfer op, or no C++ run (a CUDA graph's Triton kernels)
         _, freeable = inductor_memory.prepare_planning_info(
             order, name_to_buf, name_to_fused_node, graph_inputs, graph_outputs
         )
