@@ -111,16 +111,21 @@ def _run(method: str, args: argparse.Namespace) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+def _first3(row: dict) -> float:
+    """The seconds of a run's first three steps, what the table compares."""
+    return sum(row["steps_s"][:3])
+
+
 def summarise(rounds: list[dict[str, dict]]) -> tuple[list[dict], dict[str, float]]:
     """Each method's median run (by the sum of its first three steps; the lower middle of an even
     count), in the first round's order, and each method's ratio to Inductor: the median of the
     rounds' ratios, each against the Inductor run of its own round (none without an Inductor row)."""
     rows, ratios = [], {}
     for method in rounds[0]:
-        runs = sorted((one[method] for one in rounds), key=lambda r: sum(r["steps_s"][:3]))
+        runs = sorted((one[method] for one in rounds), key=_first3)
         rows.append(runs[(len(runs) - 1) // 2])
         if all("inductor" in one for one in rounds):
-            paired = sorted(sum(one[method]["steps_s"][:3]) / sum(one["inductor"]["steps_s"][:3]) for one in rounds)
+            paired = sorted(_first3(one[method]) / _first3(one["inductor"]) for one in rounds)
             ratios[method] = statistics.median(paired)
     return rows, ratios
 
@@ -152,10 +157,10 @@ def main(argv: list[str] | None = None) -> None:
     rows, ratios = summarise(rounds)
     table = []
     for r in rows:
-        first3 = sum(r["steps_s"][:3])
+        first3 = _first3(r)
         ratio = f"{ratios[r['method']]:.2f}" if r["method"] in ratios else "-"
         steps = " / ".join(f"{s:.2f}" for s in r["steps_s"][:3])
-        spread = [sum(one[r["method"]]["steps_s"][:3]) for one in rounds]
+        spread = [_first3(one[r["method"]]) for one in rounds]
         settled = f"{r['settled_s']:.2f} ({r['settled_steps']})" if r.get("settled_steps") else "-"
         table.append([r["method"], steps, f"{first3:.2f}" + (f" ({min(spread):.1f}-{max(spread):.1f})" if len(rounds) > 1 else ""),
                       ratio, settled, r.get("compiles", "-"),
