@@ -25,6 +25,11 @@ from .conftest import through_inductors_cache
 _FIXED = {"offload_cpu": True, "cpu_link_bandwidth": "2GB", "op_time": 20e-6}
 
 
+def _left_apart(order, transfer_ops, peak):
+    """``scheduler_runs.join_runs`` switched off: Inductor's schedule as its reordering left it."""
+    return order, 0
+
+
 def _step(policy: str, layers: int = 1):
     """A GPT step compiled by Inductor with ``policy`` (offload_cpu): its pair (the rewritten graphs,
     Inductor's code), its loss and gradients."""
@@ -115,7 +120,7 @@ def test_copies_left_where_the_plan_put_them_split_kernels(monkeypatch, plain_an
     14 against 8); with the copies also left inside the FX graph's runs, offloads and reloads stand
     inside runs and the backward calls more kernels too (23 against 12)."""
     _, (offloaded, _, _) = plain_and_all
-    monkeypatch.setattr(scheduler_runs, "join_runs", lambda order, ops, peak: (order, 0))
+    monkeypatch.setattr(scheduler_runs, "join_runs", _left_apart)
     unjoined, _, _ = _step("all", layers=2)
     assert _kernel_calls(unjoined.output_code["forward"]) > _kernel_calls(offloaded.output_code["forward"])
     monkeypatch.setattr(transfers, "between_kernel_runs", lambda graph: 0)
@@ -132,7 +137,7 @@ def _cached_step(monkeypatch, key: str, join: bool):
     with through_inductors_cache(monkeypatch) as hits, monkeypatch.context() as m:
         m.setattr(scheduler_runs, "_JOIN_KEY", key)
         if not join:
-            m.setattr(scheduler_runs, "join_runs", lambda order, ops, peak: (order, 0))
+            m.setattr(scheduler_runs, "join_runs", _left_apart)
         pair, _, _ = _step("all", layers=1)
         return tuple(_kernel_calls(pair.output_code[g]) for g in ("forward", "backward")), hits()
 
@@ -175,7 +180,7 @@ def test_runs_are_joined_only_where_the_device_peak_does_not_rise(monkeypatch):
     (forward 2.33 MB above the start, both); with every join taken (the peak check broken on purpose) at least a fifth
     higher (2.87 MB: a joined run allocates the later run's buffers before the earlier one's call)."""
     joined = _gpt_code_memory()
-    monkeypatch.setattr(scheduler_runs, "join_runs", lambda order, ops, peak: (order, 0))
+    monkeypatch.setattr(scheduler_runs, "join_runs", _left_apart)
     apart = _gpt_code_memory()
     assert joined.phase_peak("forward") <= apart.phase_peak("forward")
     assert joined.peak_bytes <= apart.peak_bytes
@@ -191,7 +196,7 @@ def test_host_copies_are_not_device_memory_to_the_join(monkeypatch):
     moved up freed its host input to Inductor's estimate while its device copy came earlier: the
     backward peaked a tenth higher (2.67 MB)."""
     joined = _gpt_code_memory(bf16=True)
-    monkeypatch.setattr(scheduler_runs, "join_runs", lambda order, ops, peak: (order, 0))
+    monkeypatch.setattr(scheduler_runs, "join_runs", _left_apart)
     assert joined.peak_bytes <= _gpt_code_memory(bf16=True).peak_bytes
     monkeypatch.undo()
     monkeypatch.setattr(scheduler_runs, "_host_buffers", lambda order, ops: set())
