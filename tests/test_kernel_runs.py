@@ -297,15 +297,14 @@ def test_a_users_post_grad_pass_still_runs_and_keys_the_cache(monkeypatch):
 
 
 _TWO_COMPILES = """
-import re, sys, torch
+import sys, torch
 import torch._inductor.graph as graph
 import torch._inductor.lowering as lowering
 from torch._inductor import config
-import fxoffload
 from fxoffload import _compat
 from fxoffload.compiler import partitioner
 from fxoffload.ir import TRANSFER_OPS
-from fxoffload.testing.models import GPT, GPTConfig, gpt_batch
+from tests.test_kernel_runs import _step  # and the suite's settings (conftest)
 
 if sys.argv[1] == "broken":
     _compat.register_fallbacks = lambda ops: None
@@ -319,13 +318,9 @@ graph.GraphLowering.run = spy
 codes = []
 compiles = 2 if sys.argv[1] == "kept" or torch.__version__.startswith("2.11.") else 1  # 2.13: lowered alike
 for _ in range(compiles):
-    torch._dynamo.reset()
-    torch.manual_seed(0)
-    cfg = GPTConfig(layers=1, dropout=0.0)
-    backend = fxoffload.backend(policy="all", min_bytes=0, verify_peak=False, **FIXED)
     with config.patch(fx_graph_cache=False):
-        torch.compile(GPT(cfg), backend=backend)(*gpt_batch(cfg, 8)).backward()
-    code = backend.reports[0].output_code["forward"]
+        pair, _, _ = _step("all", layers=1)
+    code = pair.output_code["forward"]
     codes.append(code[code.index("def call(self, args)"):])
 print(registered[0], codes[0] == codes[-1])
 """
@@ -344,9 +339,8 @@ def test_the_first_compile_of_a_process_lowers_as_the_later_ones(rule):
     import subprocess
     import sys
 
-    script = f"FIXED = {_FIXED!r}\n" + _TWO_COMPILES
     out = subprocess.run(
-        [sys.executable, "-c", script, rule], cwd=os.path.dirname(os.path.dirname(__file__)),
+        [sys.executable, "-c", _TWO_COMPILES, rule], cwd=os.path.dirname(os.path.dirname(__file__)),
         capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert out.returncode == 0, out.stderr[-3000:]
