@@ -116,6 +116,24 @@ def test_ops_inputs_cannot_make_safe_keep_the_models_time():
     assert skipped and all(cost.node_time(n, cost.CPU_RATES) > 0 for n in skipped), "the model prices them"
 
 
+ATTENTION_BACKWARDS = (  # each reads its dropout's seed and offset on the host: made up, a segfault
+    "_scaled_dot_product_efficient_attention_backward", "_scaled_dot_product_flash_attention_backward",
+    "_scaled_dot_product_cudnn_attention_backward", "_efficient_attention_backward", "_flash_attention_backward",
+    "_cudnn_attention_backward",
+)  # fmt: skip
+
+
+@pytest.mark.parametrize("op", ATTENTION_BACKWARDS)
+def test_an_attention_backward_is_never_calibrated(op):
+    """On an H100, calibrating a memory-efficient attention's backward would run it with a made-up
+    seed on the device, which it reads on the host. Its forward (no such argument) is still timed."""
+    graph = torch.fx.Graph()
+    backward = graph.call_function(getattr(aten, op).default, ())
+    forward = graph.call_function(aten._scaled_dot_product_efficient_attention.default, ())
+    assert not standalone._calibratable(backward)
+    assert standalone._calibratable(forward)
+
+
 @requires_cuda
 @pytest.mark.cuda
 def test_calibrating_checked_ops_on_cuda_leaves_the_context_usable():

@@ -75,6 +75,11 @@ _UNSAFE_TO_CALIBRATE = frozenset({
     "segment_reduce",  # lengths or offsets are checked against the data's size
     "_segment_reduce_backward",
 })
+# A fused attention's dropout state (its backward's philox seed and offset, flash's ``rng_state``):
+# outside a CUDA graph the op reads the value through the tensor's pointer on the host, so a made-up
+# one on the device is a segfault, which nothing can catch (in torch's efficient and flash attention
+# backwards alike). Matched by the schema's argument name, so every attention backend's op is.
+_READ_ON_THE_HOST = frozenset({"philox_seed", "philox_offset", "rng_state"})
 
 
 def _calibratable(node: fx.Node) -> bool:
@@ -84,6 +89,8 @@ def _calibratable(node: fx.Node) -> bool:
         return False
     name = target._schema.name.split("::")[-1]
     if name in _UNSAFE_TO_CALIBRATE or "assert" in name:
+        return False
+    if any(a.name in _READ_ON_THE_HOST for a in target._schema.arguments):
         return False
     for arg in node.all_input_nodes:
         val = arg.meta.get("val")
