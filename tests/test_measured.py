@@ -10,6 +10,7 @@ offloads what cannot hide until the measurement says so.
 
 import copy
 import dataclasses
+import functools
 import time
 
 import pytest
@@ -163,6 +164,78 @@ def test_copies_of_other_graphs_and_calls_are_not_taken():
     recording.close()
     late = ir.WAIT(ir.OFFLOAD(src, [], 0.0, ir.transfer_name(1, "y")), src, [])  # after the recorded call
     assert recording.stop() == [] and other.shape == late.shape
+
+
+class _Event:
+    """A device's timing event, at ``t`` seconds of that device's own clock: like torch's, it has
+    no time against another device's event."""
+
+    def __init__(self, device, t):
+        self.device, self.t = torch.device(device), t
+
+    def synchronize(self):
+        pass
+
+    def elapsed_time(self, end):
+        if end.device != self.device:
+            raise RuntimeError(f"events of {self.device} and {end.device}")
+        return (end.t - self.t) * 1e3
+
+
+def _stamped(name, device, issue, wait, stall):
+    """An offload on ``device`` issued at ``issue``, waited on at ``wait`` for ``stall`` seconds."""
+    event = functools.partial(_Event, device)
+    return timing.Stamps(
+        ir.transfer_name(7, name), "d2h", 1 << 20, torch.device(device), issue=event(issue),
+        copy_start=event(issue), copy_end=event(wait + stall), wait_start=event(wait),
+        wait_end=event(wait + stall), waited=True,
+    )  # fmt: skip
+
+
+def test_a_recording_of_two_devices_times_each_on_its_own_clock():
+    """A graph whose copies run on two GPUs: cuda:1's events have no time against cuda:0's (torch
+    raises), and a stall on cuda:1 is no part of a window on cuda:0. Each copy is placed against a
+    stamp of its own device; a's window keeps its 10 ms though b's stall falls inside it by the
+    clocks' numbers."""
+    recording = Recording(ir.transfer_name(7, "")).start()
+    recording.take(_stamped("a", "cuda:0", 0.0, 0.010, 0.0))
+    recording.take(_stamped("b", "cuda:1", 0.002, 0.004, 0.003))
+    recording.close()
+    a, b = recording.stop()
+    assert (a.tensor, b.tensor) == ("a", "b")
+    assert (a.window_s, b.window_s, b.stall_s) == pytest.approx((0.010, 0.002, 0.003))
+
+
+def test_reading_the_copies_times_never_fails_a_step(monkeypatch, caplog):
+    """An error where the copies' events are read (a device's, say) is logged, and training goes on."""
+    def fails(self, origin):
+        raise RuntimeError("an event of another device")
+
+    monkeypatch.setattr(timing.Stamps, "resolve", fails)
+    backend = fxoffload.backend(offload_cpu=True, inner="aot_eager", policy="all", min_bytes="16KiB")
+    step = _stepper(backend)
+    with caplog.at_level("WARNING", logger="fxoffload"):
+        for _ in range(4):
+            step()
+    assert "reading its copies' times failed (an event of another device)" in caplog.text
+
+
+def test_a_recompile_drops_the_recording_of_the_old_codes_copies():
+    """A plan compiled again while a recording is open (its forward ran, its reloads have not):
+    the old code's copies are no longer stamped, and the new code's are timed from its second call."""
+    backend = fxoffload.backend(offload_cpu=True, inner="aot_eager", policy="all", min_bytes="16KiB")
+    model, batch = _gpt()
+    compiled = torch.compile(model, backend=backend)
+    compiled(*batch).backward()
+    loss = compiled(*batch)  # the second call: its copies are being recorded
+    assert timing.recording()
+    (w,) = backend._watches
+    w.timer.restart()
+    assert not timing.recording()
+    loss.backward()
+    for _ in range(3):  # as from a compile: its second call recorded, read at the third
+        compiled(*batch).backward()
+    assert w.timer.done and not timing.recording()
 
 
 @pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16-autocast"])

@@ -34,6 +34,10 @@ class CopyTimer:
         self.restart()
 
     def restart(self) -> None:
+        """From the first call of a new compile: a recording still open (its copies not all waited
+        on) is of the old code, and is dropped, so its ops stop stamping copies."""
+        if getattr(self, "recording", None) is not None:
+            self.recording.discard()
         self.calls = 0
         self.recording: Recording | None = None
         self.open_calls = 0
@@ -66,10 +70,10 @@ class CopyTimer:
 
     def finish(self, inputs: Any) -> None:
         recording, self.recording = self.recording, None
-        times = recording.stop()
-        forward = min(((_elapsed(start, end), host) for start, end, host in self.forwards), default=None)
         self.done = True
         try:
+            times = recording.stop()  # reads the events: a device's error surfaces here
+            forward = min(((_elapsed(start, end), host) for start, end, host in self.forwards), default=None)
             self.watch.on_copy_times(times, forward, inputs)
         except Exception as e:  # a measurement never fails a step
             log.warning("fxoffload: graph %d: reading its copies' times failed (%s)", self.watch.pair.graph_id, e)

@@ -59,6 +59,13 @@ class Recording:
         """The forward call returned: no more offloads; their reloads are still taken."""
         self.issuing = False
 
+    def discard(self) -> None:
+        """Stop, reading nothing: no copy is stamped for it from now on."""
+        if self in _open:
+            _open.remove(self)
+        self.issuing = False
+        self._offloads, self._reloads = [], {}
+
     def wants(self, name: str, direction: str) -> bool:
         if not name.startswith(self.prefix):
             return False
@@ -83,14 +90,16 @@ class Recording:
     def stop(self) -> list[TransferTime]:
         """Stop, and the copies that were issued and waited on (offloads, then reloads); an
         accelerator's events are read now, which waits for them."""
-        if self in _open:
-            _open.remove(self)
-        self.issuing = False
         done = [s for s in (*self._offloads, *self._reloads.values()) if s.waited]
-        self._offloads, self._reloads = [], {}
-        if not done:
-            return []
-        return compute_windows([s.resolve(origin=done[0].issue) for s in done])
+        self.discard()
+        # Placed against one stamp of their own device: two devices' events (or a CPU clock and an
+        # event) have no common time, and what one device's compute stream did is no other's window.
+        times: dict[int, TransferTime] = {}
+        for device in dict.fromkeys(s.device for s in done):
+            mine = [i for i, s in enumerate(done) if s.device == device]
+            resolved = [done[i].resolve(origin=done[mine[0]].issue) for i in mine]
+            times.update(zip(mine, compute_windows(resolved)))
+        return [times[i] for i in range(len(done))]
 
 
 @dataclasses.dataclass(frozen=True)
