@@ -385,6 +385,20 @@ def test_device_check_runs_its_parts_and_writes_the_summary(tmp_path):
         device_check.main(["--smoke", "--out", str(tmp_path), "--parts", "ops,nope"])
 
 
+def test_device_check_parts_run_under_the_time_left_where_it_gives_a_figure():
+    """The default run on the H100's seconds (ops 12 s, gpt2m up to 256 s): gpt2m and llama run under
+    their own limits, and what llama leaves is the GPU tests' limit where it is 120 s or more (with
+    every part held to its full limit, as before, they never started: 930 s of limits in 570). A
+    part with no least time is not started under its limit."""
+    from bench import device_check
+
+    gpt2m, llama, tests, ops = (device_check.PARTS[n] for n in ("gpt2m", "llama", "tests", "ops"))
+    assert device_check.DEFAULT == ("ops", "gpt2m", "llama", "tests")
+    assert gpt2m.limit(570 - 12) == 330 and llama.limit(570 - 12 - 256) == 300
+    assert llama.limit(200) == 200 and tests.limit(200) == 200 and tests.limit(119) is None
+    assert ops.limit(59) is None and ops.limit(60) == 60
+
+
 def test_device_check_summary_rows(tmp_path):
     """The bench rows the issues judge, as summary.md tables them (overlap and bound shares in %)."""
     from bench import device_check
