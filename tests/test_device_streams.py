@@ -26,7 +26,7 @@ import itertools
 import pytest
 import torch
 
-from fxoffload.runtime import host_pool, transfers
+from fxoffload.runtime import host_pool, timing, transfers
 
 META = torch.device("meta")
 
@@ -39,6 +39,9 @@ class _Event:
 
     def synchronize(self) -> None:  # the host waits for what the event records
         self.log.append(("host", "wait_event", self))
+
+    def query(self) -> bool:  # a recording asks at a wait whether the device is behind
+        return True
 
 
 class _Streams:
@@ -88,7 +91,7 @@ class _Streams:
 
 class _Stream:
     def __init__(self, streams: _Streams, name: str) -> None:
-        self.streams, self.name = streams, name
+        self.streams, self.name, self.device = streams, name, META
 
     def wait_stream(self, other: _Stream) -> None:
         self.streams.log.append((self.name, "wait_stream", other.name))
@@ -260,7 +263,8 @@ def test_the_compiler_says_which_host_copies_the_forward_reads(streams, caplog):
 def test_an_offload_restrides_its_source_into_the_layout_it_is_given(streams, monkeypatch):
     """A convolution's output laid out channels-last, traced contiguous: the host copy and its reload
     take the layout asked for (``rewrite.host_layout``). The source is restrided on its device, on the
-    transfer stream after the producer, then copied as one run of bytes, ordered as any copy."""
+    transfer stream after the producer, then copied as one run of bytes, ordered as any copy. A
+    recording times the copy alone: the restride is no time on the link (the D2H rate measured)."""
     restrided = transfers._restrided
 
     def logged(src, stride):
@@ -271,13 +275,18 @@ def test_an_offload_restrides_its_source_into_the_layout_it_is_given(streams, mo
     src = torch.empty(2, 3, 4, 5, device=META).to(memory_format=torch.channels_last)
     traced = [60, 20, 5, 1]
     produced = streams.kernel("produce src")
+    recording = timing.Recording("test:").start()
     host = transfers._offload_impl(src, [], 0.0, "test:src", traced)
+    recording.close()
     assert host.stride() == tuple(traced) and host.device.type == "cpu"
     transfers._wait_impl(host, src, [])
+    (stamps,) = recording._offloads
+    recording.discard()
     reused = streams.kernel("reuse src's memory")
     (copy,) = streams.copies()
     (restride,) = [i for i, entry in enumerate(streams.log) if entry == ("transfer", "kernel", "restride")]
     assert streams.log[copy] == ("transfer", "copy", ("cpu", "meta", True)), streams.log
     assert streams.happens_before(produced, restride) and streams.happens_before(restride, copy), streams.log
     assert streams.happens_before(copy, reused), streams.log
+    assert restride < stamps.copy_start.at < copy < stamps.copy_end.at, streams.log
     assert transfers._reload_impl(host, META, [], 0.0, "test:src").stride() == tuple(traced)

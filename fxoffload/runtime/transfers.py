@@ -164,10 +164,10 @@ def _device_copy(
     transfer.wait_stream(compute)  # the producer of src (or the allocation of dest) has been issued
     event = torch.Event(device=device)
     with transfer:  # restores the previous stream and current device on exit
-        if stamps is not None:
-            stamps.around_copy(transfer, start=True)
         if dest.stride() != src.stride():  # an offload restriding its source (``ir.host_stride``)
             src = _restrided(src, dest.stride())
+        if stamps is not None:  # the copy alone: its bytes over this time are the link's rate
+            stamps.around_copy(transfer, start=True)
         copy_span(dest, src, non_blocking=True)  # pinned pool buffer, or pageable: then it syncs
         transfer.record_event(event)
         if stamps is not None:
