@@ -43,6 +43,16 @@ def test_the_op_calls_are_timed_on_the_cpu_and_leave_nothing_behind():
     assert seconds["offload, switched off"] > 0
     assert transfers._pending == pending, "every copy of the probe was waited on"
     assert _NAME not in transfers.copies_switched_off(), "its switched-off copy was switched on again"
+
+
+def test_timing_the_op_calls_leaves_the_random_numbers_alone():
+    """The probe runs inside a step on an accelerator (a host-bound phase, at the third call):
+    drawing its source from the generator would change every later dropout mask of the user's run."""
+    torch.manual_seed(0)
+    expected = torch.rand(4)
+    torch.manual_seed(0)
+    op_call_seconds(torch.device("cpu"), calls=2, settle_s=0.0)
+    torch.testing.assert_close(torch.rand(4), expected, rtol=0, atol=0)
     forget_op_times()
     first = measure_op_time(torch.device("cpu"))
     assert 0 < first < 0.1, first
