@@ -110,6 +110,91 @@ def test_reloads_are_issued_their_planned_distance_ahead_of_the_first_use(case):
     assert checked > 0
 
 
+class _Attention(torch.nn.Module):
+    """torch's own multi-head attention with dropout: its V, offloaded, is a permute of a select of
+    a reshape of a clone that Inductor fuses into the kernel after it, a view it cannot express as
+    a view of a buffer, so each op reading it got a copy of its own."""
+
+    def __init__(self):
+        super().__init__()
+        self.mha = torch.nn.MultiheadAttention(64, 4, dropout=0.1, batch_first=True)
+
+    def forward(self, x):
+        return self.mha(x, x, x, need_weights=False)[0].square().mean()
+
+
+def _attention_step(**options):
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model, x = _Attention(), torch.randn(4, 64, 64)
+    backend = cpu_backend(inner="inductor", **options)
+    compiled = torch.compile(model, backend=backend)
+    torch.manual_seed(1)
+    loss = compiled(x)
+    loss.backward()
+    return backend, loss, {n: p.grad for n, p in model.named_parameters()}
+
+
+def test_a_view_inductor_copies_for_each_reader_is_copied_once_for_the_copy_and_its_wait(caplog):
+    """A user's ``nn.MultiheadAttention`` under ``all`` raised at its first step (the CPU's check of
+    a source freed before its wait; on a GPU, memory reused mid-copy): the offload read one copy of
+    V, its wait kept another alive. The offload's lowering realizes its source once, in the value
+    every later reader gets (``_compat.lowering``); the step trains as Inductor alone does."""
+    with caplog.at_level("WARNING", logger="fxoffload"):
+        backend, loss, grads = _attention_step()
+    assert "read a buffer their waits do not keep alive" not in caplog.text
+    (report,) = backend.reports
+    transfers = codecheck.transfers(report.output_code["forward"])
+    assert transfers and len(transfers) == len(report.offloaded)
+    for t in transfers:
+        assert t.same_buffer and not t.source_released_early, t
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model, x = _Attention(), torch.randn(4, 64, 64)
+    torch.manual_seed(1)
+    expected = torch.compile(model, backend="inductor")(x)
+    expected.backward()
+    torch.testing.assert_close(loss, expected)
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(grads[name], p.grad, msg=name)
+
+
+def test_without_the_one_source_lowering_the_copies_reading_unkept_buffers_are_switched_off(monkeypatch, caplog):
+    """The rule broken on purpose: the offload's plain fallback lowering (no cached code: the FX
+    graph cache keys on the lowering's source, not on a patch of it). The code then copies V for
+    the offload and for its wait apart; the register reads that from the code and switches that
+    copy off (the tensor stays on the device), so nothing races and the step trains as Inductor's.
+    Without that too, the CPU's check of a source freed before its wait stops the step."""
+    from torch._inductor.lowering import lowerings
+
+    from fxoffload import ir
+    from fxoffload._compat import lowering
+    from fxoffload.compiler import compile, pair
+    from fxoffload.runtime import transfers
+
+    lowering.register_fallbacks(compile._TRANSFERS)
+    monkeypatch.setattr(transfers, "_off", set())  # what this test switches off, dropped after it
+    monkeypatch.setitem(lowerings, ir.OFFLOAD, lowerings[ir.OFFLOAD].__wrapped__)
+    monkeypatch.setattr(lowering, "_one_source", lambda lower: lower)
+    with torch._inductor.config.patch(fx_graph_cache=False):
+        with caplog.at_level("WARNING", logger="fxoffload"):
+            backend, loss, grads = _attention_step()
+        (report,) = backend.reports
+        unkept = [t for t in codecheck.transfers(report.output_code["forward"]) if not t.same_buffer]
+        assert unkept and all(f"copies of {t.name} read a buffer" in caplog.text for t in unkept), caplog.text
+        assert set(transfers.copies_switched_off()) >= {t.name for t in unkept}
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model, x = _Attention(), torch.randn(4, 64, 64)
+        torch.manual_seed(1)
+        torch.compile(model, backend="inductor")(x).backward()
+        for name, p in model.named_parameters():
+            torch.testing.assert_close(grads[name], p.grad, msg=name)
+        monkeypatch.setattr(pair, "_unkept_sources", lambda pair, code: None)
+        with pytest.raises(RuntimeError, match="released before the copy was waited on"):
+            _attention_step()
+
+
 def test_without_the_order_edges_the_kernel_check_fails():
     """The rule the ``order`` edges keep, broken on purpose: without them Inductor's peak-memory
     reordering slides reloads down to their waits, and the check above fails on the same model."""

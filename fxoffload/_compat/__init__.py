@@ -25,6 +25,7 @@ from torch._inductor.custom_graph_pass import CustomPartitionerFn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from .donated import backward_lowered_at_compile, can_lower_backward_at_compile, donates_saved_buffers, lowering_backward
+from .lowering import register_fallbacks
 from .scheduler_runs import TransferOps, joining_runs
 
 __all__ = [
@@ -289,21 +290,6 @@ def compile_with_inductor(
     patches["custom_partitioner_fn"] = partitioner
     with _no_autograd_cache():
         return compile_fx(gm, example_inputs, inner_compile=inner_compile, config_patches=patches)
-
-
-def register_fallbacks(ops: frozenset[Any]) -> None:
-    """Inductor's fallback lowering of each custom op in ``ops``, registered as Inductor registers it
-    at the first graph that calls the op (``GraphLowering.call_function``'s implicit fallback), but
-    before any graph is lowered. That registration also puts the op among those whose inputs are
-    realized, which changes how a later graph lowers a value such an op reads beside other users:
-    on torch 2.11 the first fxoffload compile of a process fused a one-block GPT's token embedding
-    into its layer norm's kernel and every later compile of the same FX graph realized it (5 against
-    6 forward kernel calls). Registered first, each compile lowers as the later ones did."""
-    from torch._inductor.lowering import get_layout_constraint_tag, lowerings, make_fallback, tag_to_layout_constraint
-
-    for op in ops:
-        if op not in lowerings:
-            make_fallback(op, layout_constraint=tag_to_layout_constraint(get_layout_constraint_tag(op, with_default=True)))
 
 
 def raised_from(e: BaseException | None, kind: type[BaseException]) -> bool:

@@ -218,8 +218,10 @@ def joining_runs(ops: TransferOps | None) -> Iterator[None]:
 
 
 # What the code of a graph lowered inside ``joining_runs`` depends on beyond its graph and config: this
-# module's source.
-_JOIN_KEY = hashlib.sha256(Path(__file__).read_bytes()).hexdigest()[:16]
+# module's source, and the transfer ops' lowering (``lowering.py``).
+_JOIN_KEY = hashlib.sha256(
+    b"".join(p.read_bytes() for p in (Path(__file__), Path(__file__).with_name("lowering.py")))
+).hexdigest()[:16]
 
 
 class _JoinKey(CustomGraphPass):

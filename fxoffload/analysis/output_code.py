@@ -91,6 +91,7 @@ class Transfer:
     source_released_early: bool  # the source was deleted or handed to another buffer before the wait
     issued_before_kernel: bool  # an ``fxoffload.order`` edge makes a kernel wait for this copy to be issued
     returned_at: int  # forward: position of the waited host copy among the graph's outputs; -1: not returned
+    name: str = ""  # the copy's transfer name (``ir.transfer_name``), where the code gives it
 
     @property
     def key(self) -> str:
@@ -356,7 +357,7 @@ def transfers(code: str, kernel=is_kernel) -> list[Transfer]:
             name = aliases[name]
         return name
 
-    copies: dict[str, tuple[str, int, str]] = {}  # result -> (kind, line, source)
+    copies: dict[str, tuple[str, int, str, str]] = {}  # result -> (kind, line, source, transfer name)
     waits: dict[str, tuple[int, str, str]] = {}  # copy result -> (line, keepalive, wait result)
     ordered: set[str] = set()  # copy results some ``order`` edge waits for
     for i, line in enumerate(body):
@@ -365,7 +366,10 @@ def transfers(code: str, kernel=is_kernel) -> list[Transfer]:
             ordered.update(root(base_name(a)) for a in split_args(after) if a)
             continue
         if m := _COPY.match(line):
-            copies[m.group(1)] = (m.group(2), i, base_name(split_args(m.group(3))[0]))
+            args = split_args(m.group(3))
+            at = 3 if m.group(2) == "offload" else 4  # offload(src, after, bw, name, ...), reload(host, device, ...)
+            name = args[at].strip().strip("'\"") if len(args) > at else ""
+            copies[m.group(1)] = (m.group(2), i, base_name(args[0]), name)
         elif m := _WAIT.match(line):
             args = split_args(m.group(2))
             waits[root(base_name(args[0]))] = (i, base_name(args[1]), m.group(1))
@@ -380,7 +384,7 @@ def transfers(code: str, kernel=is_kernel) -> list[Transfer]:
     def kernels(lo: int, hi: int) -> int:  # kernels on lines lo .. hi - 1
         return n_kernels[max(hi, lo)] - n_kernels[lo]
 
-    for name, (kind, line, source) in copies.items():
+    for name, (kind, line, source, transfer) in copies.items():
         wait_line, keepalive, done = waits.get(name, (-1, "", ""))
         end = wait_line if wait_line >= 0 else len(body)
         between = body[line + 1 : end]
@@ -400,7 +404,7 @@ def transfers(code: str, kernel=is_kernel) -> list[Transfer]:
         at = next((i for i, r in enumerate(returned) if r in names), -1)
         result.append(
             Transfer(kind, line, wait_line, source, keepalive, kernels(line + 1, end), before_use, released,
-                     name in ordered, at)
+                     name in ordered, at, transfer)
         )  # fmt: skip
     return sorted(result, key=lambda t: t.copy_line)
 

@@ -86,7 +86,7 @@ class GraphCompiler:
         partitioner.keep_unchanged_forward = judge is not None
         after = (lambda lower: self._lower_unchanged_forward(partitioner, judge, lower)) if judge is not None else None
         self._inside = []
-        _compat.register_fallbacks(_TRANSFERS.all)  # the first compile of a process lowers as the later ones
+        _compat.register_fallbacks(_TRANSFERS)  # the first compile of a process lowers as the later ones
         try:
             compiled = on_roomy_stack(
                 _compat.compile_with_inductor, graph, example_inputs, partitioner, patches, sink, code_only, after,

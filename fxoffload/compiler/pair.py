@@ -17,13 +17,13 @@ from typing import Any
 import torch.fx as fx
 
 from ..analysis.memory import MemoryPoint, MemoryTimeline
-from ..analysis.output_code import read_offloads
+from ..analysis.output_code import read_offloads, transfers
 from ..analysis.outside import OutsideMemory
 from ..ir import transfer_name
 from ..planning.decisions import OffloadPlan
 from ..reporting.report import OffloadReport
 from ..rewrite.host_copies import HostCopy, replay_switched_off
-from ..runtime.transfers import wait_on_host
+from ..runtime.transfers import switch_copies_off, wait_on_host
 
 log = logging.getLogger(__name__)
 
@@ -153,6 +153,7 @@ class PairRegister:
         if self._forward_code.get(pair.graph_id) is not code:
             self._forward_code[pair.graph_id] = code
             _host_reads(pair, code)
+            _unkept_sources(pair, code)
 
     def get(self, graph_id: int) -> PlannedPair | None:
         return self._pairs.get(graph_id)
@@ -172,6 +173,26 @@ class PairRegister:
 
     def reports(self) -> list[OffloadReport]:
         return [p.report for p in self._pairs.values()]
+
+
+def _unkept_sources(pair: PlannedPair, code: str) -> None:
+    """The offloads whose copy, in the forward's ``code``, reads a buffer its wait does not keep
+    alive (Inductor passed a copy of the source to one of the two ops, or freed the source before
+    the wait: ``output_code.Transfer.same_buffer``): on a GPU the copy could read memory already
+    reused. Switched off (``runtime.transfers.switch_copies_off``: the offload keeps a device copy
+    of the tensor at once, no transfer) and said: that tensor is not offloaded, and nothing races.
+    ``_compat.lowering`` keeps Inductor from it in the cases known (a view it copies per reader)."""
+    unkept = sorted(
+        t.name for t in transfers(code)
+        if t.kind == "offload" and t.name and (not t.same_buffer or t.source_released_early)
+    )  # fmt: skip
+    if unkept:
+        switch_copies_off(unkept)
+        log.warning(
+            "fxoffload: graph %d: in Inductor's forward the copies of %s read a buffer their waits do not keep "
+            "alive (a copy of the source made for one of the two ops, or the source freed before the wait): "
+            "switched off, those tensors stay on the device", pair.graph_id, ", ".join(unkept),
+        )  # fmt: skip
 
 
 def _host_reads(pair: PlannedPair, code: str) -> None:
