@@ -38,7 +38,15 @@ def parse_bytes(value: Any, name: str) -> int:
     if isinstance(value, str):
         m = _SIZE.match(value)
         if m and m.group(2).lower() in _UNITS:
+            if _UNITS[m.group(2).lower()] == 1 and not float(m.group(1)).is_integer():
+                raise ValueError(
+                    f"fxoffload: {name}={value!r} is not a whole number of bytes; use an int, or a size with a "
+                    "unit such as '512KiB' or '1.5GiB'"
+                    + (" (a fraction of the predicted peak is a float: 0.6, not '0.6')" if name == "memory_budget" else "")
+                )
             return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+        if (m := _SIZE.match(value.replace("-", "", 1))) and value.strip().startswith("-"):
+            raise ValueError(f"fxoffload: {name} must not be negative, got {value!r}")
         raise ValueError(
             f"fxoffload: cannot parse {name}={value!r}; use an int or a size such as "
             f"'512KiB', '800MB', '12GiB' (units: {', '.join(u for u in _UNITS if u)})"
@@ -182,6 +190,11 @@ class OffloadOptions:
             raise ValueError(
                 f"fxoffload: broken_rule={self.broken_rule!r} is not valid; choose one of: "
                 f"{', '.join(map(repr, BROKEN_RULES))} (for fxoffload's own tests), or None"
+            )
+        if self.recompute == "inductor" and self.memory_budget is None:
+            raise ValueError(
+                "fxoffload: recompute='inductor' says what recomputes to meet a memory_budget, and none is set; "
+                "give memory_budget too (a fraction of the predicted peak such as 0.5, or bytes such as '12GiB')"
             )
         if self.recompute == "inductor" and self.partitioner != "min_cut":
             raise ValueError(
