@@ -22,7 +22,9 @@ from fxoffload.sizes import fmt_bytes
 from fxoffload.testing.models import EXAMPLE_MIN_BYTES, GPT, PRESETS, gpt_batch
 
 
-def train(model, backend, batch, steps, device):
+def train(model, backend, batch, steps, device, timed=5):
+    """``steps`` steps (their losses), then ``timed`` more, each timed: the steady steps, after the
+    compile and after ``auto`` has measured its copies in the first steps (and maybe compiled again)."""
     model = copy.deepcopy(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     fn = torch.compile(model, backend=backend)
@@ -39,12 +41,13 @@ def train(model, backend, batch, steps, device):
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
     for _ in range(steps):
+        losses.append(step().item())
+    for _ in range(timed):
         start = time.perf_counter()
-        loss = step()
+        step()
         if device == "cuda":
             torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
-        losses.append(loss.item())
     peak = torch.cuda.max_memory_allocated() if device == "cuda" else None
     # One more, steady, step measured from the allocator: bytes above what was live at its start.
     measured = fxoffload.measure_memory(step)[device].peak_bytes
@@ -54,7 +57,8 @@ def train(model, backend, batch, steps, device):
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--preset", default=None, choices=sorted(PRESETS))
-    parser.add_argument("--steps", type=int, default=6, help="steps per compiler (the last half are timed)")
+    parser.add_argument("--steps", type=int, default=6, help="steps per compiler whose losses are compared")
+    parser.add_argument("--timed", type=int, default=5, help="steady steps timed after them (the median is shown)")
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--policy", default="auto", choices=("auto", "all", "none"))
     parser.add_argument("--inner", default="inductor", choices=("inductor", "aot_eager"),
@@ -84,9 +88,9 @@ def main(argv: list[str] | None = None) -> None:
     backends, runs = [], []
     for policy in policies:
         backends.append(fxoffload.backend(policy=policy, inner=args.inner, **options))
-        runs.append(train(model, backends[-1], batch, args.steps, device))
+        runs.append(train(model, backends[-1], batch, args.steps, device, args.timed))
         torch._dynamo.reset()
-    ref = train(model, args.inner, batch, args.steps, device)
+    ref = train(model, args.inner, batch, args.steps, device, args.timed)
     _figures(args, cfg, preset, where, device, policies, backends, runs, ref)
     _closing(args, backends, device)
 
@@ -111,11 +115,12 @@ def _figures(args, cfg, preset, where, device, policies, backends, runs, ref) ->
               *(f"{fmt_bytes(r[3])} {change(r[3], ref_measured, 'less', 'more')}" for r in runs)))  # fmt: skip
     if device == "cuda":
         print(row("peak allocated, all steps", fmt_bytes(ref_peak), *(fmt_bytes(r[2]) for r in runs)))
-    # The first steps compile (and "auto" is judged from measured copies): the last half are steady.
-    steady = (lambda ts: sorted(ts[len(ts) // 2:])[len(ts[len(ts) // 2:]) // 2] * 1e3)
-    base = steady(ref_times)
-    print(row("step time, median of the last half", f"{base:.1f} ms",
-              *(f"{steady(r[1]):.1f} ms ({steady(r[1]) / base - 1:+.0%})" for r in runs)))  # fmt: skip
+    # Steps after the compared ones (the first compile; "auto" judged from its measured copies).
+    steady = (lambda ts: sorted(ts)[len(ts) // 2] * 1e3)
+    if ref_times:
+        base = steady(ref_times)
+        print(row(f"step time, median of {len(ref_times)} after", f"{base:.1f} ms",
+                  *(f"{steady(r[1]):.1f} ms ({steady(r[1]) / base - 1:+.0%})" for r in runs)))  # fmt: skip
     diff = max(abs(a - b) for r in runs for a, b in zip(r[0], ref_losses))
     same = "identical" if diff == 0 else f"same within {diff:.1e}"
     print(row("loss, last step", f"{ref_losses[-1]:.5f}", *(f"{r[0][-1]:.5f}" for r in runs)))
@@ -156,7 +161,8 @@ def _closing(args: argparse.Namespace, backends: list[Any], device: str) -> None
     print("(peak memory: allocator bytes above what was live at the step's start"
           + (", fxoffload's host buffers left out)" if device == "cpu" else ")"))
     if device == "cpu":
-        print("(step time: on a CPU the copies run on two threads that share the cores with compute)")
+        print("(step time: on a CPU the copies run on two threads that share the cores with compute; on a\n"
+              " shared or busy machine a few steps' times are noise: python -m bench times steadier)")
     for backend in backends:
         for report in backend.reports:
             print()
