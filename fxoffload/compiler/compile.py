@@ -31,14 +31,7 @@ from .lowering import host_placeholders, no_pool_reuse_where_it_copies, on_roomy
 from .pair import PairRegister, PlannedPair
 from .partitioner import OffloadPartitioner, PlanChangesNothing
 from .refine import Trial, attempt_quietly, lowest, refine, say
-from .verify import (
-    autos_own_picks,
-    checked_model_floor,
-    fit_is_lowest,
-    plan_kept,
-    unchanged_floor,
-    with_peak_not_lowered,
-)
+from .verify import autos_own_picks, checked_model_floor, fit_is_lowest, plan_kept, unchanged_floor, with_peak_not_lowered
 
 log = logging.getLogger(__name__)
 
@@ -460,10 +453,14 @@ def budget_verdict(
             graph_id, fmt_bytes(peak.total), fmt_bytes(budget), BUDGET_TOLERANCE * 100,
         )  # fmt: skip
         return
+    why = (  # the plan itself over the budget (nothing this graph saves could bring it lower), or the code
+        "the plan's lowest peak on the FX graph, offloading or recomputing all it could: the budget cannot be "
+        "reached in this graph" if predicted > budget * (1 + BUDGET_TOLERANCE)
+        else "the plan's peak on the FX graph (Inductor fuses, reuses and frees buffers its own way)"
+    )  # fmt: skip
     message = (
-        f"fxoffload: graph {graph_id}: memory_budget {fmt_bytes(budget)} is not met by the code "
-        f"Inductor generated: it peaks at {fmt_bytes(peak.total)} ({peak.node}), where the plan predicted "
-        f"{fmt_bytes(predicted)} on the FX graph (Inductor fuses, reuses and frees buffers its own way)"
+        f"fxoffload: graph {graph_id}: memory_budget {fmt_bytes(budget)} is not met by the code Inductor generated: "
+        f"it peaks at {fmt_bytes(peak.total)} ({peak.node}), against {fmt_bytes(predicted)}, {why}"
         + (f"; planned {len(replans)} more times for lower targets, this is the lowest peak reached" if replans else "")
         + ". Expect the step to peak about there."
     )
