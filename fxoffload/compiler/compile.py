@@ -31,7 +31,8 @@ from .lowering import host_placeholders, no_pool_reuse_where_it_copies, on_roomy
 from .pair import PairRegister, PlannedPair
 from .partitioner import OffloadPartitioner, PlanChangesNothing
 from .refine import Trial, attempt_quietly, lowest, refine, say
-from .verify import autos_own_picks, checked_model_floor, fit_is_lowest, plan_kept, unchanged_floor, with_peak_not_lowered
+from .verify import autos_own_picks, checked_model_floor, fit_is_lowest, plan_kept
+from .verify import unchanged_floor, with_peak_not_lowered
 
 log = logging.getLogger(__name__)
 
