@@ -88,9 +88,9 @@ def test_copies_run_on_threads_concurrently_with_compute(monkeypatch):
 def test_wait_fails_if_the_source_was_released_before_it():
     src = torch.randn(256, 256)
     other = torch.randn(256, 256)
-    host = ir.OFFLOAD(src, [], SLOW)
+    host = ir.OFFLOAD(src, [], SLOW, ir.transfer_name(3, "v"))
     del src  # nothing keeps the source alive: a GPU could reuse its memory mid-copy
-    with pytest.raises(RuntimeError, match="released before the copy was waited on"):
+    with pytest.raises(RuntimeError, match=r"source of a d2h copy \(3:v\) was released before the copy was waited"):
         ir.WAIT(host, other, [])
 
 

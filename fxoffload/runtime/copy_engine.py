@@ -266,20 +266,23 @@ def start_cpu_copy(direction: str, src: torch.Tensor, dest: torch.Tensor, bandwi
     return job
 
 
-def finish_cpu_copy(job: CopyJob, dest: torch.Tensor, keepalive: torch.Tensor) -> None:
+def finish_cpu_copy(job: CopyJob, dest: torch.Tensor, keepalive: torch.Tensor, name: str = "") -> None:
+    """The copy ``job`` done, its bytes in ``dest``; raises where the graph broke an ordering rule
+    (the copy of ``name``, ``ir.transfer_name``: "<graph id>:<saved tensor>")."""
     COPY_ENGINE.wait(job)
+    which = f" ({name})" if name else ""
     if job.error is not None:
         raise RuntimeError(f"fxoffload: a {job.direction} copy failed: {job.error}") from job.error
     if storage_expired(job.src_ref):
         free_storage_weak_ref(job.src_ref)
         raise RuntimeError(
-            f"fxoffload.wait: the source of a {job.direction} copy was released before the copy was waited on; "
+            f"fxoffload.wait: the source of a {job.direction} copy{which} was released before the copy was waited on; "
             "on a GPU its memory could be reused while the transfer still reads it (the wait must keep the "
             "source alive)"
         )
     if keepalive.untyped_storage().data_ptr() != job.src_ptr:
         raise RuntimeError(
-            f"fxoffload.wait: the buffer this wait keeps alive is not the one its {job.direction} copy reads "
+            f"fxoffload.wait: the buffer this wait keeps alive is not the one its {job.direction} copy{which} reads "
             "(a copy of it was passed to one of the two ops); the source can be freed mid-copy"
         )
     with torch.no_grad():

@@ -207,7 +207,7 @@ def _offload_impl(
         _release_log.append((id(src), storage_weak_ref(src.untyped_storage())))
     stamps = Stamps.at_issue(name, D2H, span_nbytes(src), src.device, entered) if entered is not None else None
     if src.device.type == "cpu":
-        _register(host, _Pending(None, src.device, start_cpu_copy(D2H, src, host, bandwidth), stamps))
+        _register(host, _Pending(None, src.device, start_cpu_copy(D2H, src, host, bandwidth), stamps, name))
         if stamps is not None:
             stamps.issued_on_cpu()
     else:
@@ -240,7 +240,7 @@ def _reload_impl(
     dest = torch.empty_strided(host.size(), host.stride(), dtype=host.dtype, device=origin)
     stamps = Stamps.at_issue(name, H2D, span_nbytes(host), origin, entered) if entered is not None else None
     if origin.type == "cpu":
-        _register(dest, _Pending(None, origin, start_cpu_copy(H2D, host, dest, bandwidth), stamps))
+        _register(dest, _Pending(None, origin, start_cpu_copy(H2D, host, dest, bandwidth), stamps, name))
         if stamps is not None:
             stamps.issued_on_cpu()
     else:
@@ -256,7 +256,7 @@ def _wait_impl(dest: torch.Tensor, keepalive: torch.Tensor, after: Sequence[torc
     if stamps is not None:
         stamps.before_wait()
     if pending.job is not None:
-        finish_cpu_copy(pending.job, dest, keepalive)
+        finish_cpu_copy(pending.job, dest, keepalive, pending.name)
         if stamps is not None:
             stamps.link_times(pending.job.start, pending.job.seconds)
     elif pending.event is not None:
