@@ -30,7 +30,8 @@ class OffloadBackend:
 
     def __init__(self, options: OffloadOptions | None = None) -> None:
         self.options = options or OffloadOptions()
-        self._register = PairRegister()
+        # A rule broken on purpose (fxoffload's own tests) runs as broken, for the copy engine's checks to see.
+        self._register = PairRegister(switch_off_unkept=self.options.broken_rule is None)
         self._compiler = GraphCompiler(self._register)
         # By graph id: the most bytes code before the graph was seen holding at one of its calls, where
         # that is more than it was planned with (``watch.CallWatch``).

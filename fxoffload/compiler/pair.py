@@ -138,14 +138,16 @@ class PlannedPair:
 class PairRegister:
     """The pairs one backend object runs, by graph id, in the order they were compiled."""
 
-    def __init__(self) -> None:
+    def __init__(self, switch_off_unkept: bool = True) -> None:
+        self.switch_off_unkept = switch_off_unkept  # ``_unkept_sources``
         self._pairs: dict[int, PlannedPair] = {}
         self._forward_code: dict[int, str] = {}  # by graph id: the forward code its host reads came from
 
     def record(self, pair: PlannedPair) -> None:
         """``pair`` runs for its graph id from now on (replacing a pair planned before for it). Where
         its forward's code reads an accelerator tensor's host copy after its wait, that wait makes the
-        host wait for the copy too (``runtime.transfers.wait_on_host``): set here, for the pair that
+        host wait for the copy too (``runtime.transfers.wait_on_host``), and where a copy reads a buffer
+        its wait does not keep alive, that copy is switched off (``_unkept_sources``): set here, for the pair that
         runs, never by a compile that is then dropped (verify_peak's code without offloading, a
         budget's other attempts, a re-plan that failed)."""
         self._pairs[pair.graph_id] = pair
@@ -153,7 +155,8 @@ class PairRegister:
         if self._forward_code.get(pair.graph_id) is not code:
             self._forward_code[pair.graph_id] = code
             _host_reads(pair, code)
-            _unkept_sources(pair, code)
+            if self.switch_off_unkept:
+                _unkept_sources(pair, code)
 
     def get(self, graph_id: int) -> PlannedPair | None:
         return self._pairs.get(graph_id)
