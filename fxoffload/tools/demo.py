@@ -22,7 +22,7 @@ from fxoffload.sizes import fmt_bytes
 from fxoffload.testing.models import EXAMPLE_MIN_BYTES, GPT, PRESETS, gpt_batch
 
 
-def train(model, backend, batch, steps, device, timed=5):
+def train(model, backend, batch, steps, device, timed=20):
     """``steps`` steps (their losses), then ``timed`` more, each timed: the steady steps, after the
     compile and after ``auto`` has measured its copies in the first steps (and maybe compiled again)."""
     model = copy.deepcopy(model)
@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--preset", default=None, choices=sorted(PRESETS))
     parser.add_argument("--steps", type=int, default=6, help="steps per compiler whose losses are compared")
-    parser.add_argument("--timed", type=int, default=5, help="steady steps timed after them (the median is shown)")
+    parser.add_argument("--timed", type=int, default=20, help="steady steps timed after them (the median is shown)")
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--policy", default="auto", choices=("auto", "all", "none"))
     parser.add_argument("--inner", default="inductor", choices=("inductor", "aot_eager"),
