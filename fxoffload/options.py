@@ -45,7 +45,7 @@ def parse_bytes(value: Any, name: str) -> int:
                     + (" (a fraction of the predicted peak is a float: 0.6, not '0.6')" if name == "memory_budget" else "")
                 )
             return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
-        if (m := _SIZE.match(value.replace("-", "", 1))) and value.strip().startswith("-"):
+        if value.strip().startswith("-") and _SIZE.match(value.strip()[1:]):
             raise ValueError(f"fxoffload: {name} must not be negative, got {value!r}")
         raise ValueError(
             f"fxoffload: cannot parse {name}={value!r}; use an int or a size such as "

@@ -368,8 +368,8 @@ def transfers(code: str, kernel=is_kernel) -> list[Transfer]:
         if m := _COPY.match(line):
             args = split_args(m.group(3))
             at = 3 if m.group(2) == "offload" else 4  # offload(src, after, bw, name, ...), reload(host, device, ...)
-            name = args[at].strip().strip("'\"") if len(args) > at else ""
-            copies[m.group(1)] = (m.group(2), i, base_name(args[0]), name)
+            transfer = args[at].strip().strip("'\"") if len(args) > at else ""
+            copies[m.group(1)] = (m.group(2), i, base_name(args[0]), transfer)
         elif m := _WAIT.match(line):
             args = split_args(m.group(2))
             waits[root(base_name(args[0]))] = (i, base_name(args[1]), m.group(1))
