@@ -111,13 +111,10 @@ _COLUMNS = (
 )  # fmt: skip
 
 
-def run_part(
-    part: Part, out: str, smoke: bool, log, methods: str | None = None, limit_s: int | None = None
-) -> tuple[str, float]:
-    """Run one part under ``limit_s`` (its own limit if None); its status ("ok", "failed (rc N)",
-    "timed out") and seconds. ``methods``: the bench parts' methods instead of their own (figures
-    measured earlier in the same lease kept)."""
-    limit_s = limit_s or part.limit_s
+def run_part(part: Part, out: str, smoke: bool, log, limit_s: int, methods: str | None = None) -> tuple[str, float]:
+    """Run one part under ``limit_s`` (``Part.limit``); its status ("ok", "failed (rc N)", "timed
+    out") and seconds. ``methods``: the bench parts' methods instead of their own (figures measured
+    earlier in the same lease kept)."""
     argv = [a.replace("{out}", out).replace("{part}", part.name) for a in (part.smoke if smoke else part.argv)]
     if methods and part.bench:
         argv[argv.index("--methods") + 1] = methods
@@ -212,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
             if limit is None:
                 status, seconds = f"not started: {left:.0f} s left, under the {part.least_s or part.limit_s} s it needs", 0.0
             else:
-                status, seconds = run_part(part, args.out, args.smoke, log, args.methods, limit)
+                status, seconds = run_part(part, args.out, args.smoke, log, limit, args.methods)
                 if limit < part.limit_s:
                     status += f" (under {limit} s, the time left, not its {part.limit_s})"
             print(f"{name}: {status} ({seconds:.1f} s)", flush=True)

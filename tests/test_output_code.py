@@ -123,16 +123,23 @@ class _Attention(torch.nn.Module):
         return self.mha(x, x, x, need_weights=False)[0].square().mean()
 
 
-def _attention_step(**options):
+def _attention_step(backend):
+    """One step of ``_Attention`` compiled with ``backend``: its loss and gradients."""
     torch._dynamo.reset()
     torch.manual_seed(0)
     model, x = _Attention(), torch.randn(4, 64, 64)
-    backend = cpu_backend(inner="inductor", **options)
     compiled = torch.compile(model, backend=backend)
     torch.manual_seed(1)
     loss = compiled(x)
     loss.backward()
-    return backend, loss, {n: p.grad for n, p in model.named_parameters()}
+    return loss, {n: p.grad for n, p in model.named_parameters()}
+
+
+def _trains_as_inductor(loss, grads):
+    expected_loss, expected = _attention_step("inductor")
+    torch.testing.assert_close(loss, expected_loss)
+    for name, grad in expected.items():
+        torch.testing.assert_close(grads[name], grad, msg=name)
 
 
 def test_a_view_inductor_copies_for_each_reader_is_copied_once_for_the_copy_and_its_wait(caplog):
@@ -140,23 +147,16 @@ def test_a_view_inductor_copies_for_each_reader_is_copied_once_for_the_copy_and_
     a source freed before its wait; on a GPU, memory reused mid-copy): the offload read one copy of
     V, its wait kept another alive. The offload's lowering realizes its source once, in the value
     every later reader gets (``_compat.lowering``); the step trains as Inductor alone does."""
+    backend = cpu_backend(inner="inductor")
     with caplog.at_level("WARNING", logger="fxoffload"):
-        backend, loss, grads = _attention_step()
+        loss, grads = _attention_step(backend)
     assert "read a buffer their waits do not keep alive" not in caplog.text
     (report,) = backend.reports
     transfers = codecheck.transfers(report.output_code["forward"])
     assert transfers and len(transfers) == len(report.offloaded)
     for t in transfers:
         assert t.same_buffer and not t.source_released_early, t
-    torch._dynamo.reset()
-    torch.manual_seed(0)
-    model, x = _Attention(), torch.randn(4, 64, 64)
-    torch.manual_seed(1)
-    expected = torch.compile(model, backend="inductor")(x)
-    expected.backward()
-    torch.testing.assert_close(loss, expected)
-    for name, p in model.named_parameters():
-        torch.testing.assert_close(grads[name], p.grad, msg=name)
+    _trains_as_inductor(loss, grads)
 
 
 def test_without_the_one_source_lowering_the_copies_reading_unkept_buffers_are_switched_off(monkeypatch, caplog):
@@ -177,22 +177,17 @@ def test_without_the_one_source_lowering_the_copies_reading_unkept_buffers_are_s
     monkeypatch.setitem(lowerings, ir.OFFLOAD, lowerings[ir.OFFLOAD].__wrapped__)
     monkeypatch.setattr(lowering, "_one_source", lambda lower: lower)
     with torch._inductor.config.patch(fx_graph_cache=False):
+        backend = cpu_backend(inner="inductor")
         with caplog.at_level("WARNING", logger="fxoffload"):
-            backend, loss, grads = _attention_step()
+            loss, grads = _attention_step(backend)
         (report,) = backend.reports
         unkept = [t for t in codecheck.transfers(report.output_code["forward"]) if not t.same_buffer]
         assert unkept and all(f"copies of {t.name} read a buffer" in caplog.text for t in unkept), caplog.text
         assert set(transfers.copies_switched_off()) >= {t.name for t in unkept}
-        torch._dynamo.reset()
-        torch.manual_seed(0)
-        model, x = _Attention(), torch.randn(4, 64, 64)
-        torch.manual_seed(1)
-        torch.compile(model, backend="inductor")(x).backward()
-        for name, p in model.named_parameters():
-            torch.testing.assert_close(grads[name], p.grad, msg=name)
+        _trains_as_inductor(loss, grads)
         monkeypatch.setattr(pair, "_unkept_sources", lambda pair, code: None)
         with pytest.raises(RuntimeError, match="released before the copy was waited on"):
-            _attention_step()
+            _attention_step(cpu_backend(inner="inductor"))
 
 
 def test_without_the_order_edges_the_kernel_check_fails():
