@@ -8,8 +8,8 @@ Each part runs in a process of its own under its own time limit, in the order gi
 run within ``--budget-s``: a lease of 15 minutes, one command at most 10, leaves no room for a run
 that is cut off. A part with less than its limit left runs under the time left where that is enough
 for a figure (``Part.least_s``: a bench part keeps the methods it finished), and is not started
-otherwise (the default's last parts, where the first took long: gpt2m took 180-256 s on an H100). Everything a part prints goes to
-``OUT/device_check.log``; the bench parts write ``OUT/<part>.json`` and the profiled step of each
+otherwise (the default's last parts, where the first took long: gpt2m took 180-256 s on an H100).
+Everything a part prints goes to ``OUT/device_check.log``; the bench parts write ``OUT/<part>.json`` and the profiled step of each
 fxoffload method to ``OUT/traces/<part>/`` (the device's activity: ``measure.trace`` reads them). ``OUT/summary.md`` gets
 the date, device, torch and, per part, its status, its seconds and the bench rows that the issues
 judge (step time against Inductor's, peak, bytes off the peak against the bound, copy overlap),
@@ -207,7 +207,8 @@ def main(argv: list[str] | None = None) -> int:
             begin = log.tell()
             limit = part.limit_s if args.smoke else part.limit(left)
             if limit is None:
-                status, seconds = f"not started: {left:.0f} s left, under the {part.least_s or part.limit_s} s it needs", 0.0
+                needs = part.least_s or part.limit_s
+                status, seconds = f"not started: {left:.0f} s left, under the {needs} s it needs", 0.0
             else:
                 status, seconds = run_part(part, args.out, args.smoke, log, limit, args.methods)
                 if limit < part.limit_s:
