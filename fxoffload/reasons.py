@@ -57,6 +57,7 @@ class ReasonCode(_StrEnum):
     NOT_HIDDEN = "not_hidden"
     OP_TIME = "op_time"
     MEASURED_STALL = "measured_stall"
+    UNKEPT_SOURCE = "unkept_source"
     NOT_MEASURED = "not_measured"
     HIDDEN = "hidden"
     IDLE_WINDOW = "idle_window"

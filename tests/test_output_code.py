@@ -6,6 +6,8 @@ Each check reads ``report.output_code`` (Inductor's wrapper code, kept by the ba
 backward placeholder they read.
 """
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -185,7 +187,19 @@ def test_without_the_one_source_lowering_the_copies_reading_unkept_buffers_are_s
         assert unkept and all(f"copies of {t.name} read a buffer" in caplog.text for t in unkept), caplog.text
         assert set(transfers.copies_switched_off()) >= {t.name for t in unkept}
         _trains_as_inductor(loss, grads)
-        monkeypatch.setattr(pair, "_unkept_sources", lambda pair, code: None)
+        # The report says what runs: those tensors kept, counted on the device in every peak.
+        rows = {ir.transfer_name(report.graph_id, r.name): r for r in report.saved}
+        off = [rows[t.name] for t in unkept]
+        assert all(r.decision == "keep" and r.reason_code == "unkept_source" for r in off), off
+        assert set(report.switched_off) == {r.name for r in off} and not set(report.switched_off) & {
+            r.name for r in report.offloaded
+        }
+        assert f"copies of {len(off)} tensors" in report.summary() and "does not keep alive" in report.summary()
+        (planned,) = backend._register.pairs()
+        assert planned.report is report and planned.kept_bytes >= sum(r.nbytes for r in off)
+        replayed = [sum(p.total for p in r.compiled_memory().points) for r in (report, dataclasses.replace(report, switched_off=()))]
+        assert replayed[0] > replayed[1], replayed
+        monkeypatch.setattr(pair, "_unkept_sources", lambda pair, code: ())
         with pytest.raises(RuntimeError, match="released before the copy was waited on"):
             _attention_step(cpu_backend(inner="inductor"))
 

@@ -201,7 +201,7 @@ class GraphCompiler:
                     compile_s=sum(c.seconds for c in self._compiles), spent=self.spent(),
                 )  # fmt: skip
                 pair = pair.with_report(timings=spent)
-            self.register.record(pair)
+            pair = self.register.record(pair)
         return pair
 
     def _to_budget(

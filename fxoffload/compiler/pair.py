@@ -11,18 +11,21 @@ import dataclasses
 import itertools
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch.fx as fx
 
-from ..analysis.memory import MemoryPoint, MemoryTimeline
+from ..analysis.memory import MemoryPoint, MemoryTimeline, with_held
 from ..analysis.output_code import read_offloads, transfers
 from ..analysis.outside import OutsideMemory
 from ..ir import transfer_name
 from ..planning.decisions import OffloadPlan
+from ..planning.measured import switched_off
+from ..reasons import Reason, ReasonCode
 from ..reporting.report import OffloadReport
-from ..rewrite.host_copies import HostCopy, replay_switched_off
+from ..reporting.rows import carry_measured, saved_rows
+from ..rewrite.host_copies import HostCopy, replay_switched_off, switched_off_held
 from ..runtime.transfers import switch_copies_off, wait_on_host
 
 log = logging.getLogger(__name__)
@@ -130,6 +133,27 @@ class PlannedPair:
             memo = self._memo[key] = (timeline, read(timeline.points if timeline is not None else ()))
         return memo[1]
 
+    def with_switched_off(self, keep: Mapping[str, Reason]) -> PlannedPair:
+        """The same pair once the copies of ``keep``'s tensors are switched off in its compiled code
+        (``runtime.transfers.switch_copies_off``, the caller's): its plan keeps them on the device for
+        ``keep``'s reasons, its FX timeline, kept bytes and report count them there, from their
+        offload to their reload (the replay of Inductor's code does from ``switched_off``)."""
+        plan = switched_off(self.plan, keep)
+        after = self.memory_after
+        if after is not None:
+            after = with_held(after, switched_off_held(self.host_copies, keep, len(after.points)))
+        kept = self.kept_bytes + sum(d.saved.nbytes for d in self.plan.offloaded if d.saved.name in keep)
+        switched = (*self.switched_off, *sorted(keep))
+        report = dataclasses.replace(
+            self.report, saved=saved_rows(plan), predicted_stall_ms=plan.stall * 1e3, switched_off=switched,
+            memory_after=after, kept_bytes=kept,
+            host_bytes_total=self.report.host_bytes_total - self.plan.host_bytes + plan.host_bytes,
+        )  # fmt: skip
+        return dataclasses.replace(
+            self, plan=plan, kept_bytes=kept, memory_after=after, switched_off=switched,
+            report=carry_measured(report, self.report),
+        )  # fmt: skip
+
     def with_report(self, **changes: object) -> PlannedPair:
         """The same pair, its report changed (``replans``, ``note``, ...)."""
         return dataclasses.replace(self, report=dataclasses.replace(self.report, **changes))
@@ -143,20 +167,27 @@ class PairRegister:
         self._pairs: dict[int, PlannedPair] = {}
         self._forward_code: dict[int, str] = {}  # by graph id: the forward code its host reads came from
 
-    def record(self, pair: PlannedPair) -> None:
-        """``pair`` runs for its graph id from now on (replacing a pair planned before for it). Where
-        its forward's code reads an accelerator tensor's host copy after its wait, that wait makes the
-        host wait for the copy too (``runtime.transfers.wait_on_host``), and where a copy reads a buffer
-        its wait does not keep alive, that copy is switched off (``_unkept_sources``): set here, for the pair that
-        runs, never by a compile that is then dropped (verify_peak's code without offloading, a
-        budget's other attempts, a re-plan that failed)."""
-        self._pairs[pair.graph_id] = pair
+    def record(self, pair: PlannedPair) -> PlannedPair:
+        """``pair`` runs for its graph id from now on (replacing a pair planned before for it); the
+        pair that runs is returned, and the caller runs that one. Where its forward's code reads an
+        accelerator tensor's host copy after its wait, that wait makes the host wait for the copy too
+        (``runtime.transfers.wait_on_host``), and where a copy reads a buffer its wait does not keep
+        alive, that copy is switched off and its tensor kept on the device (``_unkept_sources``): set
+        here, for the pair that runs, never by a compile that is then dropped (verify_peak's code
+        without offloading, a budget's other attempts, a re-plan that failed)."""
         code = pair.output_code.get("forward", "")
         if self._forward_code.get(pair.graph_id) is not code:
             self._forward_code[pair.graph_id] = code
             _host_reads(pair, code)
-            if self.switch_off_unkept:
-                _unkept_sources(pair, code)
+            unkept = _unkept_sources(pair, code) if self.switch_off_unkept else ()
+            if unkept:
+                why = Reason(
+                    ReasonCode.UNKEPT_SOURCE,
+                    "in Inductor's forward its copy reads a buffer its wait does not keep alive",
+                )
+                pair = pair.with_switched_off(dict.fromkeys(unkept, why))
+        self._pairs[pair.graph_id] = pair
+        return pair
 
     def get(self, graph_id: int) -> PlannedPair | None:
         return self._pairs.get(graph_id)
@@ -178,24 +209,29 @@ class PairRegister:
         return [p.report for p in self._pairs.values()]
 
 
-def _unkept_sources(pair: PlannedPair, code: str) -> None:
+def _unkept_sources(pair: PlannedPair, code: str) -> tuple[str, ...]:
     """The offloads whose copy, in the forward's ``code``, reads a buffer its wait does not keep
     alive (Inductor passed a copy of the source to one of the two ops, or freed the source before
     the wait: ``output_code.Transfer.same_buffer``): on a GPU the copy could read memory already
     reused. Switched off (``runtime.transfers.switch_copies_off``: the offload keeps a device copy
     of the tensor at once, no transfer) and said: that tensor is not offloaded, and nothing races.
-    ``_compat.lowering`` keeps Inductor from it in the cases known (a view it copies per reader)."""
-    unkept = sorted(
+    Returns the names of their saved tensors, which the caller keeps on the device in the pair's
+    plan. ``_compat.lowering`` keeps Inductor from it in the cases known (a view it copies per reader)."""
+    unkept = {
         t.name for t in transfers(code)
         if t.kind == "offload" and t.name and (not t.same_buffer or t.source_released_early)
-    )  # fmt: skip
+    }  # fmt: skip
+    names = tuple(
+        sorted(d.saved.name for d in pair.plan.offloaded if transfer_name(pair.graph_id, d.saved.name) in unkept)
+    )
     if unkept:
-        switch_copies_off(unkept)
+        switch_copies_off(sorted(unkept))
         log.warning(
             "fxoffload: graph %d: in Inductor's forward the copies of %s read a buffer their waits do not keep "
             "alive (a copy of the source made for one of the two ops, or the source freed before the wait): "
-            "switched off, those tensors stay on the device", pair.graph_id, ", ".join(unkept),
+            "switched off, those tensors stay on the device", pair.graph_id, ", ".join(sorted(unkept)),
         )  # fmt: skip
+    return names
 
 
 def _host_reads(pair: PlannedPair, code: str) -> None:

@@ -52,7 +52,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from ..analysis.memory import CallOutside, with_held
+from ..analysis.memory import CallOutside
 from ..analysis.output_code import read_offloads, reused_reloads
 from ..analysis.outside import OutsideMemory, graph_device, mark_call, read_outside_memory
 from ..ir import TransferTime, transfer_name
@@ -61,12 +61,10 @@ from ..options import OffloadOptions
 from ..planning.budget import BUDGET_TOLERANCE
 from ..planning.decisions import OffloadPlan
 from ..planning.measured import (
-    Measured, calls_over_allowance, calls_over_price, measured_plan, measured_step, room, stalled, switched_off,
+    Measured, calls_over_allowance, calls_over_price, measured_plan, measured_step, room, stalled,
 )
 from ..planning.worth import stall_not_worth_a_compile
 from ..reporting.report import carry_measured, with_measured
-from ..reporting.rows import saved_rows
-from ..rewrite.host_copies import switched_off_held
 from ..runtime.host_pool import host_buffer_ranges
 from ..runtime.transfers import switch_copies_off, switch_copies_on
 from ..sizes import fmt_bytes
@@ -326,7 +324,7 @@ class CallWatch:
                 old = self.pair = old.with_report(
                     timings=dataclasses.replace(timings, spent=(*timings.spent, *self.compiler.spent(self.replans)))
                 )  # fmt: skip
-            self.compiler.register.record(old)
+            self.pair = old = self.compiler.register.record(old)
             self.pristine, self.why_not = None, f"planning it again failed ({e})"
             return False
         switch_copies_on(transfer_name(old.graph_id, ""))  # the new code's copies run, every one
@@ -336,7 +334,7 @@ class CallWatch:
             earlier = old.report.timings.spent
             spent = (*earlier, *(dataclasses.replace(s, round=self.replans) for s in new.report.timings.spent))
             new = new.with_report(timings=dataclasses.replace(new.report.timings, spent=spent))
-        self.compiler.register.record(new)
+        new = self.compiler.register.record(new)
         self.pair, self.compiled, self.held, self.judged = new, compiled, said, False
         self.timer.restart()
         return True
@@ -347,7 +345,7 @@ class CallWatch:
         old = self.pair
         report = with_measured(old.report, times, *(forward or (None, None)))
         self.pair = dataclasses.replace(old, report=report)
-        self.compiler.register.record(self.pair)
+        self.pair = self.compiler.register.record(self.pair)
         measured = measured_plan(old.plan, times, forward[0] if forward else None).merged(self.measured)
         if measured.host_bound("d2h") or measured.host_bound("h2d"):  # the device waited on the host
             measured = dataclasses.replace(measured, host_calls=host_op_seconds(self.timer.device))
@@ -371,7 +369,7 @@ class CallWatch:
             if left:
                 log.info("fxoffload: graph %d: %s; left as planned", old.graph_id, left)
                 self.pair = self.pair.with_report(left_as_planned=left)
-                self.compiler.register.record(self.pair)
+                self.pair = self.compiler.register.record(self.pair)
                 return False
         stalled_now = copies_stalled or costly
         can_compile = self.pristine is not None and self.replans < options.max_replans
@@ -457,7 +455,6 @@ class CallWatch:
             return False
         self.replans += 1
         self.measured = measured
-        plan = switched_off(old.plan, dataclasses.replace(measured, stalls=off))
         why = (
             f"measured in the first steps: the copies of {', '.join(sorted(off))} stalled the compute stream "
             f"{sum(off.values()) * 1e3:.3g} ms a step (the plan predicted {predicted_ms:.3g} ms); switched off at "
@@ -465,22 +462,8 @@ class CallWatch:
         )
         log.info("fxoffload: graph %d: %s", old.graph_id, why)
         switch_copies_off([transfer_name(old.graph_id, t) for t in off])
-        # The FX model's timeline with those tensors on the device from their offload to their reload;
-        # the replay of Inductor's code counts them where it is read (``PlannedPair.code_memory``).
-        after = old.memory_after
-        if after is not None:
-            after = with_held(after, switched_off_held(old.host_copies, off, len(after.points)))
-        kept = old.kept_bytes + sum(d.saved.nbytes for d in old.plan.offloaded if d.saved.name in off)
-        switched = (*old.switched_off, *sorted(off))
-        report = dataclasses.replace(
-            old.report, saved=saved_rows(plan), predicted_stall_ms=plan.stall * 1e3, replans=(*old.report.replans, why),
-            switched_off=switched, memory_after=after, kept_bytes=kept,
-        )  # fmt: skip
-        self.pair = dataclasses.replace(
-            old, plan=plan, kept_bytes=kept, memory_after=after, switched_off=switched,
-            report=carry_measured(report, old.report),
-        )  # fmt: skip
-        self.compiler.register.record(self.pair)
+        new = old.with_switched_off(dataclasses.replace(measured, stalls=off).keep())
+        self.pair = self.compiler.register.record(new.with_report(replans=(*old.report.replans, why)))
         self.timer.restart()
         return True
 

@@ -389,10 +389,10 @@ def _predicted_window(d, costs: PlanCosts, direction: str) -> float:
     return fw if direction == "d2h" else bw
 
 
-def switched_off(plan: OffloadPlan, measured: Measured) -> OffloadPlan:
-    """``plan`` with every offloaded tensor whose copies stalled (``measured.stalls``) kept on the
-    device instead: what runs once the runtime switches their copies off in the compiled code."""
-    keep = measured.keep()
+def switched_off(plan: OffloadPlan, keep: Mapping[str, Reason]) -> OffloadPlan:
+    """``plan`` with every offloaded tensor of ``keep`` kept on the device instead, for its reason
+    there (``Measured.keep``: its copies stalled): what runs once the runtime switches their copies
+    off in the compiled code."""
     decisions = tuple(
         dataclasses.replace(
             d, decision=Action.KEEP, timing=None,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import shutil
 import textwrap
 from typing import TYPE_CHECKING
@@ -174,11 +175,13 @@ def summary(report: OffloadReport) -> str:
         )
     if report.switched_off:
         off = set(report.switched_off)
-        kept = sum(r.nbytes for r in report.saved if r.name in off)
+        rows = [r for r in report.saved if r.name in off]
+        why = {"measured_stall": "stalled", "unkept_source": "read a buffer Inductor does not keep alive"}
+        whys = collections.Counter(why.get(r.reason_code, r.reason_code) for r in rows)
         lines.append(
-            f"  switched off at run time: the copies of {len(report.switched_off)} tensors ({fmt_bytes(kept)}), "
-            "which stalled; they stay on the device, from their offload to their reload, as the peak with "
-            "fxoffload above counts them"
+            f"  switched off at run time: the copies of {len(report.switched_off)} tensors "
+            f"({fmt_bytes(sum(r.nbytes for r in rows))}; {', '.join(f'{n} {w}' for w, n in sorted(whys.items()))}); "
+            "they stay on the device, from their offload to their reload, as the peak with fxoffload above counts them"
         )
     if report.outside is not None and report.outside.held_bytes:
         lines.append(f"  held through it: {report.outside.summary()}")
