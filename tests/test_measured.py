@@ -530,6 +530,44 @@ def test_the_backend_is_settled_once_its_copies_are_timed_and_acted_on():
     assert backend.settled and after.replans == report.replans and after.timings == report.timings
 
 
+def _mlp_steps(backend, sizes, graph_break=False):
+    """A step of a small MLP per batch size in ``sizes``, compiled with ``backend`` (a graph break
+    before its last layer where asked); whether the backend was settled after each."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    first = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.Tanh(), torch.nn.Linear(256, 256), torch.nn.Tanh())
+    rest = torch.nn.Linear(256, 1)  # after the break: nothing of its own to offload, nothing to time
+
+    def forward(x):
+        h = first(x)
+        if graph_break:
+            torch._dynamo.graph_break()
+        return rest(h)
+
+    compiled = torch.compile(forward, backend=backend)
+    settled = []
+    for n in sizes:
+        compiled(torch.randn(n, 64)).pow(2).mean().backward()
+        settled.append(backend.settled)
+    return settled
+
+
+def test_a_graph_a_recompile_replaced_does_not_keep_the_backend_unsettled():
+    """With Dynamo's default ``dynamic=None``, the first batch size gets a graph of its own, called
+    once, and a later size a dynamic one that every step runs: the first graph's copies (timed at
+    its second call) never are. ``settled`` leaves it out once the graph compiled after it has run
+    twice; a graph the step still runs (the first half of a graph break, whose second half is settled
+    at its first call) it does not leave out."""
+    backend = fxoffload.backend(offload_cpu=True, policy="all", min_bytes="4KiB", inner="aot_eager")
+    settled = _mlp_steps(backend, [32, 48, 16, 64, 40])
+    first, dynamic = backend._watches
+    assert first.calls == 1 and not first.settled and dynamic.settled
+    assert not any(settled[:2]) and settled[-1], settled  # unsettled until the dynamic graph is timed
+    backend = fxoffload.backend(offload_cpu=True, policy="all", min_bytes="4KiB", inner="aot_eager")
+    settled = _mlp_steps(backend, [32, 32, 32], graph_break=True)
+    assert len(backend._watches) == 2 and not settled[0] and settled[-1], settled
+
+
 def test_a_backend_with_nothing_to_time_is_settled_after_its_first_step():
     backend = fxoffload.backend(offload_cpu=True, policy="none", inner="aot_eager")
     step = _stepper(backend)

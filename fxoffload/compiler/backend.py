@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import logging
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -37,6 +38,7 @@ class OffloadBackend:
         # that is more than it was planned with (``watch.CallWatch``).
         self.outside_seen: dict[int, int] = {}
         self._watches: list[CallWatch] = []
+        self._ticks = itertools.count()  # orders the watches' compiles and calls (``settled``)
         self.__name__ = "fxoffload"  # torch.compile names a backend by it
 
     def __repr__(self) -> str:
@@ -49,10 +51,13 @@ class OffloadBackend:
 
     @property
     def settled(self) -> bool:
-        """True once every graph it compiled has done its first-step work: its copies timed on the
+        """True once every graph it runs has done its first-step work: its copies timed on the
         device and, where they stalled, planned again and compiled (``max_replans`` at most). Time
-        steps from here: before, a step may time copies or compile."""
-        return all(w.settled for w in self._watches)
+        steps from here: before, a step may time copies or compile. A graph a recompile replaced
+        (not called since a graph compiled after it ran twice: a batch size Dynamo then made
+        dynamic) is left out: its copies, timed at its second call, may never be."""
+        watches = self._watches
+        return all(w.settled or any(v.created > w.last_call and v.calls >= 2 for v in watches) for w in watches)
 
     @property
     def host_bytes_planned(self) -> int:
@@ -83,7 +88,7 @@ class OffloadBackend:
         learns = pristine is not None and learns_without_copies(pair.plan, opts)  # timed, then maybe planned again
         if pair.outside is None and not pair.plan.offloaded and not learns:
             return compiled
-        watch = CallWatch(self._compiler, pair, opts, pristine, self.outside_seen)
+        watch = CallWatch(self._compiler, pair, opts, pristine, self.outside_seen, self._ticks)
         self._watches.append(watch)
         return watch.wrap(compiled)
 

@@ -46,7 +46,7 @@ import functools
 import logging
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -105,8 +105,13 @@ class CallWatch:
         options: OffloadOptions,
         pristine: fx.GraphModule | None,
         seen: dict[int, int],
+        ticks: Iterator[int],
     ) -> None:
         self.compiler = compiler
+        # When it was made and last called, and its calls, on its backend's ``ticks`` (``settled``).
+        self.ticks = ticks
+        self.created = self.last_call = next(ticks)
+        self.calls = 0
         self.pair = pair
         self.options = options
         self.pristine = pristine  # Dynamo's graph as it came, to compile again; None: never planned again
@@ -143,6 +148,7 @@ class CallWatch:
 
         @functools.wraps(compiled)
         def run(*args: Any) -> Any:
+            self.last_call, self.calls = next(self.ticks), self.calls + 1
             if not self.left and self.timer.done:
                 return self.compiled(*args)
             # A boxed call passes its arguments in one list (which the callee may empty): read first.
