@@ -124,7 +124,7 @@ def test_inductor_code_replay_agrees_with_the_allocator_and_checks_the_budget():
     the measured one (the CPU allocator's events) to within 5%, and a budget that code misses is said
     at compile time, with the figures."""
     import fxoffload
-    from fxoffload.compiler.compile import budget_verdict
+    from fxoffload.planning.budget import budget_verdict
     from fxoffload.testing.models import example
 
     from .conftest import measured_steady_step

@@ -5,6 +5,7 @@ import warnings
 import pytest
 import torch
 
+from fxoffload.sizes import fmt_bytes
 from fxoffload.testing.models import GPT, GPTConfig, gpt_batch
 
 from .conftest import assert_same, cpu_backend, returned_names, train_step
@@ -18,7 +19,7 @@ def _plan(policy="auto", **options):
     torch.manual_seed(0)
     cfg = GPTConfig(layers=3)
     model, batch = GPT(cfg), gpt_batch(cfg, 8)
-    backend = cpu_backend(inner="aot_eager", policy=policy, min_bytes="16KiB", **RATES, **options)
+    backend = cpu_backend(inner="aot_eager", policy=policy, **{"min_bytes": "16KiB", **RATES, **options})
     result = train_step(model, batch, backend)
     (report,) = backend.reports
     return report, result, (model, batch)
@@ -77,6 +78,21 @@ def test_unreachable_budget_warns_with_the_smallest_peak():
     with pytest.warns(RuntimeWarning, match=r"memory_budget 1.0 KiB cannot be reached: the smallest predicted peak is"):
         report, _, _ = _plan(memory_budget="1KiB")
     assert "NOT met" in report.summary()
+
+
+def test_an_unreachable_budget_names_the_tensors_min_bytes_kept_from_it():
+    """A new user's small CNN under the 1 MiB default: the budget was said unreachable "offloading or
+    recomputing all it could", when min_bytes had kept every tensor from it."""
+    with pytest.warns(RuntimeWarning, match=r"cannot be reached") as said:
+        report, _, _ = _plan(memory_budget=0.5, min_bytes="1MiB")  # the default
+    small = [r for r in report.saved if r.reason_code == "min_bytes"]
+    assert small, report.table()
+    expected = f"{len(small)} saved tensors ({fmt_bytes(sum(r.nbytes for r in small))}) are under min_bytes"
+    assert any(expected in str(w.message) for w in said), [str(w.message) for w in said]
+    with pytest.warns(RuntimeWarning, match=r"cannot be reached") as said:
+        report, _, _ = _plan(memory_budget="1KiB", min_bytes=512)  # keeps none from the budget: no hint
+    assert not [r for r in report.saved if r.reason_code == "min_bytes"]
+    assert not any("under min_bytes" in str(w.message) for w in said)
 
 
 def test_unreachable_budget_with_strict_raises():

@@ -7,8 +7,7 @@ import copy
 import dataclasses
 import logging
 import time
-import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -21,7 +20,7 @@ from ..analysis.memory import MemoryTimeline
 from ..analysis.outside import OutsideMemory
 from ..ir import OFFLOAD, RELOAD, TRANSFER_OPS, WAIT
 from ..options import OffloadOptions
-from ..planning.budget import BUDGET_TOLERANCE
+from ..planning.budget import BUDGET_TOLERANCE, budget_verdict, min_bytes_hint
 from ..planning.measured import Measured
 from ..reasons import Reason, ReasonCode
 from ..reporting.report import CompileSpent
@@ -36,7 +35,7 @@ from .verify import unchanged_floor, with_peak_not_lowered
 
 log = logging.getLogger(__name__)
 
-__all__ = ["GraphCompiler", "budget_verdict", "check_budget", "copy_graph_module"]
+__all__ = ["GraphCompiler", "check_budget", "copy_graph_module"]
 
 # The transfer ops as Inductor's scheduler sees them, for ``_compat.compile_with_inductor(join_runs=...)``.
 _TRANSFERS = _compat.TransferOps(TRANSFER_OPS, OFFLOAD, RELOAD, WAIT)
@@ -431,43 +430,8 @@ def needs_unchanged_code(pair: PlannedPair, timeline: MemoryTimeline, opts: Offl
 def check_budget(pair: PlannedPair, strict: bool = False) -> None:
     """The verdict on ``memory_budget`` by the code that will run (``budget_verdict``)."""
     predicted = pair.memory_after.peak_bytes if pair.memory_after is not None else 0
-    budget_verdict(pair.graph_id, pair.memory_budget, pair.code_memory(), predicted, pair.report.replans, strict)
-
-
-def budget_verdict(
-    graph_id: int,
-    budget: int | None,
-    compiled: MemoryTimeline | None,
-    predicted: int,
-    replans: Sequence[str] = (),
-    strict: bool = False,
-) -> None:
-    """Once both graphs are compiled, the peak of Inductor's code replayed (``compiled``) against
-    ``budget``: past it (``BUDGET_TOLERANCE``), say so with the figures, beside the FX model's
-    ``predicted`` peak (a RuntimeWarning, or a ValueError with ``strict=True``)."""
-    if budget is None or compiled is None or not compiled.points:
-        return
-    peak = compiled.peak
-    if peak.total <= budget * (1 + BUDGET_TOLERANCE):
-        log.info(
-            "fxoffload: graph %d: Inductor's code peaks at %s, memory_budget %s met (%.0f%% tolerance)",
-            graph_id, fmt_bytes(peak.total), fmt_bytes(budget), BUDGET_TOLERANCE * 100,
-        )  # fmt: skip
-        return
-    why = (  # the plan itself over the budget (nothing this graph saves could bring it lower), or the code
-        "the plan's lowest peak on the FX graph, offloading or recomputing all it could: the budget cannot be "
-        "reached in this graph" if predicted > budget * (1 + BUDGET_TOLERANCE)
-        else "the plan's peak on the FX graph (Inductor fuses, reuses and frees buffers its own way)"
-    )  # fmt: skip
-    message = (
-        f"fxoffload: graph {graph_id}: memory_budget {fmt_bytes(budget)} is not met by the code Inductor generated: "
-        f"it peaks at {fmt_bytes(peak.total)} ({peak.node}), against {fmt_bytes(predicted)}, {why}"
-        + (f"; planned {len(replans)} more times for lower targets, this is the lowest peak reached" if replans else "")
-        + ". Expect the step to peak about there."
-    )
-    if strict:
-        raise ValueError(message.replace(". Expect the step to peak about there.", " (strict=True)."))
-    warnings.warn(message, RuntimeWarning, stacklevel=2)
+    hint = min_bytes_hint((d.saved.nbytes, d.reason) for d in pair.plan.decisions)
+    budget_verdict(pair.graph_id, pair.memory_budget, pair.code_memory(), predicted, pair.report.replans, strict, hint)
 
 
 def may_return_only_scalars(gm: fx.GraphModule) -> bool:

@@ -9,19 +9,26 @@ recomputations, least predicted time per byte first, until that timeline's peak 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 from ..analysis.lifetimes import SavedTensor
 from ..analysis.memory import MemoryPoint, MemoryTimeline, OffDevice, outside_at, with_plan
 from ..analysis.recompute import RecomputeOption
 from ..options import OffloadOptions
+from ..reasons import Reason, ReasonCode
 from ..sizes import fmt_bytes
 from .decisions import OffloadPlan, PlanCosts, planned_host_bytes
 from .schedule import TransferTiming, copy_seconds, padded_copy_seconds, schedule_transfers, windows
 from .trees import MinTree
 
-__all__ = ["BUDGET_TOLERANCE", "BudgetFit", "budget_bytes", "fit_budget", "off_device", "planned_memory", "unreachable_budget"]
+log = logging.getLogger(__name__)
+
+__all__ = [
+    "BUDGET_TOLERANCE", "BudgetFit", "budget_bytes", "budget_verdict", "fit_budget", "min_bytes_hint", "off_device",
+    "planned_memory", "unreachable_budget",
+]
 
 # A memory_budget is met when the peak is at most this much above it: the tolerance of a
 # measurement and of a replay that does not see an op's scratch.
@@ -104,6 +111,7 @@ class BudgetFit:
     stall_estimate: dict[str, float]  # predicted cost of an un-hidden offload (stall, op calls), per candidate
     peak: int  # the fit's estimate of the peak with its choices
     hidden: list[SavedTensor] = dataclasses.field(default_factory=list)  # of ``later``: placed to hide
+    lowest: MemoryPoint | None = None  # where ``peak`` is
 
 
 # A candidate of the fit: (cost per byte, output index, 0 offload / 1 recompute, tensor, option).
@@ -277,22 +285,71 @@ def fit_budget(
         if not added:
             break
     reachable = int(-tree.min(0, last))
-    if reachable > budget:
-        unreachable_budget(budget, reachable, fit.points[tree.argmin()], options.strict)
-    return BudgetFit(fit.extra, fit.recomputes, fit.stall_estimate, reachable, fit.hidden)
+    return BudgetFit(fit.extra, fit.recomputes, fit.stall_estimate, reachable, fit.hidden, fit.points[tree.argmin()])
 
 
 def _covers(interval: tuple[int, int], point: int) -> bool:
     return interval[0] <= point <= interval[1]
 
 
-def unreachable_budget(budget: int, peak: int, at: MemoryPoint, strict: bool) -> None:
-    """Say that ``budget`` cannot be reached, with the smallest predicted ``peak`` (at point ``at``):
-    a RuntimeWarning, or a ValueError with ``strict=True``."""
+def unreachable_budget(budget: int, peak: int, at: MemoryPoint, strict: bool, hint: str = "") -> None:
+    """Say that ``budget`` cannot be reached, with the smallest predicted ``peak`` (at point ``at``)
+    and ``hint`` (``min_bytes_hint``): a RuntimeWarning, or a ValueError with ``strict=True``."""
     message = (
         f"fxoffload: memory_budget {fmt_bytes(budget)} cannot be reached: the smallest predicted peak "
-        f"is {fmt_bytes(peak)} (at {at.phase} node {at.node}); applying that plan"
+        f"is {fmt_bytes(peak)} (at {at.phase} node {at.node}){hint}; applying that plan"
     )
     if strict:
         raise ValueError(message.replace("; applying that plan", " (strict=True)"))
     warnings.warn(message, RuntimeWarning, stacklevel=3)
+
+
+def min_bytes_hint(kept: Iterable[tuple[int, Reason]]) -> str:
+    """Where ``min_bytes`` kept saved tensors from a budget (a tiny model's, under its 1 MiB
+    default): how many and their bytes, of ``kept`` (bytes, reason), for a budget said to be missed."""
+    small = [nbytes for nbytes, reason in kept if reason.code == ReasonCode.MIN_BYTES]
+    if not small:
+        return ""
+    return (
+        f"; {len(small)} saved tensors ({fmt_bytes(sum(small))}) are under min_bytes, which keeps them from "
+        "offloading and recomputation: a lower min_bytes lets the budget take them"
+    )
+
+
+def budget_verdict(
+    graph_id: int,
+    budget: int | None,
+    compiled: MemoryTimeline | None,
+    predicted: int,
+    replans: Sequence[str] = (),
+    strict: bool = False,
+    hint: str = "",
+) -> None:
+    """Once both graphs are compiled, the peak of Inductor's code replayed (``compiled``) against
+    ``budget``: past it (``BUDGET_TOLERANCE``), say so with the figures, beside the FX model's
+    ``predicted`` peak (a RuntimeWarning, or a ValueError with ``strict=True``), and ``hint``
+    (``min_bytes_hint``)."""
+    if budget is None or compiled is None or not compiled.points:
+        return
+    peak = compiled.peak
+    if peak.total <= budget * (1 + BUDGET_TOLERANCE):
+        log.info(
+            "fxoffload: graph %d: Inductor's code peaks at %s, memory_budget %s met (%.0f%% tolerance)",
+            graph_id, fmt_bytes(peak.total), fmt_bytes(budget), BUDGET_TOLERANCE * 100,
+        )  # fmt: skip
+        return
+    why = (  # the plan itself over the budget (nothing this graph saves could bring it lower), or the code
+        "the plan's lowest peak on the FX graph, offloading or recomputing all it could: the budget cannot be "
+        "reached in this graph" if predicted > budget * (1 + BUDGET_TOLERANCE)
+        else "the plan's peak on the FX graph (Inductor fuses, reuses and frees buffers its own way)"
+    )  # fmt: skip
+    message = (
+        f"fxoffload: graph {graph_id}: memory_budget {fmt_bytes(budget)} is not met by the code Inductor generated: "
+        f"it peaks at {fmt_bytes(peak.total)} ({peak.node}), against {fmt_bytes(predicted)}, {why}"
+        + (f"; planned {len(replans)} more times for lower targets, this is the lowest peak reached" if replans else "")
+        + hint
+        + ". Expect the step to peak about there."
+    )
+    if strict:
+        raise ValueError(message.replace(". Expect the step to peak about there.", " (strict=True)."))
+    warnings.warn(message, RuntimeWarning, stacklevel=2)

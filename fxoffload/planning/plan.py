@@ -16,7 +16,7 @@ from ..analysis.recompute import RecomputeOption
 from ..options import OffloadOptions
 from ..reasons import Action, Reason, ReasonCode
 from ..sizes import CUDA_BLOCK_BYTES, fmt_bytes
-from .budget import budget_bytes, fit_budget
+from .budget import budget_bytes, fit_budget, min_bytes_hint, unreachable_budget
 from .decisions import Decision, OffloadPlan, PlanCosts, planned_host_bytes
 from .policy import user_choice
 from .schedule import HiddenSetChecker, OpAllowance, TransferTiming, fmt_ms, not_hidden, schedule_transfers
@@ -122,6 +122,9 @@ def plan_offloads(
             host_left, asked.recomputes, picks.later,
         )  # fmt: skip
         extra, fit_peak = fitted.offloads, fitted.peak
+        if fitted.peak > (budget_target or budget):
+            hint = min_bytes_hint((t.nbytes, reasons[t.name]) for t in lifetimes.saved if t.name in reasons)
+            unreachable_budget(budget_target or budget, fitted.peak, fitted.lowest, options.strict, hint)
         _say_budget_choices(fitted, budget, asked, recompute or {}, recomputed, reasons)
         picks.chosen.extend([*fitted.hidden, *extra])
     _say_recompute_sources(recomputed, reasons)
