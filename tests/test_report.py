@@ -1,5 +1,7 @@
 """Reports: predicted memory before/after, summary, timeline data and the JSON round trip."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -46,6 +48,19 @@ def test_summary_and_timeline(gpt_report):
     before = [r for r in rows if r["graph"] == "before"]
     assert max(r["total"] for r in before) == gpt_report.predicted_peak_before
     assert all(r["total"] == r["parameters"] + r["inputs"] + r["saved"] + r["transient"] + r["gradients"] for r in rows)
+
+
+def test_a_plan_that_raises_the_predicted_peak_is_said_to(gpt_report):
+    """A new user's summary showed the peak with fxoffload above the one without, and said nothing."""
+    assert "above the peak without" not in gpt_report.summary()
+    points = gpt_report.memory_before.points
+    top = max(range(len(points)), key=lambda i: points[i].total)
+    raised = [
+        dataclasses.replace(p, live={**p.live, "transient": p.live.get("transient", 0) + (2 << 20) * (i == top)})
+        for i, p in enumerate(points)
+    ]  # fmt: skip
+    report = dataclasses.replace(gpt_report, memory_after=dataclasses.replace(gpt_report.memory_before, points=tuple(raised)))
+    assert "above the peak without, by 2.0 MiB" in report.summary(), report.summary()
 
 
 def test_json_round_trip(gpt_report):

@@ -166,12 +166,20 @@ def summary(report: OffloadReport) -> str:
     """Predicted peak before and after, where it is and what is live there by kind, the peak of
     Inductor's code when replayed, bytes offloaded and host memory."""
     lines = [f"graph {report.graph_id} (policy={report.policy!r})"]
+    peaks = {}
     for label, which in (("without fxoffload", "before"), ("with fxoffload", "after")):
-        peak = report.peak_breakdown(which)
+        peak = peaks[which] = report.peak_breakdown(which)
         if peak is None:
             continue
         lines.append(
             f"  predicted peak {label}: {fmt_bytes(peak.total)} at {peak.phase} node {peak.node} ({peak.kinds()})"
+        )
+    if peaks["before"] is not None and peaks["after"] is not None and peaks["after"].total > peaks["before"].total:
+        lines.append(
+            f"    above the peak without, by {fmt_bytes(peaks['after'].total - peaks['before'].total)}: there the "
+            "reloads' buffers and what the copies hold outweigh what the offloads free (code run between this "
+            "graph's forward and its backward, such as a loss computed outside it, holds less, which this graph "
+            "does not see)"
         )
     if report.switched_off:
         off = set(report.switched_off)
