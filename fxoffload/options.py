@@ -313,8 +313,8 @@ def _rates(name: str, value: Any, keys: tuple[str, ...], both: bool = False) -> 
         if key not in value:
             continue
         rate = value[key]
-        if isinstance(rate, str):
-            rate = parse_bytes(rate, f"{name}[{key!r}]")
+        if isinstance(rate, str):  # a size a second: "800MB", or "800MB/s" as people write a rate
+            rate = parse_bytes(re.sub(r"\s*/\s*s$", "", rate.strip(), flags=re.IGNORECASE), f"{name}[{key!r}]")
         # NaN fails every comparison, so it would pass a plain ``rate <= 0`` check.
         if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not 0 < rate < float("inf"):
             raise ValueError(

@@ -188,12 +188,20 @@ def test_sizes_parse():
     opts = OffloadOptions.from_dict({"min_bytes": "1.5KiB", "host_budget": "2GB"})
     assert opts.min_bytes == 1536 and opts.host_budget == 2 * 10**9
     assert OffloadOptions.from_dict({"host_budget": "12GiB"}).host_budget == 12 * 2**30
+    # A rate as people write one (a new user's "1GB/s" was refused); "/h" is no rate.
+    link = {"offload_cpu": True, "cpu_link_bandwidth": "1GB/s"}
+    assert OffloadOptions.from_dict(link).cpu_link_bandwidth == (("d2h", 1e9), ("h2d", 1e9))
+    assert OffloadOptions.from_dict({"bandwidth": {"h2d": "25 GiB / S"}}).bandwidth == (("h2d", 25.0 * 2**30),)
+    with pytest.raises(ValueError, match=r"cannot parse bandwidth\['d2h'\]='1GB/h'"):
+        OffloadOptions.from_dict({"bandwidth": "1GB/h"})
 
 
 def test_options_dict_through_torch_compile_is_validated():
+    """At the first call, as the README says: torch wraps the ValueError, its ``inner_exception``."""
     f = torch.compile(lambda x: x.sin().sum(), backend="fxoffload", options={"bogus": 1})
-    with pytest.raises(Exception, match="unknown option"):
+    with pytest.raises(torch._dynamo.exc.BackendCompilerFailed, match="unknown option") as raised:
         f(torch.randn(3, requires_grad=True))
+    assert isinstance(raised.value.inner_exception, ValueError)
 
 
 def test_string_backend_takes_options_and_reports():
