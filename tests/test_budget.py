@@ -97,6 +97,20 @@ def test_strict_refuses_a_budget_the_code_misses_and_planning_again_stops_at_the
     assert not [m for m in caplog.messages if "planned again" in m], caplog.messages
 
 
+def test_an_unreachable_budget_on_a_dynamic_graph_is_warned_about_too():
+    """Inductor's code with symbolic sizes has no replay to judge: the fit's word stands (a new
+    user's dynamic=True graph got no warning where the same static one did)."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    layers = [torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Tanh()) for _ in range(6)]
+    model = torch.nn.Sequential(*layers, torch.nn.Linear(64, 1))
+    backend = fxoffload.backend(offload_cpu=True, min_bytes="4KiB", memory_budget="1MiB")
+    with pytest.warns(RuntimeWarning, match=r"memory_budget 1.0 MiB cannot be reached: the smallest predicted peak"):
+        torch.compile(model, backend=backend, dynamic=True)(torch.randn(1024, 64)).pow(2).mean().backward()
+    (report,) = backend.reports
+    assert report.compiled_memory() is None or not report.compiled_memory().points
+
+
 @pytest.mark.parametrize("bad", [0.0, 1.5, "many"])
 def test_a_bad_budget_names_what_is_allowed(bad):
     with pytest.raises(ValueError, match="memory_budget"):

@@ -137,7 +137,11 @@ class GraphCompiler:
         compiled, pair = best.value
         if pair is not None and checked and compiled is not None:
             compiled, pair = self._no_higher_than_unchanged(pristine, example_inputs, opts, patches, compiled, pair)
-        say(best, drop=lambda w: "cannot be reached" in str(w.message) and opts.memory_budget is not None)
+        # The fit's word on the budget gives way to the code's (``check_budget``), where there is code to replay
+        # (not for symbolic sizes).
+        code = pair.code_memory() if pair is not None and opts.memory_budget is not None else None
+        judged = code is not None and bool(code.points)
+        say(best, drop=lambda w: judged and "cannot be reached" in str(w.message))
         # A plan that changes nothing, stopped before lowering or swapped by verify_peak; one judged
         # on its code was lowered as Inductor lowers it (donated buffers: ``_compat.donated``).
         if pair is not None and compiled is None:
