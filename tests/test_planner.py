@@ -1,5 +1,6 @@
 """The cost-model planner on real graphs, with fixed rates so that plans are deterministic."""
 
+import re
 import warnings
 
 import pytest
@@ -78,6 +79,11 @@ def test_unreachable_budget_warns_with_the_smallest_peak():
     with pytest.warns(RuntimeWarning, match=r"memory_budget 1.0 KiB cannot be reached: the smallest predicted peak is"):
         report, _, _ = _plan(memory_budget="1KiB")
     assert "NOT met" in report.summary()
+    # What the budget left on the device says why: freeing it would not lower the peak it misses.
+    (peak,) = {re.search(r"the peak the budget misses \((.*)\)", r.reason)[1] for r in report.saved if "misses" in r.reason}
+    untaken = [r for r in report.saved if "not taken by memory_budget either" in r.reason]
+    assert untaken and all(r.decision == "keep" for r in untaken), report.table()
+    assert peak == f"{report.peak_breakdown('after').phase} node {report.peak_breakdown('after').node}"
 
 
 def test_an_unreachable_budget_names_the_tensors_min_bytes_kept_from_it():

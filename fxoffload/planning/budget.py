@@ -112,6 +112,9 @@ class BudgetFit:
     peak: int  # the fit's estimate of the peak with its choices
     hidden: list[SavedTensor] = dataclasses.field(default_factory=list)  # of ``later``: placed to hide
     lowest: MemoryPoint | None = None  # where ``peak`` is
+    # Over the budget: the candidates left untaken because freeing them would not lower ``peak``
+    # (not idle at ``lowest``), by name.
+    untaken: frozenset[str] = frozenset()
 
 
 # A candidate of the fit: (cost per byte, output index, 0 offload / 1 recompute, tensor, option).
@@ -284,8 +287,11 @@ def fit_budget(
             added = True
         if not added:
             break
-    reachable = int(-tree.min(0, last))
-    return BudgetFit(fit.extra, fit.recomputes, fit.stall_estimate, reachable, fit.hidden, fit.points[tree.argmin()])
+    reachable, at = int(-tree.min(0, last)), tree.argmin()
+    untaken = frozenset(
+        e[3].name for e in fit.pool if reachable > budget and not _covers(estimated_interval(e[3], fit.fw_points), at)
+    )
+    return BudgetFit(fit.extra, fit.recomputes, fit.stall_estimate, reachable, fit.hidden, fit.points[at], untaken)
 
 
 def _covers(interval: tuple[int, int], point: int) -> bool:

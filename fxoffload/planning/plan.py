@@ -123,6 +123,10 @@ def plan_offloads(
         )  # fmt: skip
         extra, fit_peak = fitted.offloads, fitted.peak
         if fitted.peak > (budget_target or budget):
+            at = fitted.lowest
+            for name in fitted.untaken & reasons.keys():  # auto's reason, and why the budget did not take it either
+                reasons[name] = Reason(reasons[name].code, f"{reasons[name].text}; not taken by memory_budget "
+                                       f"either: it is not idle at the peak the budget misses ({at.phase} node {at.node})")
             hint = min_bytes_hint((t.nbytes, reasons[t.name]) for t in lifetimes.saved if t.name in reasons)
             unreachable_budget(budget_target or budget, fitted.peak, fitted.lowest, options.strict, hint)
         _say_budget_choices(fitted, budget, asked, recompute or {}, recomputed, reasons)
