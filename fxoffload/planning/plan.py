@@ -123,12 +123,7 @@ def plan_offloads(
         )  # fmt: skip
         extra, fit_peak = fitted.offloads, fitted.peak
         if fitted.peak > (budget_target or budget):
-            at = fitted.lowest
-            for name in fitted.untaken & reasons.keys():  # auto's reason, and why the budget did not take it either
-                reasons[name] = Reason(reasons[name].code, f"{reasons[name].text}; not taken by memory_budget "
-                                       f"either: it is not idle at the peak the budget misses ({at.phase} node {at.node})")
-            hint = min_bytes_hint((t.nbytes, reasons[t.name]) for t in lifetimes.saved if t.name in reasons)
-            unreachable_budget(budget_target or budget, fitted.peak, fitted.lowest, options.strict, hint)
+            _say_budget_missed(fitted, budget_target or budget, lifetimes.saved, options, reasons)
         _say_budget_choices(fitted, budget, asked, recompute or {}, recomputed, reasons)
         picks.chosen.extend([*fitted.hidden, *extra])
     _say_recompute_sources(recomputed, reasons)
@@ -260,6 +255,22 @@ def auto_offload_bytes(plan: OffloadPlan, costs: PlanCosts, options: OffloadOpti
     picks = _pick(_Asked(asked, {}, set()), [d.saved for d in plan.decisions if d.reason.code in judged], costs,
                   options, host, {d.saved.name: d.reason for d in plan.decisions})  # fmt: skip
     return sum(t.nbytes for t in picks.chosen)
+
+
+def _say_budget_missed(
+    fitted, target: int, saved: Sequence[SavedTensor], options: OffloadOptions, reasons: dict[str, Reason]
+) -> None:
+    """The fit missed ``target``: what it left untaken says why (auto's reason stays, its code with it),
+    and the budget is said unreachable, naming what ``min_bytes`` kept from it (``min_bytes_hint``)."""
+    at = fitted.lowest
+    for name in fitted.untaken & reasons.keys():
+        reasons[name] = Reason(
+            reasons[name].code,
+            f"{reasons[name].text}; not taken by memory_budget either: it is not idle at the peak the budget "
+            f"misses ({at.phase} node {at.node})",
+        )
+    hint = min_bytes_hint((t.nbytes, reasons[t.name]) for t in saved if t.name in reasons)
+    unreachable_budget(target, fitted.peak, at, options.strict, hint)
 
 
 def _say_budget_choices(

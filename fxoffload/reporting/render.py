@@ -162,18 +162,15 @@ def _short_table(report: OffloadReport, header: str, host: str, width: int, kept
     return "\n".join(lines)
 
 
-def summary(report: OffloadReport) -> str:
-    """Predicted peak before and after, where it is and what is live there by kind, the peak of
-    Inductor's code when replayed, bytes offloaded and host memory."""
-    lines = [f"graph {report.graph_id} (policy={report.policy!r})"]
-    peaks = {}
+def _predicted_peaks(report: OffloadReport) -> list[str]:
+    """The FX model's peaks without and with fxoffload, and a word where the second is higher."""
+    lines, peaks = [], {}
     for label, which in (("without fxoffload", "before"), ("with fxoffload", "after")):
         peak = peaks[which] = report.peak_breakdown(which)
-        if peak is None:
-            continue
-        lines.append(
-            f"  predicted peak {label}: {fmt_bytes(peak.total)} at {peak.phase} node {peak.node} ({peak.kinds()})"
-        )
+        if peak is not None:
+            lines.append(
+                f"  predicted peak {label}: {fmt_bytes(peak.total)} at {peak.phase} node {peak.node} ({peak.kinds()})"
+            )
     if peaks["before"] is not None and peaks["after"] is not None and peaks["after"].total > peaks["before"].total:
         lines.append(
             f"    above the peak without, by {fmt_bytes(peaks['after'].total - peaks['before'].total)}: there the "
@@ -181,6 +178,13 @@ def summary(report: OffloadReport) -> str:
             "graph's forward and its backward, such as a loss computed outside it, holds less, which this graph "
             "does not see)"
         )
+    return lines
+
+
+def summary(report: OffloadReport) -> str:
+    """Predicted peak before and after, where it is and what is live there by kind, the peak of
+    Inductor's code when replayed, bytes offloaded and host memory."""
+    lines = [f"graph {report.graph_id} (policy={report.policy!r})", *_predicted_peaks(report)]
     if report.switched_off:
         off = set(report.switched_off)
         rows = [r for r in report.saved if r.name in off]
