@@ -87,8 +87,18 @@ def train_step(model, args, backend=None, seed=0, steps=1):
     backend None runs eagerly. The seed is fixed before each step, so dropout draws the same masks in
     eager and compiled runs whose RNG handling agrees (see test_parity for where it does not).
     """
+    return run_steps(*compiled_copy(model, backend), args, seed, steps)
+
+
+def compiled_copy(model, backend=None):
+    """A deep copy of ``model``, and that copy compiled with ``backend`` (None: the copy itself)."""
     model = copy.deepcopy(model)
-    fn = model if backend is None else torch.compile(model, backend=backend)
+    return model, (model if backend is None else torch.compile(model, backend=backend))
+
+
+def run_steps(model, fn, args, seed=0, steps=1):
+    """``train_step`` on a ``compiled_copy``: a test that measures the same compile afterwards
+    (``measured_steady_step``) runs its steps on it instead of compiling the model again."""
     losses = []
     for _ in range(steps):
         model.zero_grad(set_to_none=True)
