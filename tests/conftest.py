@@ -1,6 +1,7 @@
 import contextlib
 import copy
 import dataclasses
+import os
 import re
 
 import pytest
@@ -16,6 +17,15 @@ from fxoffload import _compat
 # transfer ops (what the tests read and measure) are the same; the CUDA lowering is not affected.
 # The demo, the benchmarks and users' runs keep Inductor's default (vectorised) kernels.
 torch._inductor.config.cpp.vec_isa_ok = False
+
+# pytest-xdist: the workers share the machine's cores, torch's intra-op threads too. Two workers of
+# two threads each on two cores left each parallel region waiting for a thread the other worker had
+# the core of: a 200-step MLP soak took 63 s at 2 threads and 13 s at 1 on a loaded 2-core machine.
+# Each worker gets its share of torch's default thread count (at least one); tests that set their
+# own count (one thread for measured peaks, eight for the scratch test) still do.
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _WORKERS > 1:
+    torch.set_num_threads(max(1, torch.get_num_threads() // _WORKERS))
 
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 # The older of the two supported torch versions, where some measured figures differ by design of torch.
