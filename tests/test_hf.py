@@ -1,5 +1,6 @@
 """Hugging Face ``transformers`` GPT-2 and Llama, built from small configs (random weights, no
-download), train under fxoffload with the losses and gradients of ``backend="inductor"`` and eager."""
+download), train under fxoffload with the losses and gradients of the same compiler without fxoffload
+(``aot_eager`` for GPT-2, ``inductor`` for Llama) and of eager."""
 
 import copy
 
@@ -48,6 +49,8 @@ def _train(model, ids, backend, steps=2):
 
 
 # GPT-2 runs the rewritten graphs eagerly, Llama through Inductor: both inner compilers on a real model.
+# The reference is the inner compiler alone: GPT-2 under Inductor (a 20-40 s compile) checked Inductor
+# against aot_eager's numbers, not fxoffload; the eager reference holds both cases to eager as before.
 @pytest.mark.parametrize("build, inner", [(gpt2, "aot_eager"), (llama, "inductor")], ids=["gpt2", "llama"])
 def test_hf_model_trains_like_inductor(build, inner):
     torch.manual_seed(0)
@@ -57,7 +60,7 @@ def test_hf_model_trains_like_inductor(build, inner):
     with inductor_config.patch(fallback_random=True):
         got = _train(model, ids, backend)
         torch._dynamo.reset()
-        reference = _train(model, ids, "inductor")
+        reference = _train(model, ids, inner)
     assert_same(got, reference, rtol=1e-4, atol=1e-5)
     assert_same(got, _train(model, ids, None), rtol=1e-4, atol=1e-5)
     assert len(got[1]) == len(list(model.parameters())), "every parameter got a gradient"
