@@ -47,7 +47,7 @@ import torch.fx as fx
 from .._compat import inductor_realize_limits
 from .graph import is_view, last_reads, storage_owners, storage_root, storage_users
 
-__all__ = ["Fusion", "extern_scratch", "inductor_fusion"]
+__all__ = ["Fusion", "addmm_products", "extern_scratch", "inductor_fusion"]
 
 aten, prims = torch.ops.aten, torch.ops.prims
 
@@ -134,6 +134,13 @@ def _addmms(nodes: list[fx.Node]) -> dict[fx.Node, fx.Node]:
             out[n] = mm
             break
     return out
+
+
+def addmm_products(gm: fx.GraphModule) -> dict[fx.Node, fx.Node]:
+    """The ``mm`` nodes of ``gm`` that Inductor folds into an ``addmm`` with the ``add`` reading them
+    (``_addmms``), each to that ``add``: the mm has no buffer of its own (the add's is the addmm's),
+    and one more reader (a copy's data edge) undoes the fold."""
+    return {mm: add for add, mm in _addmms(list(gm.graph.nodes)).items()}
 
 
 def inductor_fusion(gm: fx.GraphModule) -> Fusion:

@@ -229,7 +229,7 @@ def _rewrite(fw: fx.GraphModule, bw: fx.GraphModule, plan: OffloadPlan, options:
     # Inductor's C++ backend writes a run of generated-code nodes into one kernel (not its GPU ones).
     cpu = any(d.saved.device.type == "cpu" for d in plan.offloaded)
     runs = options.inner == "inductor" and cpu
-    apply_plan(fw, bw, plan, options.prefetch, options.cpu_link(), options.broken_rule, graph_id, runs)
+    apply_plan(fw, bw, plan, options.prefetch, options.cpu_link(), options.broken_rule, graph_id, runs, options.fuses)
     log.info(
         "fxoffload: offloading %d of %d saved tensors (%s), recomputing %d",
         len(plan.offloaded), len(plan.decisions), fmt_bytes(plan.offloaded_bytes), len(plan.recomputed),

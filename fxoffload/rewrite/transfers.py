@@ -23,10 +23,12 @@ until the compute stream has waited on the copy, and no longer.
 from __future__ import annotations
 
 import operator
+from collections.abc import Mapping
 
 import torch
 import torch.fx as fx
 
+from ..analysis.fusion import addmm_products
 from ..analysis.graph import is_compute, is_view, storage_root, storage_users
 from ..ir import OFFLOAD, ORDER, RELOAD, TRANSFER_OPS, WAIT, fake_impl, transfer_name
 from ..options import BROKEN_RULES
@@ -46,6 +48,7 @@ def apply_plan(
     broken_rule: str | None = None,
     graph_id: int = -1,
     kernel_runs: bool = False,
+    fuses: bool = False,
 ) -> None:
     """Insert one offload/wait pair in ``fw`` and one reload/wait pair in ``bw`` per offloaded tensor.
 
@@ -57,6 +60,8 @@ def apply_plan(
     tests that prove the suite notices each breakage); None in every real use. ``graph_id`` names
     the copies (``ir.transfer_name``), so that their measured times find their tensors.
     ``kernel_runs``: for Inductor's C++ backend (``kernel_runs.between_kernel_runs``).
+    ``fuses``: the graphs are compiled by Inductor, which folds ``add(mm(a, b), c)`` into one
+    ``addmm`` where the mm has no other reader: no copy takes a data edge to such an mm.
     """
     chosen = plan.offloaded
     if not chosen:
@@ -72,8 +77,9 @@ def apply_plan(
     # Storages the forward returns and keeps (the outputs that are not offloaded): alive to its end.
     offloaded = {d.saved.name for d in chosen}
     fw_kept = {storage_root(o) for o in outputs if isinstance(o, fx.Node) and o.name not in offloaded}
-    fw_alive = _Liveness(fw_index, fw_kept)
-    bw_alive = _Liveness(bw_index, {storage_root(o) for o in bw.graph.output_node().all_input_nodes})
+    fw_alive = _Liveness(fw_index, fw_kept, addmm_products(fw) if fuses else {})
+    bw_outputs = {storage_root(o) for o in bw.graph.output_node().all_input_nodes}
+    bw_alive = _Liveness(bw_index, bw_outputs, addmm_products(bw) if fuses else {})
     for decision in chosen:
         t = decision.saved
         timing = decision.timing if prefetch is None else None
@@ -163,7 +169,7 @@ def _rewrite_forward(
         # compiler write out a buffer it would otherwise fuse away.
         # (Each alive there anyway, or a descendant that is, so the edges hold no memory: a reader
         # after the copy is no race, the wait does not free the source, it ends the copy's claim.)
-        after = [_alive_edge(d, index[last] + 0.5, order, index, alive) for d in deps if materialised(d)]
+        after = [_alive_edge(d, index[last] + 0.5, order, index, alive) for d in deps if _edge_to(d, alive)]
         copy = _call(graph, OFFLOAD, (x, list(dict.fromkeys(a for a in after if a is not None)), *copy_args))
     if wait_after is None:
         anchor = _compute_anchor(order, index[last], prefetch, step=+1)
@@ -231,14 +237,14 @@ def _rewrite_backward(
         # then when the first use is (they are buffers anyway): without them a scheduler that moves
         # the first use late (a weight gradient, to the end) would leave the reload far ahead of it.
         # (Only inputs computed before the node the reload is issued before, or it would be a cycle.)
-        lower = [anchor] if materialised(anchor) else []
+        lower = [anchor] if _edge_to(anchor, alive) else []
         if materialised(first):
             readers = set(users)
             stop = _first_materialised(order, index[anchor] + 1, index[first])
             lower += [
                 a for a in first.all_input_nodes
                 if a in index and a not in readers and a.op != "placeholder" and index[a] < stop
-                and isinstance(a.meta.get("val"), torch.Tensor)
+                and isinstance(a.meta.get("val"), torch.Tensor) and (alive is None or a not in alive.folded)
             ]  # fmt: skip
         with graph.inserting_after(max([anchor, *lower], key=index.__getitem__)):
             copy = _call(graph, RELOAD, (host_in, device, list(dict.fromkeys(lower)), *copy_args))
@@ -268,9 +274,14 @@ def _rewrite_backward(
 class _Liveness:
     """Whether a storage of the graph, as it was before the rewrite, is still alive at a position:
     read by a node at or after it, or returned (``kept``: alive to the end). Taken before the
-    rewrite adds its own readers."""
+    rewrite adds its own readers. ``folded``: the mms the compiler folds into the add reading them
+    (``fusion.addmm_products``, mm -> add): no buffer of their own, so no edge may read one; the add
+    is the addmm's buffer."""
 
-    def __init__(self, index: dict[fx.Node, int], kept: set[fx.Node]) -> None:
+    def __init__(
+        self, index: dict[fx.Node, int], kept: set[fx.Node], folded: Mapping[fx.Node, fx.Node] | None = None
+    ) -> None:
+        self.folded, self.folds = dict(folded or {}), frozenset((folded or {}).values())
         self._last: dict[fx.Node, float] = {root: float("inf") for root in kept}
         for n, i in index.items():
             root = storage_root(n)
@@ -301,14 +312,29 @@ def _after_edges(
     else a materialised descendant of ``c`` that does. If there is none, the wait gets no edge to
     ``c`` and may be scheduled before it (less overlap, never a wrong result): holding memory that
     the plan does not count would make its predicted peak wrong, and could raise the peak itself.
+    Where ``c`` is an mm the compiler folds into an addmm, the kernel is the add's (when that comes
+    before the wait).
     """
-    edges = [anchor] if anchor is not None and materialised(anchor) else []
-    if c is None or not materialised(c) or c in edges:
+    edges = [anchor] if anchor is not None and _edge_to(anchor, alive) else []
+    if c is not None and alive is not None and c in alive.folded:  # its kernel is the add's addmm
+        add = alive.folded[c]
+        c = add if index.get(add, position) < position else None
+    if c is None or not _edge_to(c, alive) or c in edges:
         return edges
     if edges and _descends_from(anchor, c, index) and not (alive is None or alive.alive_at(c, position)):
         return edges
     edge = _alive_edge(c, position, order, index, alive)
     return [edge, *edges] if edge is not None else edges
+
+
+def _edge_to(n: fx.Node, alive: _Liveness | None) -> bool:
+    """Whether a copy may take a data edge to ``n``: a buffer in every compiler (``materialised``)
+    but an mm the compiler folds into the add reading it (an edge makes it a buffer: a residual MLP's
+    backward then held three gradient mms where Inductor holds two addmms, and ``auto`` raised its
+    peak by one), or that add, the addmm's buffer."""
+    if alive is not None and (n in alive.folds or n in alive.folded):
+        return n in alive.folds
+    return materialised(n)
 
 
 def _alive_edge(
@@ -320,7 +346,7 @@ def _alive_edge(
         return n
     for i in range(min(int(position), len(order) - 1), index[n], -1):
         m = order[i]
-        if m in index and materialised(m) and m.op != "placeholder" and isinstance(m.meta.get("val"), torch.Tensor):
+        if m in index and _edge_to(m, alive) and m.op != "placeholder" and isinstance(m.meta.get("val"), torch.Tensor):
             if alive.alive_at(m, position) and _descends_from(m, n, index):
                 return m
     return None
