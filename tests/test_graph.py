@@ -93,7 +93,7 @@ def test_offload_follows_producer_and_its_wait_keeps_the_source(gpt_graphs):
         assert wait.args[1] is src, "the wait keeps the source alive"
         # Copies issued before a later kernel reach it through an order node, and the wait follows it,
         # through a data edge to the kernel or to a materialised descendant alive at the wait; where
-        # none is alive there, the wait has no edge to it (``rewrite.transfers._after_edges``: an edge
+        # none is alive there, the wait has no edge to it (``rewrite.edges.after_edges``: an edge
         # would hold memory the plan does not count).
         for order_node in (u for u in copy.users if u.target == ir.ORDER):
             kernel = next(iter(order_node.users))

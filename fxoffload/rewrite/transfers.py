@@ -23,7 +23,6 @@ until the compute stream has waited on the copy, and no longer.
 from __future__ import annotations
 
 import operator
-from collections.abc import Mapping
 
 import torch
 import torch.fx as fx
@@ -33,6 +32,7 @@ from ..analysis.graph import is_compute, is_view, storage_root, storage_users
 from ..ir import OFFLOAD, ORDER, RELOAD, TRANSFER_OPS, WAIT, fake_impl, transfer_name
 from ..options import BROKEN_RULES
 from ..planning.decisions import OffloadPlan
+from .edges import Liveness, after_edges, alive_edge, edge_to
 from .host_layout import host_layouts
 from .kernel_runs import between_kernel_runs, materialised, routing_cost
 
@@ -77,9 +77,9 @@ def apply_plan(
     # Storages the forward returns and keeps (the outputs that are not offloaded): alive to its end.
     offloaded = {d.saved.name for d in chosen}
     fw_kept = {storage_root(o) for o in outputs if isinstance(o, fx.Node) and o.name not in offloaded}
-    fw_alive = _Liveness(fw_index, fw_kept, addmm_products(fw) if fuses else {})
+    fw_alive = Liveness(fw_index, fw_kept, addmm_products(fw) if fuses else {})
     bw_outputs = {storage_root(o) for o in bw.graph.output_node().all_input_nodes}
-    bw_alive = _Liveness(bw_index, bw_outputs, addmm_products(bw) if fuses else {})
+    bw_alive = Liveness(bw_index, bw_outputs, addmm_products(bw) if fuses else {})
     for decision in chosen:
         t = decision.saved
         timing = decision.timing if prefetch is None else None
@@ -156,7 +156,7 @@ def _rewrite_forward(
     prefetch: int,
     wait_after: int | None = None,
     copy_args: tuple[float, str] = (0.0, ""),
-    alive: _Liveness | None = None,
+    alive: Liveness | None = None,
     broken: str | None = None,
 ) -> fx.Node:
     # Every reader of the storage, through any alias: a saved view of ``relu`` frees relu's storage.
@@ -169,7 +169,7 @@ def _rewrite_forward(
         # compiler write out a buffer it would otherwise fuse away.
         # (Each alive there anyway, or a descendant that is, so the edges hold no memory: a reader
         # after the copy is no race, the wait does not free the source, it ends the copy's claim.)
-        after = [_alive_edge(d, index[last] + 0.5, order, index, alive) for d in deps if _edge_to(d, alive)]
+        after = [alive_edge(d, index[last] + 0.5, order, index, alive) for d in deps if edge_to(d, alive)]
         copy = _call(graph, OFFLOAD, (x, list(dict.fromkeys(a for a in after if a is not None)), *copy_args))
     if wait_after is None:
         anchor = _compute_anchor(order, index[last], prefetch, step=+1)
@@ -184,7 +184,7 @@ def _rewrite_forward(
     stop = index[anchor] + 1 if anchor is not None else len(order)
     c = _issue_before(graph, order, index, index[last] + 1, stop, copy, broken)
     at = index[anchor] + 0.5 if anchor is not None else len(order)  # where the wait goes
-    edges = _after_edges(c, anchor, at, order, index, alive)
+    edges = after_edges(c, anchor, at, order, index, alive)
     if broken == "reload_before_written":
         return copy  # no wait: the host copy is saved before it is written
     keepalive = copy if broken == "source_released_at_issue" else x
@@ -212,7 +212,7 @@ def _rewrite_backward(
     prefetch: int,
     issue_after: int | None = None,
     copy_args: tuple[float, str] = (0.0, ""),
-    alive: _Liveness | None = None,
+    alive: Liveness | None = None,
     broken: str | None = None,
 ) -> None:
     with graph.inserting_before(placeholder):
@@ -237,7 +237,7 @@ def _rewrite_backward(
         # then when the first use is (they are buffers anyway): without them a scheduler that moves
         # the first use late (a weight gradient, to the end) would leave the reload far ahead of it.
         # (Only inputs computed before the node the reload is issued before, or it would be a cycle.)
-        lower = [anchor] if _edge_to(anchor, alive) else []
+        lower = [anchor] if edge_to(anchor, alive) else []
         if materialised(first):
             readers = set(users)
             stop = _first_materialised(order, index[anchor] + 1, index[first])
@@ -266,105 +266,9 @@ def _rewrite_backward(
         graph.erase_node(placeholder)
         return
     with graph.inserting_before(first):
-        done = _call(graph, WAIT, (copy, host_in, _after_edges(c, None, index[first] - 0.5, order, index, alive)))
+        done = _call(graph, WAIT, (copy, host_in, after_edges(c, None, index[first] - 0.5, order, index, alive)))
     placeholder.replace_all_uses_with(done)
     graph.erase_node(placeholder)
-
-
-class _Liveness:
-    """Whether a storage of the graph, as it was before the rewrite, is still alive at a position:
-    read by a node at or after it, or returned (``kept``: alive to the end). Taken before the
-    rewrite adds its own readers. ``folded``: the mms the compiler folds into the add reading them
-    (``fusion.addmm_products``, mm -> add): no buffer of their own, so no edge may read one; the add
-    is the addmm's buffer."""
-
-    def __init__(
-        self, index: dict[fx.Node, int], kept: set[fx.Node], folded: Mapping[fx.Node, fx.Node] | None = None
-    ) -> None:
-        self.folded, self.folds = dict(folded or {}), frozenset((folded or {}).values())
-        self._last: dict[fx.Node, float] = {root: float("inf") for root in kept}
-        for n, i in index.items():
-            root = storage_root(n)
-            if root not in self._last or self._last[root] < i:
-                self._last[root] = float(i)
-            for inp in n.all_input_nodes:
-                root = storage_root(inp)
-                if self._last.get(root, -1.0) < i:
-                    self._last[root] = float(i)
-
-    def alive_at(self, n: fx.Node, position: float) -> bool:
-        return self._last.get(storage_root(n), -1.0) >= position
-
-
-def _after_edges(
-    c: fx.Node | None,
-    anchor: fx.Node | None,
-    position: float,
-    order: list[fx.Node],
-    index: dict[fx.Node, int],
-    alive: _Liveness | None,
-) -> list[fx.Node]:
-    """The data edges of a wait at ``position`` that must come after ``c`` (the kernel the copy
-    overlaps) and ``anchor`` (the node the plan put the wait behind).
-
-    An edge keeps its tensor alive until the wait, so only tensors alive there anyway are used: the
-    anchor (just computed) when ``c`` is among its ancestors; ``c`` itself when it lives that long;
-    else a materialised descendant of ``c`` that does. If there is none, the wait gets no edge to
-    ``c`` and may be scheduled before it (less overlap, never a wrong result): holding memory that
-    the plan does not count would make its predicted peak wrong, and could raise the peak itself.
-    Where ``c`` is an mm the compiler folds into an addmm, the kernel is the add's (when that comes
-    before the wait).
-    """
-    edges = [anchor] if anchor is not None and _edge_to(anchor, alive) else []
-    if c is not None and alive is not None and c in alive.folded:  # its kernel is the add's addmm
-        add = alive.folded[c]
-        c = add if index.get(add, position) < position else None
-    if c is None or not _edge_to(c, alive) or c in edges:
-        return edges
-    if edges and _descends_from(anchor, c, index) and not (alive is None or alive.alive_at(c, position)):
-        return edges
-    edge = _alive_edge(c, position, order, index, alive)
-    return [edge, *edges] if edge is not None else edges
-
-
-def _edge_to(n: fx.Node, alive: _Liveness | None) -> bool:
-    """Whether a copy may take a data edge to ``n``: a buffer in every compiler (``materialised``)
-    but an mm the compiler folds into the add reading it (an edge makes it a buffer: a residual MLP's
-    backward then held three gradient mms where Inductor holds two addmms, and ``auto`` raised its
-    peak by one), or that add, the addmm's buffer."""
-    if alive is not None and (n in alive.folds or n in alive.folded):
-        return n in alive.folds
-    return materialised(n)
-
-
-def _alive_edge(
-    n: fx.Node, position: float, order: list[fx.Node], index: dict[fx.Node, int], alive: _Liveness | None
-) -> fx.Node | None:
-    """A data edge at ``position`` that orders after ``n`` and holds no memory: ``n`` when it is
-    alive there anyway, else the latest materialised descendant of ``n`` that is; None if none is."""
-    if alive is None or alive.alive_at(n, position):
-        return n
-    for i in range(min(int(position), len(order) - 1), index[n], -1):
-        m = order[i]
-        if m in index and _edge_to(m, alive) and m.op != "placeholder" and isinstance(m.meta.get("val"), torch.Tensor):
-            if alive.alive_at(m, position) and _descends_from(m, n, index):
-                return m
-    return None
-
-
-def _descends_from(n: fx.Node, ancestor: fx.Node, index: dict[fx.Node, int]) -> bool:
-    """True when ``ancestor`` is ``n`` or one of its inputs, transitively (searched back to its position)."""
-    floor = index.get(ancestor, -1)
-    stack, seen = [n], set()
-    while stack:
-        m = stack.pop()
-        if m is ancestor:
-            return True
-        if m in seen or index.get(m, -1) < floor:
-            continue
-        seen.add(m)
-        stack.extend(m.all_input_nodes)
-    return False
 
 
 def _first_materialised(order: list[fx.Node], start: int, stop: int, any_node: bool = False) -> int:
