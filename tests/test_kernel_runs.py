@@ -14,7 +14,7 @@ import torch.fx as fx
 import fxoffload
 from fxoffload._compat import scheduler_runs
 from fxoffload.ir import OFFLOAD, RELOAD, WAIT
-from fxoffload.rewrite import kernel_runs, transfers
+from fxoffload.rewrite import edges, kernel_runs, transfers
 from fxoffload.rewrite.kernel_runs import between_kernel_runs, materialised, routing_cost
 from fxoffload.testing.models import GPT, GPTConfig, example, gpt_batch
 
@@ -407,3 +407,18 @@ def test_no_copy_takes_an_edge_to_an_mm_inductor_folds_into_an_addmm(monkeypatch
     broken, _ = _mlp_step("all")
     assert _addmm_calls(broken.output_code["backward"]) < _addmm_calls(plain.output_code["backward"])
     assert broken.memory_after.peak_bytes > broken.memory_before.peak_bytes
+    # The fold costs no overlap: each wait that took its edge to an mm takes it to the mm's addmm.
+    assert _waits_with_edges(offloaded.bw.graph) == _waits_with_edges(broken.bw.graph) >= 3
+
+
+def _waits_with_edges(graph: fx.Graph) -> int:
+    return sum(1 for n in graph.nodes if n.op == "call_function" and n.target is WAIT and n.args[2])
+
+
+def test_a_wait_whose_kernel_is_a_folded_mm_keeps_its_edge(monkeypatch):
+    """Broken on purpose: where the add an mm folds into comes after the wait and is not moved up to
+    its mm (``edges.addmm_by``), the wait has no edge and Inductor puts it right behind its reload."""
+    offloaded, _ = _mlp_step("all")
+    monkeypatch.setattr(edges, "addmm_by", lambda mm, add, position, index: add if index[add] < position else None)
+    broken, _ = _mlp_step("all")
+    assert _waits_with_edges(broken.bw.graph) < _waits_with_edges(offloaded.bw.graph)
