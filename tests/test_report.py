@@ -63,6 +63,19 @@ def test_a_plan_that_raises_the_predicted_peak_is_said_to(gpt_report):
     assert "above the peak without, by 2.0 MiB" in report.summary(), report.summary()
 
 
+def test_a_budget_met_within_its_tolerance_says_by_how_much(gpt_report):
+    """A new user read ``memory_budget: 502.8 KiB (met)`` under a code peak of 511.8 KiB."""
+    peak = gpt_report.predicted_peak_after
+
+    def said(budget):
+        text = dataclasses.replace(gpt_report, memory_budget=budget).summary()
+        return next(line for line in text.splitlines() if "memory_budget:" in line)
+
+    assert said(peak).endswith("(met)")
+    assert "(met: 10.0 KiB above it, within its 3% tolerance)" in said(peak - 10 * 1024)
+    assert said(int(peak / 1.05)).endswith("(NOT met)")
+
+
 def test_json_round_trip(gpt_report):
     again = OffloadReport.from_json(gpt_report.to_json())
     assert again == gpt_report

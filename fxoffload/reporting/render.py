@@ -206,6 +206,8 @@ def summary(report: OffloadReport) -> str:
         expected = compiled if compiled is not None and compiled.points else report.memory_after
         reached = expected.peak_bytes if expected is not None else 0
         fits = "met" if reached <= report.memory_budget * (1 + BUDGET_TOLERANCE) else "NOT met"
+        if fits == "met" and reached > report.memory_budget:
+            fits = f"met: {fmt_bytes(reached - report.memory_budget)} above it, within its {BUDGET_TOLERANCE:.0%} tolerance"
         lines.append(f"  memory_budget: {fmt_bytes(report.memory_budget)} ({fits})")
     lines.extend(f"  planned again: {r}" for r in report.replans)
     if report.left_as_planned:
