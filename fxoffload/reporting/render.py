@@ -237,8 +237,9 @@ def summary(report: OffloadReport) -> str:
         )
     if report.offload_bound_bytes is not None:
         lines.append(
-            f"  offloaded {fmt_bytes(report.offloaded_bytes)} of the {fmt_bytes(report.offload_bound_bytes)} that "
-            "can leave without a stall (the measured link times the forward's compute)"
+            f"  offloaded {fmt_bytes(report.offloaded_bytes)} of the at most {fmt_bytes(report.offload_bound_bytes)} "
+            "that can leave without a stall (a bound: the measured link times one call's forward compute, "
+            "whatever each tensor's window)"
         )
     lines.append(
         f"  offloaded: {len(report.offloaded)} of {len(report.saved)} saved tensors, "
