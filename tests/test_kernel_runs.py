@@ -419,6 +419,39 @@ def test_a_wait_whose_kernel_is_a_folded_mm_keeps_its_edge(monkeypatch):
     """Broken on purpose: where the add an mm folds into comes after the wait and is not moved up to
     its mm (``edges.addmm_by``), the wait has no edge and Inductor puts it right behind its reload."""
     offloaded, _ = _mlp_step("all")
-    monkeypatch.setattr(edges, "addmm_by", lambda mm, add, position, index: add if index[add] < position else None)
+    monkeypatch.setattr(edges, "addmm_by", lambda mm, add, index, alive: None)
     broken, _ = _mlp_step("all")
     assert _waits_with_edges(broken.bw.graph) < _waits_with_edges(offloaded.bw.graph)
+
+
+class _ForwardFold(torch.nn.Module):
+    """A bias-free matmul plus its input in the forward, ``add(mm(h, w), h)``, its result returned
+    (so the mm is not saved and Inductor folds it): a forward copy whose wait the plan puts right
+    after that mm. (helper-20's repro: moving the add there put the wait before it, its edge after.)"""
+
+    def __init__(self):
+        super().__init__()
+        self.l1, self.l3 = torch.nn.Linear(64, 128), torch.nn.Linear(128, 10)
+        self.w2 = torch.nn.Parameter(torch.randn(128, 128) * 0.05)
+
+    def forward(self, x):
+        h = torch.nn.functional.gelu(self.l1(x))
+        y = h @ self.w2 + h
+        return self.l3(torch.nn.functional.gelu(y)), y
+
+
+@pytest.mark.parametrize("prefetch", [None, 4])
+def test_a_forward_fold_compiles_and_trains_as_inductor(prefetch):
+    def step(backend):
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model = _ForwardFold()
+        a, b = torch.compile(model, backend=backend)(torch.randn(128, 64))
+        (a.sum() + b.sum()).backward()
+        return [p.grad.clone() for p in model.parameters()]
+
+    expected = step("inductor")
+    backend = fxoffload.backend(policy="all", min_bytes=0, verify_peak=False, prefetch=prefetch, **_FIXED)
+    for g, e in zip(step(backend), expected, strict=True):
+        torch.testing.assert_close(g, e)
+    assert backend.reports[0].offloaded

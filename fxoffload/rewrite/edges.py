@@ -48,6 +48,7 @@ def after_edges(
     order: list[fx.Node],
     index: dict[fx.Node, int],
     alive: Liveness | None,
+    move: bool = False,
 ) -> list[fx.Node]:
     """The data edges of a wait at ``position`` that must come after ``c`` (the kernel the copy
     overlaps) and ``anchor`` (the node the plan put the wait behind).
@@ -57,12 +58,13 @@ def after_edges(
     else a materialised descendant of ``c`` that does. If there is none, the wait gets no edge to
     ``c`` and may be scheduled before it (less overlap, never a wrong result): holding memory that
     the plan does not count would make its predicted peak wrong, and could raise the peak itself.
-    Where ``c`` is an mm the compiler folds into an addmm, the kernel is the add's (when that comes
-    before the wait).
+    Where ``c`` is an mm the compiler folds into an addmm, the kernel is the add's: where that comes
+    before the wait, or (``move``: a backward wait, placed before its first use) can be moved there.
     """
     edges = [anchor] if anchor is not None and edge_to(anchor, alive) else []
     if c is not None and alive is not None and c in alive.folded:  # its kernel is the add's addmm
-        c = addmm_by(c, alive.folded[c], position, index)
+        add = alive.folded[c]
+        c = add if index[add] < position else addmm_by(c, add, index, alive) if move else None
     if c is None or not edge_to(c, alive) or c in edges:
         return edges
     if edges and descends_from(anchor, c, index) and not (alive is None or alive.alive_at(c, position)):
@@ -71,16 +73,25 @@ def after_edges(
     return [edge, *edges] if edge is not None else edges
 
 
-def addmm_by(mm: fx.Node, add: fx.Node, position: float, index: dict[fx.Node, int]) -> fx.Node | None:
-    """The add Inductor folds ``mm`` into, as a node a wait at ``position`` can take an edge to:
-    moved up to right after ``mm`` where it came later and every input it reads is computed by then
-    (the addmm then runs where its mm would have, and frees the mm's other addend there). None where
-    it cannot come before the wait. (``index`` keeps its old place: later copies see it later than it is.)"""
-    if index[add] < position:
-        return add
-    if not all(a.op == "placeholder" or index.get(a, position) <= index[mm] for a in add.all_input_nodes):
-        return None
+def addmm_by(mm: fx.Node, add: fx.Node, index: dict[fx.Node, int], alive: Liveness) -> fx.Node | None:
+    """``add``, the add Inductor folds ``mm`` into, moved up to right after ``mm``, where that holds no
+    more memory: every input it reads is computed by then (no placeholder: a saved tensor may be
+    reloaded later), and its other addend, the size of its result, dies at it (a residual's two
+    gradients: the addmm's result takes the addend's place, and the mm's inputs are freed as early).
+    None where it cannot move. Its ``index`` becomes its mm's (no copy takes an edge to the mm), so a
+    later copy places itself by where it runs now."""
+    out = add.meta.get("val")
+    for a in add.all_input_nodes:
+        if a.op == "placeholder" or a not in index or index[a] > index[mm]:
+            return None
+        val = a.meta.get("val")
+        if a is not mm and (
+            not isinstance(val, torch.Tensor) or not isinstance(out, torch.Tensor) or val.numel() != out.numel()
+            or alive.alive_at(a, index[add] + 0.5)
+        ):  # fmt: skip
+            return None
     mm.append(add)
+    index[add] = index[mm]
     return add
 
 

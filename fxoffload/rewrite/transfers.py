@@ -246,7 +246,9 @@ def _rewrite_backward(
                 if a in index and a not in readers and a.op != "placeholder" and index[a] < stop
                 and isinstance(a.meta.get("val"), torch.Tensor) and (alive is None or a not in alive.folded)
             ]  # fmt: skip
-        with graph.inserting_after(max([anchor, *lower], key=index.__getitem__)):
+        # (An add moved up to its mm, ``edges.addmm_by``, has its mm's index and comes after it.)
+        latest = max([anchor, *lower], key=lambda n: (index[n], alive is not None and n in alive.folds))
+        with graph.inserting_after(latest):
             copy = _call(graph, RELOAD, (host_in, device, list(dict.fromkeys(lower)), *copy_args))
     else:
         first_compute = next(n for n in order if n.op != "placeholder")
@@ -266,7 +268,8 @@ def _rewrite_backward(
         graph.erase_node(placeholder)
         return
     with graph.inserting_before(first):
-        done = _call(graph, WAIT, (copy, host_in, after_edges(c, None, index[first] - 0.5, order, index, alive)))
+        edges = after_edges(c, None, index[first] - 0.5, order, index, alive, move=True)
+        done = _call(graph, WAIT, (copy, host_in, edges))
     placeholder.replace_all_uses_with(done)
     graph.erase_node(placeholder)
 
