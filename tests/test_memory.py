@@ -144,7 +144,7 @@ def test_inductor_code_replay_agrees_with_the_allocator_and_checks_the_budget():
     with pytest.warns(RuntimeWarning, match=r"memory_budget .* is not met by the code Inductor generated: it peaks at"):
         budget_verdict(report.graph_id, replay.peak_bytes // 2, replay, predicted)
     # Missed where the plan itself was over the budget: said so, not laid at Inductor's door.
-    with pytest.warns(RuntimeWarning, match=r"lowest peak on the FX graph, .*: the budget cannot be reached") as said:
+    with pytest.warns(RuntimeWarning, match=r"the lowest peak the budget's fit reached on the FX graph .*policy=\"all\", may still reach lower") as said:
         budget_verdict(report.graph_id, predicted // 2, replay, predicted)
     assert "Inductor fuses" not in str(said[0].message)
     with pytest.warns(RuntimeWarning, match=r"the plan's peak on the FX graph \(Inductor fuses, reuses"):

@@ -345,8 +345,9 @@ def budget_verdict(
         )  # fmt: skip
         return
     why = (  # the plan itself over the budget (nothing this graph saves could bring it lower), or the code
-        "the plan's lowest peak on the FX graph, offloading or recomputing all it could: the budget cannot be "
-        "reached in this graph" if predicted > budget * (1 + BUDGET_TOLERANCE)
+        "the lowest peak the budget's fit reached on the FX graph (it takes only the tensors it predicts off the "
+        "device at the peak it misses: a plan that offloads more, policy=\"all\", may still reach lower)"
+        if predicted > budget * (1 + BUDGET_TOLERANCE)
         else "the plan's peak on the FX graph (Inductor fuses, reuses and frees buffers its own way)"
     )  # fmt: skip
     message = (
