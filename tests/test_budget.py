@@ -7,6 +7,7 @@ at 0.01 GB/s nothing is hidden, so the budget alone decides what is offloaded.
 """
 
 import re
+import warnings
 
 import pytest
 import torch
@@ -115,3 +116,80 @@ def test_an_unreachable_budget_on_a_dynamic_graph_is_warned_about_too():
 def test_a_bad_budget_names_what_is_allowed(bad):
     with pytest.raises(ValueError, match="memory_budget"):
         fxoffload.backend(memory_budget=bad)
+
+
+class _LoRALinear(torch.nn.Module):
+    def __init__(self, din, dout, r=4):
+        super().__init__()
+        self.base = torch.nn.Linear(din, dout).requires_grad_(False)
+        self.a = torch.nn.Parameter(torch.randn(r, din) * 0.02)
+        self.b = torch.nn.Parameter(torch.randn(dout, r) * 0.02)
+
+    def forward(self, x):
+        return self.base(x) + (x @ self.a.t()) @ self.b.t() * 2.0
+
+
+class _LoRABlock(torch.nn.Module):
+    def __init__(self, d=64, heads=4):
+        super().__init__()
+        self.heads = heads
+        self.ln1, self.ln2 = torch.nn.LayerNorm(d).requires_grad_(False), torch.nn.LayerNorm(d).requires_grad_(False)
+        self.qkv, self.proj = _LoRALinear(d, 3 * d), _LoRALinear(d, d)
+        self.fc, self.out = _LoRALinear(d, 4 * d), _LoRALinear(4 * d, d)
+
+    def forward(self, x):
+        b, t, c = x.shape
+        q, k, v = (z.view(b, t, self.heads, c // self.heads).transpose(1, 2) for z in self.qkv(self.ln1(x)).split(c, -1))
+        y = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(y.transpose(1, 2).reshape(b, t, c))
+        return x + self.out(torch.nn.functional.gelu(self.fc(self.ln2(x))))
+
+
+class _LoRAGPT(torch.nn.Module):
+    """A GPT fine-tuned with low-rank adapters: every base weight frozen (a new user's, helper-21's)."""
+
+    def __init__(self, vocab=256, d=64, layers=3):
+        super().__init__()
+        self.tok, self.pos = torch.nn.Embedding(vocab, d), torch.nn.Embedding(64, d)
+        self.blocks = torch.nn.ModuleList(_LoRABlock(d) for _ in range(layers))
+        self.ln, self.head = torch.nn.LayerNorm(d), torch.nn.Linear(d, vocab, bias=False)
+        for m in (self.tok, self.pos, self.ln, self.head):
+            m.requires_grad_(False)
+
+    def forward(self, idx, target):
+        x = self.tok(idx) + self.pos(torch.arange(idx.shape[1]))
+        for block in self.blocks:
+            x = block(x)
+        return torch.nn.functional.cross_entropy(self.head(self.ln(x)).flatten(0, 1), target.flatten())
+
+
+def _lora_budget(budget):
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    idx = torch.randint(0, 256, (8, 64))
+    backend = fxoffload.backend(memory_budget=budget, offload_cpu=True, min_bytes="4KiB")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.compile(_LoRAGPT(), backend=backend)(idx, torch.roll(idx, -1, 1)).backward()
+    (report,) = backend.reports
+    return report, [str(w.message) for w in caught if "memory_budget" in str(w.message)]
+
+
+def test_a_budget_its_fit_met_only_on_its_own_estimate_is_planned_again(monkeypatch):
+    """The LoRA GPT at 0.62 of its peak: the fit met 4.66 MiB on its own intervals, while the model of
+    the plan it made, and Inductor's code, peaked at 5.14 MiB. That was taken for the lowest peak a
+    target could reach, so nothing was planned again, and the user was told the budget could not be
+    reached (``policy="all"`` reaches 4.53 MiB). A lower target makes the fit take more: met."""
+    report, said = _lora_budget(0.62)
+    assert report.replans, report.summary()
+    assert report.compiled_memory().peak_bytes <= report.memory_budget * 1.03, report.summary()
+    assert not [s for s in said if "not met" in s], said
+    # The rule broken on purpose: the fit's own estimate not asked, the plan's model alone.
+    from fxoffload.compiler import compile as compile_module
+
+    def lowest_by_the_model(pair, code, target):
+        return pair.memory_after.peak_bytes > target and not pair.plan.judged_on_code
+
+    monkeypatch.setattr(compile_module, "fit_is_lowest", lowest_by_the_model)
+    report, said = _lora_budget(0.62)
+    assert not report.replans and [s for s in said if "not met" in s], (report.summary(), said)

@@ -100,10 +100,14 @@ def fit_is_lowest(pair: PlannedPair, code: MemoryTimeline, target: int) -> bool:
     model peaked elsewhere, and a lower target may move them (the GPT under bf16 autocast: the model
     at a dropout, the code at the next attention, 2.34 MiB over a 2.15 MiB budget, met at 2.02 once
     planned again). In the backward those bytes may be reloads. Nor where the plan was kept for
-    its code to judge: a lower target may find another."""
+    its code to judge: a lower target may find another. Nor where the fit's own estimate met the
+    target and the model of the plan it made does not (a LoRA GPT's budget fit, on its intervals, met
+    4.66 MiB, its plan's model peaked at 5.14 and its code at 5.14, where policy "all" reached 4.53):
+    a lower target makes the fit take more."""
     after = pair.memory_after.peak_bytes if pair.memory_after is not None else 0
     held = code.peak.live.get("saved", 0) if code.peak.phase == "forward" else 0
-    return after > target and not pair.plan.judged_on_code and not held
+    fit = pair.plan.fit_peak
+    return after > target and (fit is None or fit > target) and not pair.plan.judged_on_code and not held
 
 
 def plan_kept(plan_peak: int, unchanged_peak: int, autos_own: bool) -> bool:
