@@ -284,7 +284,14 @@ class OffloadOptions:
 
 
 def parse_budget(value: Any) -> int | float:
-    """memory_budget: bytes (int or size string), or a float in (0, 1] (fraction of the baseline)."""
+    """memory_budget: bytes (int or size string), or a float in (0, 1] (fraction of the baseline),
+    or a percentage string ("60%": 0.6). Fewer than 512 bytes (the allocator's smallest block) is
+    refused: ``1`` meant as all of the peak would be a budget of one byte."""
+    if isinstance(value, str) and value.strip().endswith("%"):
+        try:
+            value = float(value.strip()[:-1]) / 100
+        except ValueError:
+            raise ValueError(f"fxoffload: cannot parse memory_budget={value!r}; a percentage such as '60%'") from None
     if isinstance(value, float):
         if not 0.0 < value <= 1.0:
             raise ValueError(
@@ -292,7 +299,14 @@ def parse_budget(value: Any) -> int | float:
                 "be in (0, 1]; use an int or a size string such as '12GiB' for bytes"
             )
         return value
-    return parse_bytes(value, "memory_budget")
+    nbytes = parse_bytes(value, "memory_budget")
+    if nbytes < 512:
+        raise ValueError(
+            f"fxoffload: memory_budget={value!r} means {nbytes} B, under the allocator's smallest block (512); "
+            "a fraction of the predicted peak is a float (1.0 for all of it, 0.6) or a percentage ('60%'), "
+            "bytes an int or a size such as '12GiB'"
+        )
+    return nbytes
 
 
 def _rates(name: str, value: Any, keys: tuple[str, ...], both: bool = False) -> tuple[tuple[str, float], ...] | None:

@@ -81,6 +81,9 @@ BAD_VALUES = [
     ({"memory_budget": "half"}, r"cannot parse memory_budget='half'"),
     ({"memory_budget": "0.6"}, r"memory_budget='0.6' is not a whole number of bytes.* a float: 0.6, not '0.6'"),
     ({"memory_budget": "-1GiB"}, r"memory_budget must not be negative, got '-1GiB'"),
+    ({"memory_budget": 1}, r"memory_budget=1 means 1 B, under the allocator's smallest block .*1.0 for all of it"),
+    ({"memory_budget": "150%"}, r"memory_budget=1.5: a float is a fraction of the predicted peak and must be in"),
+    ({"memory_budget": "lots%"}, r"cannot parse memory_budget='lots%'; a percentage such as '60%'"),
     ({"recompute": "inductor"}, r"recompute='inductor' says what recomputes to meet a memory_budget, and none"),
     ({"memory_budget": [1]}, r"memory_budget must be an int number of bytes or a size string, got list"),
     ({"strict": "yes"}, r"strict must be True or False, got 'yes'"),
@@ -194,6 +197,9 @@ def test_sizes_parse():
     assert OffloadOptions.from_dict({"bandwidth": {"h2d": "25 GiB / S"}}).bandwidth == (("h2d", 25.0 * 2**30),)
     with pytest.raises(ValueError, match=r"cannot parse bandwidth\['d2h'\]='1GB/h'"):
         OffloadOptions.from_dict({"bandwidth": "1GB/h"})
+    # A budget as a percentage (a new user's "60%" was refused), and bytes from 512 on.
+    assert OffloadOptions.from_dict({"memory_budget": " 60% "}).memory_budget == 0.6
+    assert OffloadOptions.from_dict({"memory_budget": 512}).memory_budget == 512
 
 
 def test_options_dict_through_torch_compile_is_validated():
