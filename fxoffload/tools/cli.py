@@ -100,7 +100,7 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"smaller saved tensors stay on the device, e.g. 1MiB (default: per built-in example, "
         f"{examples}; 1 MiB, the backend's, for your own model)")
     add("--budget", type=_budget, default=None, metavar="SIZE|FRACTION",
-        help="memory budget for the predicted peak: a size (12GiB) or a fraction (0.6) of the peak "
+        help="memory budget for the predicted peak: a size (12GiB), or a fraction (0.6, 60%%) of the peak "
         "(default: none)")
     add("--strict", action="store_true", help="fail when --budget cannot be reached (default: warn)")
     add("--bandwidth", type=_size, default=None, metavar="BYTES_PER_S",
