@@ -63,6 +63,15 @@ def test_a_plan_that_raises_the_predicted_peak_is_said_to(gpt_report):
     assert "above the peak without, by 2.0 MiB" in report.summary(), report.summary()
 
 
+def test_a_row_without_a_module_names_its_op_apart(gpt_report):
+    """A new user read ``mm`` in the module column of the LM head's matmul, as if a module were named so."""
+    first = gpt_report.offloaded[0]
+    rows = tuple(dataclasses.replace(r, module_path="") if r is first else r for r in gpt_report.saved)
+    text = dataclasses.replace(gpt_report, saved=rows).table(rows="short", width=200)
+    (line,) = [line for line in text.splitlines() if line.split() and line.split()[0] == first.name]
+    assert f"({first.producer})" in line and "module (op)" in text, text
+
+
 def test_a_budget_met_within_its_tolerance_says_by_how_much(gpt_report):
     """A new user read ``memory_budget: 502.8 KiB (met)`` under a code peak of 511.8 KiB."""
     peak = gpt_report.predicted_peak_after

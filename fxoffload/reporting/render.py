@@ -125,14 +125,14 @@ def _short_table(report: OffloadReport, header: str, host: str, width: int, kept
               for r in group if r.reason_code}  # fmt: skip
     body = [
         (r.name, "x".join(map(str, r.shape)) or "scalar", r.dtype, fmt_bytes(r.nbytes),
-         r.module_path or r.producer,
+         r.module_path or f"({r.producer})",  # no module: the op that made it, said apart
          f"{r.recompute_ms:.3f} compute" if r.decision == Action.RECOMPUTE
          else f"{r.d2h_ms:.3f}/{r.h2d_ms:.3f}" if r.decision == Action.OFFLOAD else "",
          "" if shared else r.reason if id(r) in titled or not r.reason_code
          else f"{r.reason_code}: {r.reason}")
         for _, group in groups for r in group
     ]  # fmt: skip
-    headers = ("saved tensor", "shape", "dtype", "size", "module", "copy ms", "reason")
+    headers = ("saved tensor", "shape", "dtype", "size", "module (op)", "copy ms", "reason")
     if body and not any(r[5] for r in body):  # nothing copied or recomputed: no copy-time column
         body, headers = [(*r[:5], r[6]) for r in body], (*headers[:5], headers[6])
     if body:
