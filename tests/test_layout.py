@@ -82,3 +82,28 @@ def test_the_layout_check_fails_on_an_import_that_goes_up(tmp_path):
     shutil.copy(ROOT / "pyproject.toml", tmp_path / "pyproject.toml")
     run = _lint_imports(tmp_path, tmp_path)
     assert run.returncode != 0 and "fxoffload.planning.plan -> fxoffload.compiler" in run.stdout, run.stdout[-2000:]
+
+
+def test_the_guide_to_the_layout_names_every_module():
+    """docs/how-it-works.md draws the package as a tree, a line per layer (continued on indented
+    lines): every module of every layer is named on its layer's lines, so the map a reader starts
+    from does not fall behind the code."""
+    text = (ROOT / "docs" / "how-it-works.md").read_text()
+    tree = text[text.index("```\nfxoffload/\n") + 4 : text.index("```", text.index("```\nfxoffload/\n") + 4)]
+    layers: dict[str, str] = {}
+    layer = None
+    for line in tree.splitlines()[1:]:
+        head = line[:15].strip()
+        if head.endswith("/") and not head.startswith("_"):
+            layer = head[:-1]
+        elif head:
+            layer = None
+        if layer is not None:
+            layers[layer] = layers.get(layer, "") + " " + line[15:]
+    missing = {}
+    for package in sorted(p for p in PACKAGE.iterdir() if (p / "__init__.py").exists() and not p.name.startswith("_")):
+        named = set(layers.get(package.name, "").replace(",", " ").replace("(", " ").replace(")", " ").split())
+        modules = {m.stem for m in package.glob("*.py") if m.stem != "__init__"}
+        if modules - named:
+            missing[package.name] = sorted(modules - named)
+    assert not missing, f"add to the layout tree of docs/how-it-works.md: {missing}"
