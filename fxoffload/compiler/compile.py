@@ -20,7 +20,7 @@ from ..analysis.memory import MemoryTimeline
 from ..analysis.outside import OutsideMemory
 from ..ir import OFFLOAD, RELOAD, TRANSFER_OPS, WAIT
 from ..options import OffloadOptions
-from ..planning.budget import BUDGET_TOLERANCE, budget_verdict, min_bytes_hint
+from ..planning.budget import BUDGET_TOLERANCE, budget_verdict, decisions_hint
 from ..planning.measured import Measured
 from ..reasons import Reason, ReasonCode
 from ..reporting.report import CompileSpent
@@ -434,7 +434,7 @@ def needs_unchanged_code(pair: PlannedPair, timeline: MemoryTimeline, opts: Offl
 def check_budget(pair: PlannedPair, strict: bool = False) -> None:
     """The verdict on ``memory_budget`` by the code that will run (``budget_verdict``)."""
     predicted = pair.memory_after.peak_bytes if pair.memory_after is not None else 0
-    hint = min_bytes_hint((d.saved.nbytes, d.reason) for d in pair.plan.decisions)
+    hint = decisions_hint(pair.plan)
     budget_verdict(pair.graph_id, pair.memory_budget, pair.code_memory(), predicted, pair.report.replans, strict, hint)
 
 

@@ -14,7 +14,7 @@ from ..analysis.lifetimes import GraphLifetimes, analyze_saved_tensors
 from ..analysis.outside import OutsideMemory
 from ..analysis.recompute import RecomputeOption, recompute_options, recompute_sources
 from ..options import OffloadOptions
-from ..planning.budget import min_bytes_hint, planned_memory, unreachable_budget
+from ..planning.budget import decisions_hint, planned_memory, unreachable_budget
 from ..planning.decisions import OffloadPlan, PlanCosts
 from ..planning.measured import Measured
 from ..planning.plan import ineligible_reason, plan_offloads, replan_after_recompute
@@ -199,7 +199,7 @@ def _recompute_or_offload(
             if best is None:
                 raise
     if budget is not None and best.peak > budget:
-        hint = min_bytes_hint((d.saved.nbytes, d.reason) for d in best.value[2].decisions)
+        hint = decisions_hint(best.value[2])
         unreachable_budget(budget, best.peak, planned_memory(best.value[2]).peak, options.strict, hint)
     elif len(trials) > 1:
         log.info("fxoffload: of %d plans tried for memory_budget %s, the chosen one peaks at %s",

@@ -26,8 +26,8 @@ from .trees import MinTree
 log = logging.getLogger(__name__)
 
 __all__ = [
-    "BUDGET_TOLERANCE", "BudgetFit", "budget_bytes", "budget_verdict", "fit_budget", "min_bytes_hint", "off_device",
-    "planned_memory", "unreachable_budget",
+    "BUDGET_TOLERANCE", "BudgetFit", "budget_bytes", "budget_verdict", "decisions_hint", "fit_budget", "min_bytes_hint",
+    "off_device", "planned_memory", "unreachable_budget",
 ]
 
 # A memory_budget is met when the peak is at most this much above it: the tolerance of a
@@ -320,6 +320,11 @@ def min_bytes_hint(kept: Iterable[tuple[int, Reason]]) -> str:
         f"; {len(small)} saved tensors ({fmt_bytes(sum(small))}) are under min_bytes, which keeps them from "
         "offloading and recomputation: a lower min_bytes lets the budget take them"
     )
+
+
+def decisions_hint(plan: OffloadPlan) -> str:
+    """``min_bytes_hint`` for the tensors ``plan``'s decisions kept (one home for both budget verdicts)."""
+    return min_bytes_hint((d.saved.nbytes, d.reason) for d in plan.decisions)
 
 
 def budget_verdict(
