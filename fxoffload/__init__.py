@@ -21,6 +21,8 @@ from .options import OffloadOptions
 from .planning.budget import off_device
 from .planning.decisions import Decision, OffloadPlan
 from .planning.plan import plan_offloads
+from .planning.policy import TensorInfo
+from .reasons import Action
 from .reporting.report import OffloadReport, SavedRow
 from .runtime.host_pool import host_pool_stats, release_host_memory
 from .tools.explain import explain, explain_and_measure, explain_step, where_memory_goes
@@ -28,6 +30,7 @@ from .tools.explain import explain, explain_and_measure, explain_step, where_mem
 __version__ = "0.1.0"
 
 __all__ = [
+    "Action",
     "Decision",
     "DeviceMemory",
     "MeasuredMemory",
@@ -39,6 +42,7 @@ __all__ = [
     "OffloadReport",
     "SavedRow",
     "SavedTensor",
+    "TensorInfo",
     "analyze_saved_tensors",
     "backend",
     "explain",

@@ -63,7 +63,7 @@ class OffloadOptions:
     # Which saved tensors to offload: "auto" (the ones whose idle window is long enough to hide the
     # copies; none of them if they would not lower the predicted peak of a graph returning a loss),
     # "all" (every eligible one), "none" (compile unchanged, for comparison); or a function of one
-    # ``fxoffload.policy.TensorInfo`` returning "offload", "keep", "recompute" (an ``Action``) or
+    # ``fxoffload.TensorInfo`` returning "offload", "keep", "recompute" (an ``Action``) or
     # None to leave that tensor to "auto". The function must be hashable (options are cache keys).
     policy: str | Callable[[Any], Any] = "auto"
     # Saved tensors smaller than this many bytes stay on the device: tiny copies cost more in launch

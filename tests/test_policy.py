@@ -153,6 +153,7 @@ def test_a_policy_returning_something_else_raises(returned):
 
 
 def test_actions_are_accepted_as_returns():
+    assert fxoffload.Action is Action
     d = _plan([saved("a"), saved("b", output_index=1)], policy=_by_name(a=Action.KEEP, b=Action.OFFLOAD))
     assert (d["a"].decision, d["b"].decision) == ("keep", "offload")
 
@@ -183,6 +184,7 @@ def test_gpt_policy_sees_each_saved_tensor_and_the_plan_does_what_it_asks():
     rows = {r.name: r for r in report.saved}
     info = {t.name: t for t in seen}
     assert info.keys() == rows.keys(), "called once for every saved tensor"
+    assert all(type(t) is fxoffload.TensorInfo for t in seen), "the type a user's annotation names"
     for name, t in info.items():
         r = rows[name]
         assert (t.shape, str(t.dtype), t.nbytes, t.producer, t.module_path) == (

@@ -1,6 +1,6 @@
 """A user's own policy: what ``policy=callable`` sees, and what ``offload_modules`` matches. Pure.
 
-    def policy(t: fxoffload.policy.TensorInfo):
+    def policy(t: fxoffload.TensorInfo):
         if t.module_path.endswith("mlp.fc1") and t.nbytes >= 8 << 20:
             return "offload"
         return None  # the planner decides ("auto", with memory_budget if one is set)
