@@ -37,6 +37,24 @@ def test_temporaries_and_the_result_to_the_byte():
     assert m["cpu"] is m.cpu
 
 
+def test_the_profilers_start_and_stop_notices_stay_off_stderr(capfd):
+    """torch 2.13's kineto writes ``USDT: ... profiler_start`` and ``profiler_stop`` to stderr for
+    every session, and fxoffload starts sessions of its own (op scratch while planning on a CPU):
+    those two lines are dropped, anything else written meanwhile reaches stderr."""
+    import os
+
+    from fxoffload.measure import profiler
+
+    capfd.readouterr()
+    measure_memory(lambda: torch.ones(1000) + 1)
+    assert "profiler_st" not in capfd.readouterr().err
+    with profiler._notices_dropped():
+        os.write(2, b"USDT:2026-11-29 16:27:51 10731:10731 SyncActivityProfilerHandler.cpp:52] profiler_start\n")
+        os.write(2, b"a real error\n")
+        os.write(2, b"USDT:2026-11-29 16:27:52 10731:10731 SyncActivityProfilerHandler.cpp:59] profiler_stop\n")
+    assert capfd.readouterr().err == "a real error\n"
+
+
 def test_a_steady_step_after_warm_up_calls():
     """``measure_steady_step``: the warm-up calls are not measured (the first one allocates 8 MiB more,
     as a compile would), their warnings come back, and ``before_each`` runs before every call."""

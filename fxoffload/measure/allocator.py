@@ -38,7 +38,7 @@ import torch
 from .._compat import cpu_block_sizes_flag
 from ..runtime.host_pool import host_buffer_ranges
 from ..sizes import fmt_bytes
-from .profiler import cpu_memory_events, trace_events
+from .profiler import cpu_memory_events, cpu_memory_profile, trace_events
 
 log = logging.getLogger(__name__)
 
@@ -138,9 +138,7 @@ def measure_memory(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Measure
     start = {i: _cuda_start(i) for i in cuda}
     host_before = host_buffer_ranges()
     tracked = _tracking_cpu_frees()
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    with cpu_memory_profile() as prof:
         result = fn(*args, **kwargs)
         for i in cuda:
             torch.cuda.synchronize(i)

@@ -38,7 +38,7 @@ import torch.fx as fx
 from .._compat import profiler_active, real_tensors, size_hint
 from ..analysis.graph import is_compute
 from .link import cuda_device
-from .profiler import cpu_memory_events, trace_events
+from .profiler import cpu_memory_events, cpu_memory_profile, trace_events
 
 log = logging.getLogger(__name__)
 
@@ -238,12 +238,12 @@ def _inputs(node: fx.Node, device: torch.device) -> tuple[Any, Any]:
 
 
 def _on_cpu(pending: dict[tuple[Any, ...], fx.Node]) -> dict[tuple[Any, ...], int]:
-    from torch.profiler import ProfilerActivity, profile, record_function
+    from torch.profiler import record_function
 
     cpu = torch.device("cpu")
     keys = list(pending)
     ran: set[int] = set()
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    with cpu_memory_profile() as prof:
         for i, key in enumerate(keys):
             node = pending[key]
             try:
