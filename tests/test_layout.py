@@ -89,7 +89,8 @@ def test_the_guide_to_the_layout_names_every_module():
     lines): every module of every layer is named on its layer's lines, so the map a reader starts
     from does not fall behind the code."""
     text = (ROOT / "docs" / "how-it-works.md").read_text()
-    tree = text[text.index("```\nfxoffload/\n") + 4 : text.index("```", text.index("```\nfxoffload/\n") + 4)]
+    start = text.index("```\nfxoffload/\n") + 4
+    tree = text[start : text.index("```", start)]
     layers: dict[str, str] = {}
     layer = None
     for line in tree.splitlines()[1:]:
@@ -101,7 +102,8 @@ def test_the_guide_to_the_layout_names_every_module():
         if layer is not None:
             layers[layer] = layers.get(layer, "") + " " + line[15:]
     missing = {}
-    for package in sorted(p for p in PACKAGE.iterdir() if (p / "__init__.py").exists() and not p.name.startswith("_")):
+    packages = [p for p in PACKAGE.iterdir() if (p / "__init__.py").exists() and not p.name.startswith("_")]
+    for package in sorted(packages):
         named = set(layers.get(package.name, "").replace(",", " ").replace("(", " ").replace(")", " ").split())
         modules = {m.stem for m in package.glob("*.py") if m.stem != "__init__"}
         if modules - named:
