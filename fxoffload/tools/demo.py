@@ -22,36 +22,53 @@ from fxoffload.sizes import fmt_bytes
 from fxoffload.testing.models import EXAMPLE_MIN_BYTES, GPT, PRESETS, gpt_batch
 
 
-def train(model, backend, batch, steps, device, timed=20):
-    """``steps`` steps (their losses), then ``timed`` more, each timed: the steady steps, after the
-    compile and after ``auto`` has measured its copies in the first steps (and maybe compiled again)."""
-    model = copy.deepcopy(model)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    fn = torch.compile(model, backend=backend)
-    losses, times = [], []
+class Run:
+    """One compiler's training of its own copy of the model: its losses, timed steps and peaks."""
 
-    def step():
+    def __init__(self, model, backend, batch, device):
+        self.model = copy.deepcopy(model)
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-3)
+        self.fn = torch.compile(self.model, backend=backend)
+        self.batch, self.device = batch, device
+        self.losses: list[float] = []
+        self.times: list[float] = []
+        self.peak: int | None = None  # on a GPU: allocated over the first steps, above their start
+        self.measured = 0
+
+    def step(self):
         torch.manual_seed(0)
-        loss = fn(*batch)
+        loss = self.fn(*self.batch)
         loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
         return loss.detach()
 
-    if device == "cuda":
-        torch.cuda.reset_peak_memory_stats()
-    for _ in range(steps):
-        losses.append(step().item())
-    for _ in range(timed):
+    def timed_step(self) -> None:
         start = time.perf_counter()
-        step()
-        if device == "cuda":
+        self.step()
+        if self.device == "cuda":
             torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
-    peak = torch.cuda.max_memory_allocated() if device == "cuda" else None
-    # One more, steady, step measured from the allocator: bytes above what was live at its start.
-    measured = fxoffload.measure_memory(step)[device].peak_bytes
-    return losses, times, peak, measured
+        self.times.append(time.perf_counter() - start)
+
+
+def train(runs: list[Run], steps: int, timed: int = 20) -> None:
+    """Each run's first ``steps`` steps (their losses: the compile, and ``auto`` measuring its copies
+    and maybe compiling again), one run after the other; then ``timed`` rounds of one timed step of
+    each run in turn, so that a machine whose load changes meanwhile slows every run alike; then a
+    steady step of each, measured from the allocator (bytes above what was live at its start)."""
+    for run in runs:
+        if run.device == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            start = torch.cuda.memory_allocated()
+        run.losses = [run.step().item() for _ in range(steps)]
+        if run.device == "cuda":
+            run.peak = torch.cuda.max_memory_allocated() - start
+    for _ in range(timed):
+        for run in runs:
+            run.timed_step()
+    for run in runs:
+        run.measured = fxoffload.measure_memory(run.step)[run.device].peak_bytes
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -85,12 +102,10 @@ def main(argv: list[str] | None = None) -> None:
                  " figures)")  # fmt: skip
     names = " and ".join(f"fxoffload {p!r}" for p in policies)
     print(f"compiling and training {names} and {args.inner}, {args.steps} steps each...", flush=True)
-    backends, runs = [], []
-    for policy in policies:
-        backends.append(fxoffload.backend(policy=policy, inner=args.inner, **options))
-        runs.append(train(model, backends[-1], batch, args.steps, device, args.timed))
-        torch._dynamo.reset()
-    ref = train(model, args.inner, batch, args.steps, device, args.timed)
+    backends = [fxoffload.backend(policy=policy, inner=args.inner, **options) for policy in policies]
+    runs = [Run(model, b, batch, device) for b in backends]
+    ref = Run(model, args.inner, batch, device)
+    train([*runs, ref], args.steps, args.timed)
     _figures(args, cfg, preset, where, device, policies, backends, runs, ref)
     _closing(args, backends, device)
 
@@ -105,26 +120,25 @@ def _figures(args, cfg, preset, where, device, policies, backends, runs, ref) ->
         return f"{label:34}" + "".join(f"{c:>20}" for c in cells)
 
     print(row("", args.inner, *(f"fxoffload {p!r}" for p in policies)))
-    ref_losses, ref_times, ref_peak, ref_measured = ref
 
     def change(ours: float, theirs: float, less: str, more: str) -> str:
         cut = 1 - ours / theirs if theirs else 0.0
         return f"({cut:.0%} {less})" if cut >= 0 else f"({-cut:.0%} {more})"
 
-    print(row("peak memory of a steady step", fmt_bytes(ref_measured),
-              *(f"{fmt_bytes(r[3])} {change(r[3], ref_measured, 'less', 'more')}" for r in runs)))  # fmt: skip
+    print(row("peak memory of a steady step", fmt_bytes(ref.measured),
+              *(f"{fmt_bytes(r.measured)} {change(r.measured, ref.measured, 'less', 'more')}" for r in runs)))  # fmt: skip
     if device == "cuda":
-        print(row("peak allocated, all steps", fmt_bytes(ref_peak), *(fmt_bytes(r[2]) for r in runs)))
+        print(row("peak allocated, first steps", fmt_bytes(ref.peak), *(fmt_bytes(r.peak) for r in runs)))
     # Steps after the compared ones (the first compile; "auto" judged from its measured copies).
     steady = (lambda ts: sorted(ts)[len(ts) // 2] * 1e3)
-    if ref_times:
-        base = steady(ref_times)
-        print(row(f"step time, median of {len(ref_times)} after", f"{base:.1f} ms",
-                  *(f"{steady(r[1]):.1f} ms ({steady(r[1]) / base - 1:+.0%})" for r in runs)))  # fmt: skip
-    diff = max(abs(a - b) for r in runs for a, b in zip(r[0], ref_losses))
+    if ref.times:
+        base = steady(ref.times)
+        print(row(f"step time, median of {len(ref.times)} after", f"{base:.1f} ms",
+                  *(f"{steady(r.times):.1f} ms ({steady(r.times) / base - 1:+.0%})" for r in runs)))  # fmt: skip
+    diff = max(abs(a - b) for r in runs for a, b in zip(r.losses, ref.losses))
     same = "identical" if diff == 0 else f"same within {diff:.1e}"
-    print(row("loss, last step", f"{ref_losses[-1]:.5f}", *(f"{r[0][-1]:.5f}" for r in runs)))
-    print(f"losses: {same} over {len(ref_losses)} steps")
+    print(row("loss, last step", f"{ref.losses[-1]:.5f}", *(f"{r.losses[-1]:.5f}" for r in runs)))
+    print(f"losses: {same} over {len(ref.losses)} steps")
     for policy, backend in zip(policies, backends):
         offloaded = [r for report in backend.reports for r in report.offloaded]
         recomputed = [r for report in backend.reports for r in report.recomputed]
@@ -161,8 +175,8 @@ def _closing(args: argparse.Namespace, backends: list[Any], device: str) -> None
     print("(peak memory: allocator bytes above what was live at the step's start"
           + (", fxoffload's host buffers left out)" if device == "cpu" else ")"))
     if device == "cpu":
-        print("(step time: on a CPU the copies run on two threads that share the cores with compute; on a\n"
-              " shared or busy machine a few steps' times are noise: python -m bench times steadier)")
+        print("(step time: the runs' steps taken in turn; on a CPU the copies run on two threads that share\n"
+              " the cores with compute, and on a shared or busy machine a few steps' times are noise)")
     for backend in backends:
         for report in backend.reports:
             print()
