@@ -96,7 +96,7 @@ def apply_plan(
             broken_rule,
         )  # fmt: skip
     output.args = (tuple(outputs),) + tuple(output.args[1:])
-    host_layouts(fw, bw, host_placeholder_name, broken_rule)
+    host_layouts(fw, bw, host_placeholder_name, broken_rule, inductor=fuses)
     for gm in (fw, bw):
         if kernel_runs:
             between_kernel_runs(gm.graph)
