@@ -289,9 +289,15 @@ def parse_budget(value: Any) -> int | float:
     refused: ``1`` meant as all of the peak would be a budget of one byte."""
     if isinstance(value, str) and value.strip().endswith("%"):
         try:
-            value = float(value.strip()[:-1]) / 100
+            fraction = float(value.strip()[:-1]) / 100
         except ValueError:
             raise ValueError(f"fxoffload: cannot parse memory_budget={value!r}; a percentage such as '60%'") from None
+        if not 0.0 < fraction <= 1.0:
+            raise ValueError(
+                f"fxoffload: memory_budget={value!r}: a percentage of the predicted peak must be over 0% and at "
+                "most 100%; use an int or a size string such as '12GiB' for bytes"
+            )
+        value = fraction
     if isinstance(value, float):
         if not 0.0 < value <= 1.0:
             raise ValueError(
@@ -315,7 +321,8 @@ def _rates(name: str, value: Any, keys: tuple[str, ...], both: bool = False) -> 
         return None
     if isinstance(value, tuple) and all(isinstance(kv, tuple) and len(kv) == 2 for kv in value):
         value = dict(value)  # the frozen form this function returns
-    if both and isinstance(value, (int, float, str)) and not isinstance(value, bool):
+    bare = both and isinstance(value, (int, float, str)) and not isinstance(value, bool)
+    if bare:
         value = dict.fromkeys(keys, value)
     if not isinstance(value, Mapping) or not value or set(value) - set(keys):
         number = "a positive number per second or " if both else ""
@@ -327,13 +334,20 @@ def _rates(name: str, value: Any, keys: tuple[str, ...], both: bool = False) -> 
         if key not in value:
             continue
         rate = value[key]
+        label = name if bare else f"{name}[{key!r}]"
         if isinstance(rate, str):  # a size a second: "800MB", or "800MB/s" as people write a rate
-            rate = parse_bytes(re.sub(r"\s*/\s*s$", "", rate.strip(), flags=re.IGNORECASE), f"{name}[{key!r}]")
+            try:
+                rate = parse_bytes(re.sub(r"\s*/\s*s$", "", rate.strip(), flags=re.IGNORECASE), label)
+            except ValueError as e:
+                if "cannot parse" not in str(e):
+                    raise
+                unit = "FLOP/s: a number such as 1e14, not a string" if key == "flops" else (
+                    "bytes per second: a number (25e9) or a size a second such as '25GB/s' or '800MB/s'"
+                )
+                raise ValueError(f"fxoffload: cannot parse {label}={rate!r}; a rate is {unit}") from None
         # NaN fails every comparison, so it would pass a plain ``rate <= 0`` check.
         if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not 0 < rate < float("inf"):
-            raise ValueError(
-                f"fxoffload: {name}[{key!r}] must be a positive, finite number per second, got {rate!r}"
-            )
+            raise ValueError(f"fxoffload: {label} must be a positive, finite number per second, got {rate!r}")
         out.append((key, float(rate)))
     return tuple(out)
 
