@@ -114,6 +114,24 @@ def test_json_carries_reason_codes_and_typed_decisions(gpt_report):
     assert [r.reason_code for r in OffloadReport.from_json(json.dumps(old)).saved] == [""] * len(rows)
 
 
+def test_text_for_no_terminal_is_not_cut_to_80_columns(gpt_report, monkeypatch):
+    """A table written to a pipe, a file or a CI log (no terminal, no ``COLUMNS``) is laid out for
+    ``UNBOUND_WIDTH`` columns: the terminal's default 80 cut each reason to a few words."""
+    import os
+
+    from fxoffload.reporting import render
+
+    def no_terminal(*args):
+        raise OSError("not a terminal")
+
+    monkeypatch.delenv("COLUMNS", raising=False)
+    monkeypatch.setattr(os, "get_terminal_size", no_terminal)
+    assert render.text_width() == render.UNBOUND_WIDTH == 160
+    assert gpt_report.table(rows="short") == gpt_report.table(rows="short", width=160)
+    monkeypatch.setenv("COLUMNS", "100")  # a width asked for wins
+    assert render.text_width() == 100
+
+
 def test_short_table_fits_the_width_and_lists_every_offloaded_tensor(gpt_report):
     text = gpt_report.table(rows="short", width=110, kept=3)
     lines = text.splitlines()

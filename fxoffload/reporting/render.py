@@ -17,7 +17,7 @@ from ..sizes import fmt_bytes
 if TYPE_CHECKING:
     from .report import OffloadReport
 
-__all__ = ["KIND_NAMES", "kinds_text", "summary", "table"]
+__all__ = ["KIND_NAMES", "UNBOUND_WIDTH", "kinds_text", "summary", "table", "text_width"]
 
 # How a breakdown names the kinds of memory; "host" is host memory and not part of the device total.
 KIND_NAMES = {
@@ -36,6 +36,16 @@ def kinds_text(device: dict[str, int], host: int | None) -> str:
     return text
 
 
+# Columns for text that goes to no terminal (a pipe, a file, a CI log) and no COLUMNS: a terminal's
+# default 80 cut every reason short to a few words, where a log is read wide.
+UNBOUND_WIDTH = 160
+
+
+def text_width() -> int:
+    """Columns of text for stdout: ``COLUMNS``, else the terminal's, else ``UNBOUND_WIDTH``."""
+    return shutil.get_terminal_size(fallback=(UNBOUND_WIDTH, 24)).columns
+
+
 def table(report: OffloadReport, rows: str = "all", width: int | None = None, kept: int = 5) -> str:
     """The saved tensors, their decisions and the reasons, as a text table.
 
@@ -43,14 +53,14 @@ def table(report: OffloadReport, rows: str = "all", width: int | None = None, ke
     and last uses). ``rows="short"``: what a person reads first: the offloaded and recomputed
     tensors, the ``kept`` largest kept ones, a count of the rest by reason code, parameters and
     graph inputs in one line, and a reason shared by every row said once above the table.
-    ``width``: columns to fit (None: the terminal's, ``shutil.get_terminal_size``); the reason
-    column is wrapped ("all") or cut short ("short") to fit.
+    ``width``: columns to fit (None: ``text_width``); the reason column is wrapped ("all") or cut
+    short ("short") to fit.
     """
     if rows not in ("all", "short"):
         raise ValueError(f"fxoffload: table(rows={rows!r}): rows must be 'all' or 'short'")
     if isinstance(kept, bool) or not isinstance(kept, int) or kept < 0:
         raise ValueError(f"fxoffload: table(kept={kept!r}): kept must be an int >= 0 (rows shown)")
-    width = shutil.get_terminal_size().columns if width is None else width
+    width = text_width() if width is None else width
     if isinstance(width, bool) or not isinstance(width, int) or width < 40:
         raise ValueError(f"fxoffload: table(width={width!r}): width must be an int >= 40 (columns)")
     header = (

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import shutil
 import sys
 import textwrap
 from pathlib import Path
@@ -13,6 +12,7 @@ import torch
 
 from .explain import OPTIMIZERS, explain, explain_and_measure, explain_step, where_memory_goes
 from ..options import POLICIES, parse_budget, parse_bytes
+from ..reporting.render import text_width
 from ..reporting.report import save_reports
 from ..sizes import fmt_bytes
 from ..testing.models import EXAMPLE_MIN_BYTES, EXAMPLES, example
@@ -146,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
         options.update(memory_budget=args.budget, strict=args.strict)
     if args.offload_module:
         options["offload_modules"] = tuple(args.offload_module)
-    width = max(40, shutil.get_terminal_size().columns)
+    width = max(40, text_width())
     measured = step = None
     try:
         if args.optimizer:
