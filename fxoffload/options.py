@@ -334,22 +334,27 @@ def _rates(name: str, value: Any, keys: tuple[str, ...], both: bool = False) -> 
         if key not in value:
             continue
         rate = value[key]
-        label = name if bare else f"{name}[{key!r}]"
-        if isinstance(rate, str):  # a size a second: "800MB", or "800MB/s" as people write a rate
-            try:
-                rate = parse_bytes(re.sub(r"\s*/\s*s$", "", rate.strip(), flags=re.IGNORECASE), label)
-            except ValueError as e:
-                if "cannot parse" not in str(e):
-                    raise
-                unit = "FLOP/s: a number such as 1e14, not a string" if key == "flops" else (
-                    "bytes per second: a number (25e9) or a size a second such as '25GB/s' or '800MB/s'"
-                )
-                raise ValueError(f"fxoffload: cannot parse {label}={rate!r}; a rate is {unit}") from None
-        # NaN fails every comparison, so it would pass a plain ``rate <= 0`` check.
-        if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not 0 < rate < float("inf"):
-            raise ValueError(f"fxoffload: {label} must be a positive, finite number per second, got {rate!r}")
-        out.append((key, float(rate)))
+        out.append((key, parse_rate(rate, name if bare else f"{name}[{key!r}]", flops=key == "flops")))
     return tuple(out)
+
+
+def parse_rate(rate: Any, label: str, flops: bool = False) -> float:
+    """A positive, finite rate: a number, or a size a second ("800MB", or "800MB/s" as people write
+    a rate); ``flops``: FLOP/s, a number only. ``label`` names it in errors."""
+    if isinstance(rate, str):
+        try:
+            rate = parse_bytes(re.sub(r"\s*/\s*s$", "", rate.strip(), flags=re.IGNORECASE), label)
+        except ValueError as e:
+            if "cannot parse" not in str(e):
+                raise
+            unit = "FLOP/s: a number such as 1e14, not a string" if flops else (
+                "bytes per second: a number (25e9) or a size a second such as '25GB/s' or '800MB/s'"
+            )
+            raise ValueError(f"fxoffload: cannot parse {label}={rate!r}; a rate is {unit}") from None
+    # NaN fails every comparison, so it would pass a plain ``rate <= 0`` check.
+    if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not 0 < rate < float("inf"):
+        raise ValueError(f"fxoffload: {label} must be a positive, finite number per second, got {rate!r}")
+    return float(rate)
 
 
 def _choice(name: str, value: Any, allowed: tuple[str, ...]) -> None:

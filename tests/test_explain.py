@@ -153,6 +153,8 @@ def test_cli_user_factory(tmp_path):
         (["frobnicate"], "invalid choice: 'frobnicate'"),
         (["explain", "--budget", "1.5"], "a float is a fraction of the predicted peak"),
         (["explain", "--budget", "lots"], "cannot parse memory_budget='lots'"),
+        (["explain", "--bandwidth", "fast"], "cannot parse rate='fast'; a rate is bytes per second"),
+        (["explain", "--cpu-link", "2GB/s"], "--cpu-link sets the CPU copy threads' speed; it needs --offload-cpu"),
         (["explain", "--model", "mlp", "--offload-cpu", "--inner", "aot_eager", "--min-bytes", "0",
           "--budget", "1KiB", "--strict"], "cannot be reached"),
     ],
@@ -226,13 +228,14 @@ def test_logs_and_trace_artifacts(tmp_path):
 
 
 def test_cli_budget():
+    # The copies priced at the CPU copy threads' speed, a rate as people write one.
     result = _cli("explain", "--model", "gpt", "--offload-cpu", "--inner", "aot_eager", "--min-bytes", "16KiB",
-                  "--bandwidth", "1GB", "--budget", "0.8")  # fmt: skip
+                  "--cpu-link", "1GB/s", "--budget", "0.8")  # fmt: skip
     # (0.6 to 0.75 are missed by 1-2%: the budget fit's intervals and the simulated rewritten graphs
     # still disagree, see test_planner.test_memory_budget_in_bytes; the summary says "NOT met" then.)
     assert result.returncode == 0, result.stderr[-2000:]
     assert "memory_budget:" in result.stdout and "(met" in result.stdout and "NOT met" not in result.stdout
-    assert "predicted stall" in result.stdout
+    assert "predicted stall" in result.stdout and "link 1.0 GB/s out, 1.0 GB/s in" in result.stdout
 
 
 def test_user_guide_options_table_gives_every_option_a_unit_and_default():

@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from .explain import OPTIMIZERS, explain, explain_and_measure, explain_step, where_memory_goes
-from ..options import POLICIES, parse_budget, parse_bytes
+from ..options import POLICIES, parse_budget, parse_bytes, parse_rate
 from ..reporting.render import text_width
 from ..reporting.report import save_reports
 from ..sizes import fmt_bytes
@@ -40,6 +40,17 @@ def _load_factory(spec: str):
 def _size(text: str) -> int:
     try:
         return parse_bytes(text, "size")
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e).replace("fxoffload: ", "")) from None
+
+
+def _rate(text: str) -> float:
+    try:
+        try:
+            value: float | str = float(text)  # 25e9
+        except ValueError:
+            value = text  # 25GB/s
+        return parse_rate(value, "rate")
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e).replace("fxoffload: ", "")) from None
 
@@ -103,14 +114,17 @@ def build_parser() -> argparse.ArgumentParser:
         help="memory budget for the predicted peak: a size (12GiB), or a fraction (0.6, 60%%) of the peak "
         "(default: none)")
     add("--strict", action="store_true", help="fail when --budget cannot be reached (default: warn)")
-    add("--bandwidth", type=_size, default=None, metavar="BYTES_PER_S",
-        help="host link bytes/s each way, e.g. 25GB (default: measured on a GPU, fixed on CPU)")
+    add("--bandwidth", type=_rate, default=None, metavar="BYTES_PER_S",
+        help="host link bytes/s each way, e.g. 25GB/s (default: measured on a GPU, fixed on CPU)")
     add("--host-budget", type=_size, default=None, metavar="SIZE",
         help="bound on host bytes, e.g. 8GiB (default: unbounded)")
     add("--prefetch", type=int, default=None, metavar="NODES",
         help="compute nodes each copy overlaps with (default: placed by the cost model)")
     add("--offload-cpu", action="store_true",
         help="offload CPU tensors too, to see the data flow on a machine without a GPU")
+    add("--cpu-link", type=_rate, default=None, metavar="BYTES_PER_S",
+        help="with --offload-cpu: the CPU copy threads' speed each way, to mimic a host link, e.g. 2GB/s "
+        "(default: as fast as memory copies)")
     add("--inner", default="inductor", choices=("inductor", "aot_eager"),
         help="compiler of the rewritten graphs; aot_eager runs them eagerly (for debugging)")
     add("--calibrate", action="store_true", help="time the ops on the device instead of modelling them")
@@ -142,6 +156,10 @@ def main(argv: list[str] | None = None) -> int:
     for key in ("min_bytes", "host_budget", "prefetch", "bandwidth"):
         if getattr(args, key) is not None:
             options[key] = getattr(args, key)
+    if args.cpu_link is not None:
+        if not args.offload_cpu:
+            raise SystemExit("fxoffload: --cpu-link sets the CPU copy threads' speed; it needs --offload-cpu")
+        options["cpu_link_bandwidth"] = args.cpu_link
     if args.budget is not None:
         options.update(memory_budget=args.budget, strict=args.strict)
     if args.offload_module:
