@@ -65,6 +65,26 @@ def test_fuzz_per_block():
     assert outcome.per_block > 0 and outcome.recomputed > 0, "no block recomputed: the comparison says nothing"
 
 
+# Seed 39 case 10 (a conv + BatchNorm stem, an index_add, top-k, SDPA) with the convolution and add_8
+# offloaded: Inductor's forward code gives add_8's buffer to a later kernel in place ("buf28 = buf24;
+# del buf24  # reuse") and a kernel after that reads buf24 again: UnboundLocalError at the first call,
+# under torch 2.11 and 2.13 alike. aot_eager runs it; moving the copies to a kernel run's edge is not
+# the cause. Not understood yet (docs/results.md, seventeenth session): kept here, strict, so that the
+# suite says so when it runs.
+class _KnownCrash(Exception):
+    pass
+
+
+@pytest.mark.xfail(
+    strict=True, raises=_KnownCrash, reason="Inductor's code reuses add_8's buffer in place before its last reader"
+)
+def test_fuzz_inductor_known_crash():
+    (outcome,) = fuzz.run_case(fuzz.make_case(39, 10), "inductor", {"all": fuzz.OPTION_SETS["all"]})
+    if outcome.status == fuzz.ERROR and "UnboundLocalError" in outcome.detail:
+        raise _KnownCrash(outcome.detail)  # this crash, and no other failure, is expected
+    _check([outcome], "inductor")
+
+
 @pytest.mark.parametrize("seed,index,options,inner", REPLANNED_CASES)
 def test_fuzz_replanned(seed, index, options, inner):
     (outcome,) = fuzz.run_case(fuzz.make_case(seed, index), inner, {options: fuzz.OPTION_SETS[options]})
