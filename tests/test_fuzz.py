@@ -65,24 +65,33 @@ def test_fuzz_per_block():
     assert outcome.per_block > 0 and outcome.recomputed > 0, "no block recomputed: the comparison says nothing"
 
 
-# Seed 39 case 10 (a conv + BatchNorm stem, an index_add, top-k, SDPA) with the convolution and add_8
-# offloaded: Inductor's forward code gives add_8's buffer to a later kernel in place ("buf28 = buf24;
-# del buf24  # reuse") and a kernel after that reads buf24 again: UnboundLocalError at the first call,
-# under torch 2.11 and 2.13 alike. aot_eager runs it; moving the copies to a kernel run's edge is not
-# the cause. Not understood yet (docs/results.md, seventeenth session): kept here, strict, so that the
-# suite says so when it runs.
-class _KnownCrash(Exception):
+# Seed 39 case 10 (a conv + BatchNorm stem, an index_add, top-k, SDPA) under Inductor, torch 2.11 and
+# 2.13 alike; aot_eager runs it right. Inductor's memory reordering of the forward
+# (``reorder_for_peak_memory``; with it off the case runs right) puts the kernel that reads the
+# index_add's result (add_9 = add_8 + index_put) before the kernel that scatters into it: a wrong loss
+# (1.65e3 off 2.17e3) with only the convolution offloaded. With add_8 offloaded as well, a buffer reused
+# in place is read by the old name and the first call raises UnboundLocalError. Not understood yet
+# (docs/results.md, seventeenth session); kept here, strict, so that the suite says so once it runs.
+class _KnownFailure(Exception):
     pass
 
 
-@pytest.mark.xfail(
-    strict=True, raises=_KnownCrash, reason="Inductor's code reuses add_8's buffer in place before its last reader"
-)
-def test_fuzz_inductor_known_crash():
-    (outcome,) = fuzz.run_case(fuzz.make_case(39, 10), "inductor", {"all": fuzz.OPTION_SETS["all"]})
-    if outcome.status == fuzz.ERROR and "UnboundLocalError" in outcome.detail:
-        raise _KnownCrash(outcome.detail)  # this crash, and no other failure, is expected
+def _known(names, expected):
+    opts = dict(offload_cpu=True, min_bytes=0, verify_peak=False, policy=lambda t: "offload" if t.name in names else "keep")
+    (outcome,) = fuzz.run_case(fuzz.make_case(39, 10), "inductor", {"known": opts})
+    if outcome.status == expected[0] and expected[1] in outcome.detail:
+        raise _KnownFailure(outcome.detail)  # this failure, and no other, is expected
     _check([outcome], "inductor")
+
+
+@pytest.mark.xfail(strict=True, raises=_KnownFailure, reason="Inductor's memory reordering reads a scatter's result first")
+def test_fuzz_inductor_known_wrong_loss():
+    _known({"convolution"}, (fuzz.MISMATCH, "step0.loss"))
+
+
+@pytest.mark.xfail(strict=True, raises=_KnownFailure, reason="the same, and a buffer reused in place read by its old name")
+def test_fuzz_inductor_known_crash():
+    _known({"convolution", "add_8"}, (fuzz.ERROR, "UnboundLocalError"))
 
 
 @pytest.mark.parametrize("seed,index,options,inner", REPLANNED_CASES)
