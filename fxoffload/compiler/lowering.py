@@ -64,15 +64,43 @@ def on_roomy_stack(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
     return _roomy_caller()(fn, args, kwargs)
 
 
+# The aten ops Inductor lowers to a buffer and a scatter into it, which mutates that buffer: the
+# readers of the result must follow the scatter.
+SCATTERS = frozenset({
+    "index_put", "index_put_", "_unsafe_index_put", "index_add", "index_add_", "index_copy", "index_copy_",
+    "index_fill", "index_reduce", "scatter", "scatter_", "scatter_add", "scatter_add_", "scatter_reduce",
+    "scatter_reduce_", "masked_scatter", "_generalized_scatter", "select_scatter", "slice_scatter",
+})  # fmt: skip
+
+
 def no_pool_reuse_where_it_copies(graph: fx.GraphModule) -> dict[str, Any]:
-    """Inductor's config for lowering ``graph``: where it copies tensors to or from the host, no
-    buffer freed is kept for a later allocation of its size (``allow_buffer_reuse``). Inductor keeps
-    one where its own estimate of the graph's peak allows, and that estimate counts the host copies
-    as bytes of the device: the offloaded output of one block's MLP was held from its wait to the
-    next block's, and the plans' code peaked 8-17% higher on the tiny transformers (docs/results.md,
-    eighth session). Buffers written in place of a dying input (``inplace_buffers``) stay as they
-    are, and so does every graph without a copy: compiled as Inductor compiles it."""
-    return {"allow_buffer_reuse": False} if any(is_transfer(n) for n in graph.graph.nodes) else {}
+    """Inductor's config for lowering ``graph``; every graph without a copy is compiled as Inductor
+    compiles it. Where it copies tensors to or from the host:
+
+    - no buffer freed is kept for a later allocation of its size (``allow_buffer_reuse``). Inductor
+      keeps one where its own estimate of the graph's peak allows, and that estimate counts the host
+      copies as bytes of the device: the offloaded output of one block's MLP was held from its wait
+      to the next block's, and the plans' code peaked 8-17% higher on the tiny transformers
+      (docs/results.md, eighth session). Buffers written in place of a dying input
+      (``inplace_buffers``) stay as they are.
+    - where it also scatters into a result (``SCATTERS``), no peak-memory reordering
+      (``reorder_for_peak_memory``). In a forward with copies, the kernel reading an accumulating
+      ``index_put``'s result depended on the buffer scattered into, not on the scatter, and the
+      reordering put it first: a wrong loss (fuzz seed 39 case 10, docs/results.md, seventeenth
+      session). The graph's own order is right.
+    """
+    if not any(is_transfer(n) for n in graph.graph.nodes):
+        return {}
+    patches: dict[str, Any] = {"allow_buffer_reuse": False}
+    if any(n.op == "call_function" and _op_name(n) in SCATTERS for n in graph.graph.nodes):
+        patches["reorder_for_peak_memory"] = False
+    return patches
+
+
+def _op_name(node: fx.Node) -> str:
+    """``index_put`` for ``aten.index_put.default``; the target's name for anything else."""
+    schema = getattr(node.target, "_schema", None)
+    return schema.name.split("::")[-1] if schema is not None else getattr(node.target, "__name__", "")
 
 
 def host_placeholders(graph: fx.GraphModule) -> frozenset[str]:
