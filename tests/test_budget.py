@@ -40,7 +40,7 @@ def inductor_reuse(monkeypatch):
     which now follows the code closely enough that its plans for the GPT meet their budgets."""
     from fxoffload.compiler import compile as compile_module
 
-    monkeypatch.setattr(compile_module, "no_pool_reuse_where_it_copies", lambda graph: {})
+    monkeypatch.setattr(compile_module, "lowering_config", lambda graph: {})
 
 
 def _above_start(report, nbytes):

@@ -75,18 +75,23 @@ def test_inductor_compiles_on_the_roomy_stack(monkeypatch):
 
 
 def test_only_a_graph_that_copies_is_lowered_without_pool_reuse():
-    """The config each graph is lowered with: no pool reuse where a transfer op is in it, Inductor's
-    own config everywhere else."""
+    """The config each graph is lowered with: no pool reuse where a transfer op is in it (and no
+    peak-memory reordering where it also scatters into a result), Inductor's own config everywhere else."""
     from fxoffload import ir
-    from fxoffload.compiler.lowering import no_pool_reuse_where_it_copies
+    from fxoffload.compiler.lowering import lowering_config
 
     plain = torch.fx.symbolic_trace(torch.nn.Linear(4, 4))
-    assert no_pool_reuse_where_it_copies(plain) == {}
+    assert lowering_config(plain) == {}
     graph = torch.fx.Graph()
     x = graph.placeholder("x")
     host = graph.call_function(ir.OFFLOAD, (x, [], 0.0, ir.transfer_name(0, "x")))
     graph.output(graph.call_function(ir.WAIT, (host, x, [])))
-    assert no_pool_reuse_where_it_copies(torch.fx.GraphModule({}, graph)) == {"allow_buffer_reuse": False}
+    assert lowering_config(torch.fx.GraphModule({}, graph)) == {"allow_buffer_reuse": False}
+    # A graph that copies and scatters into a result: no peak-memory reordering either.
+    idx = graph.placeholder("idx")
+    graph.call_function(torch.ops.aten.index_put.default, (x, [idx], x, True))
+    both = lowering_config(torch.fx.GraphModule({}, graph))
+    assert both == {"allow_buffer_reuse": False, "reorder_for_peak_memory": False}
 
 
 def _budget_plan_peaks():
@@ -113,6 +118,6 @@ def test_an_offloaded_buffer_is_not_kept_for_a_later_allocation(monkeypatch):
 
     code, model = _budget_plan_peaks()
     assert code == pytest.approx(model, rel=0.01)
-    monkeypatch.setattr(compile_module, "no_pool_reuse_where_it_copies", lambda graph: {})
+    monkeypatch.setattr(compile_module, "lowering_config", lambda graph: {})
     reused, _ = _budget_plan_peaks()
     assert reused > 1.05 * code, (reused, code)

@@ -26,7 +26,7 @@ from ..reasons import Reason, ReasonCode
 from ..reporting.report import CompileSpent
 from ..sizes import fmt_bytes
 from .costs import read_outside
-from .lowering import host_placeholders, no_pool_reuse_where_it_copies, on_roomy_stack
+from .lowering import host_placeholders, lowering_config, on_roomy_stack
 from .pair import PairRegister, PlannedPair
 from .partitioner import OffloadPartitioner, PlanChangesNothing
 from .refine import Trial, attempt_quietly, lowest, refine, say
@@ -83,7 +83,7 @@ class GraphCompiler:
         try:
             compiled = on_roomy_stack(
                 _compat.compile_with_inductor, graph, example_inputs, partitioner, patches, sink, code_only, after,
-                graph_patches=no_pool_reuse_where_it_copies, not_donated=host_placeholders, join_runs=_TRANSFERS,
+                graph_patches=lowering_config, not_donated=host_placeholders, join_runs=_TRANSFERS,
             )
         except Exception as e:
             stopped = _compat.raised_from(e, PlanChangesNothing)

@@ -16,8 +16,9 @@ Plain Python (a generated function with many local names): no allocator swapped,
 state touched; where frames are not kept in chunks (CPython before 3.11, other interpreters) it is
 a plain call.
 
-``no_pool_reuse_where_it_copies(graph)``: the Inductor config a graph is lowered with; a graph that
-copies to or from the host keeps no freed buffer for a later allocation of its size (see there).
+``lowering_config(graph)``: the Inductor config a graph is lowered with; a graph that copies to or
+from the host keeps no freed buffer for a later allocation of its size, and one that also scatters
+into a result is not reordered for peak memory (see there).
 """
 
 from __future__ import annotations
@@ -73,7 +74,7 @@ SCATTERS = frozenset({
 })  # fmt: skip
 
 
-def no_pool_reuse_where_it_copies(graph: fx.GraphModule) -> dict[str, Any]:
+def lowering_config(graph: fx.GraphModule) -> dict[str, Any]:
     """Inductor's config for lowering ``graph``; every graph without a copy is compiled as Inductor
     compiles it. Where it copies tensors to or from the host:
 
