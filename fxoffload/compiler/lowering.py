@@ -30,7 +30,7 @@ from typing import Any, TypeVar
 
 import torch.fx as fx
 
-from ..analysis.graph import holds_host_copy
+from ..analysis.graph import holds_host_copy, op_name
 from ..ir import is_transfer
 
 T = TypeVar("T")
@@ -93,15 +93,9 @@ def lowering_config(graph: fx.GraphModule) -> dict[str, Any]:
     if not any(is_transfer(n) for n in graph.graph.nodes):
         return {}
     patches: dict[str, Any] = {"allow_buffer_reuse": False}
-    if any(n.op == "call_function" and _op_name(n) in SCATTERS for n in graph.graph.nodes):
+    if any(op_name(n) in SCATTERS for n in graph.graph.nodes):
         patches["reorder_for_peak_memory"] = False
     return patches
-
-
-def _op_name(node: fx.Node) -> str:
-    """``index_put`` for ``aten.index_put.default``; the target's name for anything else."""
-    schema = getattr(node.target, "_schema", None)
-    return schema.name.split("::")[-1] if schema is not None else getattr(node.target, "__name__", "")
 
 
 def host_placeholders(graph: fx.GraphModule) -> frozenset[str]:
