@@ -88,7 +88,12 @@ def lowering_config(graph: fx.GraphModule) -> dict[str, Any]:
       (``reorder_for_peak_memory``). In a forward with copies, the kernel reading an accumulating
       ``index_put``'s result depended on the buffer scattered into, not on the scatter, and the
       reordering put it first: a wrong loss (fuzz seed 39 case 10, docs/results.md, seventeenth
-      session). The graph's own order is right.
+      session). The graph's own order is right. The lost dependency is Inductor's (torch 2.11 and
+      2.13): where it recomputes a node's loops to fuse it with one of another shape
+      (``SchedulerNode.recompute_size_and_body``, from its C++ backend) it drops the renames that
+      point the node's reads at the latest scatter; copies only change the peaks the reordering
+      weighs. Its GPU backends recompute a split reduction the same way, so the rule is not only
+      the CPU's.
     """
     if not any(is_transfer(n) for n in graph.graph.nodes):
         return {}
