@@ -27,10 +27,12 @@ buffers is never within it. Outcomes per (case, option set):
 
 - OK: fxoffload agrees with the compiler alone, which agrees with eager;
 - FXOFFLOAD_MISMATCH: fxoffload differs from the compiler alone and from eager (or, where the
-  compiler alone raised, from eager);
+  compiler alone raised, from eager and from its own run with nothing offloaded, ``UNPLANNED``);
 - TORCH_BUG: the compiler alone differs from eager or raises, and fxoffload matches one of them or
   raises too (fxoffload matching eager there is torch's bug that it avoids, e.g. the guarded
-  partitioner bug of ``fxoffload/mutation.py``);
+  partitioner bug of ``fxoffload/rewrite/mutated_reads.py``). Where the compiler alone raised, the
+  reference left is fxoffload with nothing offloaded on that compiler (it avoids the same bug), once
+  the same run on aot_eager shows that fxoffload's own path gives eager's answer;
 - ERROR: fxoffload raised where the compiler alone did not.
 
 Only the public API is used (``fxoffload.backend``, ``torch.compile``), so this keeps working across
@@ -107,6 +109,16 @@ OPTION_SETS: dict[str, dict[str, Any]] = {
 # timed at its second call after each compile and acted on at its third, ``max_replans`` (2) times,
 # then the last plan runs. They train LONG_STEPS steps, and so do the runs they are compared with.
 REPLANNING = frozenset({"auto-stalls", "auto-grows"})
+
+
+def _keep_every_tensor(tensor: Any) -> str:
+    return "keep"
+
+
+# fxoffload with nothing offloaded: its whole path (partitioner, the reads of mutated inputs kept
+# saved) without a copy. Unlike policy="none", which compiles unchanged, it avoids what fxoffload
+# avoids, so where the compiler alone raises it is the compiler's reference (``classify``).
+UNPLANNED = {**BASE, "policy": _keep_every_tensor, "verify_peak": False}
 LONG_STEPS = 7
 
 # SGD step between the two steps, so the second step runs on other weights. None over LONG_STEPS: the
@@ -878,11 +890,15 @@ class Outcome:
 Ref = RunResult | BaseException  # a run's results, or what it raised
 
 
-def classify(eager: Ref, inner: Ref, got: Ref, tol: Tolerance) -> tuple[str, str]:
+def classify(
+    eager: Ref, inner: Ref, got: Ref, tol: Tolerance, unplanned: Callable[[], tuple[Ref, Ref]] | None = None
+) -> tuple[str, str]:
     """(status, detail) of one fxoffload run next to eager and the compiler alone (module docstring).
 
     The compiler alone may differ from eager by rounding noise (``Tolerance.noise``); fxoffload may
-    differ from it by ``tol`` plus twice that noise, as measured on that tensor."""
+    differ from it by ``tol`` plus twice that noise, as measured on that tensor. ``unplanned`` gives
+    fxoffload's runs with nothing offloaded (``UNPLANNED``) on the compiler and on aot_eager; it is
+    called only where the compiler alone raised and fxoffload's answer is not eager's."""
     if isinstance(eager, BaseException):
         return ERROR, f"eager raised (a fuzz generator bug): {_exc(eager)}"
     if isinstance(inner, BaseException):
@@ -890,9 +906,12 @@ def classify(eager: Ref, inner: Ref, got: Ref, tol: Tolerance) -> tuple[str, str
             return TORCH_BUG, f"the compiler alone raised, and fxoffload too: {_exc(inner)}"
         # No reference but eager's: fxoffload ran (it may avoid what the compiler alone trips on).
         got_vs_eager = first_difference(got, eager, tol, group_noise(eager, tol))
-        if got_vs_eager is not None:
-            return MISMATCH, f"the compiler alone raised ({_exc(inner)}); vs eager: {got_vs_eager}"
-        return TORCH_BUG, f"the compiler alone raised, fxoffload matches eager: {_exc(inner)}"
+        if got_vs_eager is None:
+            return TORCH_BUG, f"the compiler alone raised, fxoffload matches eager: {_exc(inner)}"
+        raised = f"the compiler alone raised ({_exc(inner)})"
+        if unplanned is None:
+            return MISMATCH, f"{raised}; vs eager: {got_vs_eager}"
+        return _classify_against_unplanned(eager, got, tol, raised, got_vs_eager, *unplanned())
     if isinstance(got, BaseException):
         return ERROR, _exc(got)
     inner_vs_eager = first_difference(inner, eager, tol, group_noise(eager, tol))
@@ -906,6 +925,22 @@ def classify(eager: Ref, inner: Ref, got: Ref, tol: Tolerance) -> tuple[str, str
     if got_vs_inner is None:
         return TORCH_BUG, f"fxoffload matches the compiler alone, which differs from eager: {inner_vs_eager}"
     return MISMATCH, f"vs compiler alone: {got_vs_inner}; vs eager: {got_vs_eager}"
+
+
+def _classify_against_unplanned(
+    eager: RunResult, got: RunResult, tol: Tolerance, raised: str, got_vs_eager: str, on_inner: Ref, on_aot: Ref
+) -> tuple[str, str]:
+    """``classify`` where the compiler alone raised and fxoffload is not eager's answer: fxoffload with
+    nothing offloaded is the compiler's reference once, on aot_eager, it gives eager's answer."""
+    if isinstance(on_inner, BaseException) or isinstance(on_aot, BaseException):
+        e = on_inner if isinstance(on_inner, BaseException) else on_aot
+        return MISMATCH, f"{raised}; nothing offloaded raised too ({_exc(e)}); vs eager: {got_vs_eager}"
+    aot_vs_eager = first_difference(on_aot, eager, tol)
+    if aot_vs_eager is not None:
+        return MISMATCH, f"{raised}; nothing offloaded on aot_eager differs from eager: {aot_vs_eager}"
+    status, detail = classify(eager, on_inner, got, tol)
+    detail = detail.replace("the compiler alone", "nothing offloaded").replace("vs compiler alone", "vs nothing offloaded")
+    return (TORCH_BUG if status == OK else status), f"{raised}; {detail or 'fxoffload matches nothing offloaded'}"
 
 
 def _exc(e: BaseException) -> str:
@@ -935,6 +970,15 @@ def run_case(
         # fxoffload warns where a budget is not met on these tiny graphs; that is not a result.
         warnings.simplefilter("ignore")
         references: dict[int, tuple[Ref, Ref]] = {}  # eager's and the compiler's alone, by steps
+        unplanned_runs: dict[int, tuple[Ref, Ref]] = {}  # UNPLANNED on the compiler and on aot_eager
+
+        def unplanned(steps: int) -> tuple[Ref, Ref]:
+            if steps not in unplanned_runs:
+                runs = {i: _attempt(lambda i=i: train(case, fxoffload.backend(**{**UNPLANNED, "inner": i}), steps))
+                        for i in dict.fromkeys((inner, "aot_eager"))}  # fmt: skip
+                unplanned_runs[steps] = (runs[inner], runs["aot_eager"])
+            return unplanned_runs[steps]
+
         factories = {name: (lambda o=opts: fxoffload.backend(**{**o, "inner": inner}))
                      for name, opts in option_sets.items()}
         factories.update(backends or {})
@@ -947,7 +991,7 @@ def run_case(
             eager, reference = references[steps]
             start = time.perf_counter()
             got = _attempt(lambda f=factory: train(case, f(), steps))
-            status, detail = classify(eager, reference, got, tol)
+            status, detail = classify(eager, reference, got, tol, lambda s=steps: unplanned(s))
             outcome = Outcome(case, name, status, detail, seconds=time.perf_counter() - start)
             if isinstance(got, RunResult):
                 outcome.offloaded, outcome.recomputed = got.offloaded, got.recomputed

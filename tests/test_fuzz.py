@@ -159,6 +159,35 @@ def test_classify():
     assert fuzz.classify(eager, RuntimeError("boom"), wrong, tol)[0] == fuzz.MISMATCH
 
 
+def test_classify_where_the_compiler_alone_raised():
+    """The reference left is fxoffload with nothing offloaded on that compiler, once on aot_eager it
+    gives eager's answer (seed 41 case 8: a float counter, torch's partitioner bug, and Inductor's
+    rounding grown over a step to 0.4% of a 2e6 gradient)."""
+    tol = fuzz.Tolerance(rtol=1e-4, atol=1e-6, noise=1e-3)
+    eager = _result(loss=1.0, grad=[1.0, 2.0])
+    rounded = _result(loss=1.0, grad=[1.0, 2.01])  # the compiler's answer, not eager's
+    wrong = _result(loss=1.0, grad=[1.0, 2.1])
+    raised = RuntimeError("modified by an inplace operation")
+
+    def never():
+        raise AssertionError("the runs with nothing offloaded are made only where they decide")
+
+    assert _status_of(eager, raised, eager, tol, never) == fuzz.TORCH_BUG
+    assert _status_of(eager, raised, rounded, tol, lambda: (rounded, eager)) == fuzz.TORCH_BUG
+    # The offloads changed it: nothing offloaded gives the compiler's answer, fxoffload another.
+    assert _status_of(eager, raised, wrong, tol, lambda: (rounded, eager)) == fuzz.MISMATCH
+    # fxoffload's own path is not eager's answer even without the compiler: no reference left.
+    assert _status_of(eager, raised, rounded, tol, lambda: (rounded, rounded)) == fuzz.MISMATCH
+    assert _status_of(eager, raised, rounded, tol, lambda: (raised, eager)) == fuzz.MISMATCH
+    assert _status_of(eager, raised, rounded, tol, None) == fuzz.MISMATCH
+
+
+def _status_of(*args):
+    status, detail = fuzz.classify(*args)
+    assert (status == fuzz.OK) == (detail == ""), detail
+    return status
+
+
 def test_rounding_noise_of_the_compiler_is_allowed_once():
     """A gradient that is zero in exact arithmetic (a conv bias before BatchNorm) is rounding noise,
     which the compiler alone shows too: fxoffload may differ by as much, not by more."""
