@@ -26,13 +26,14 @@ rounding noise the compiler alone shows against eager; NaN from the copy engine'
 buffers is never within it. Outcomes per (case, option set):
 
 - OK: fxoffload agrees with the compiler alone, which agrees with eager;
-- FXOFFLOAD_MISMATCH: fxoffload differs from the compiler alone and from eager (or, where the
-  compiler alone raised, from eager and from its own run with nothing offloaded, ``UNPLANNED``);
+- FXOFFLOAD_MISMATCH: fxoffload differs from the compiler alone and from eager (and, where the
+  compiler alone raised or is not eager's answer, from its own run with nothing offloaded,
+  ``UNPLANNED``);
 - TORCH_BUG: the compiler alone differs from eager or raises, and fxoffload matches one of them or
   raises too (fxoffload matching eager there is torch's bug that it avoids, e.g. the guarded
-  partitioner bug of ``fxoffload/rewrite/mutated_reads.py``). Where the compiler alone raised, the
-  reference left is fxoffload with nothing offloaded on that compiler (it avoids the same bug), once
-  the same run on aot_eager shows that fxoffload's own path gives eager's answer;
+  partitioner bug of ``fxoffload/rewrite/mutated_reads.py``). Where the compiler alone raised or is
+  wrong, the reference left is fxoffload with nothing offloaded on that compiler (it avoids the same
+  bug), once the same run on aot_eager shows that fxoffload's own path gives eager's answer;
 - ERROR: fxoffload raised where the compiler alone did not.
 
 Only the public API is used (``fxoffload.backend``, ``torch.compile``), so this keeps working across
@@ -898,7 +899,8 @@ def classify(
     The compiler alone may differ from eager by rounding noise (``Tolerance.noise``); fxoffload may
     differ from it by ``tol`` plus twice that noise, as measured on that tensor. ``unplanned`` gives
     fxoffload's runs with nothing offloaded (``UNPLANNED``) on the compiler and on aot_eager; it is
-    called only where the compiler alone raised and fxoffload's answer is not eager's."""
+    called only where the compiler alone raised or is not eager's answer, and fxoffload's answer is
+    neither: a near-zero gradient's rounding, say, which only the compiler's own answer bounds."""
     if isinstance(eager, BaseException):
         return ERROR, f"eager raised (a fuzz generator bug): {_exc(eager)}"
     if isinstance(inner, BaseException):
@@ -924,14 +926,17 @@ def classify(
         return TORCH_BUG, f"fxoffload matches eager, the compiler alone does not: {inner_vs_eager or got_vs_inner}"
     if got_vs_inner is None:
         return TORCH_BUG, f"fxoffload matches the compiler alone, which differs from eager: {inner_vs_eager}"
+    if inner_vs_eager is not None and unplanned is not None:  # the compiler's answer is not a reference
+        wrong = f"the compiler alone differs from eager ({inner_vs_eager})"
+        return _classify_against_unplanned(eager, got, tol, wrong, got_vs_eager, *unplanned())
     return MISMATCH, f"vs compiler alone: {got_vs_inner}; vs eager: {got_vs_eager}"
 
 
 def _classify_against_unplanned(
     eager: RunResult, got: RunResult, tol: Tolerance, raised: str, got_vs_eager: str, on_inner: Ref, on_aot: Ref
 ) -> tuple[str, str]:
-    """``classify`` where the compiler alone raised and fxoffload is not eager's answer: fxoffload with
-    nothing offloaded is the compiler's reference once, on aot_eager, it gives eager's answer."""
+    """``classify`` where the compiler alone raised or is wrong and fxoffload is not eager's answer:
+    fxoffload with nothing offloaded is the compiler's reference once, on aot_eager, it gives eager's."""
     if isinstance(on_inner, BaseException) or isinstance(on_aot, BaseException):
         e = on_inner if isinstance(on_inner, BaseException) else on_aot
         return MISMATCH, f"{raised}; nothing offloaded raised too ({_exc(e)}); vs eager: {got_vs_eager}"

@@ -159,7 +159,7 @@ def test_classify():
     assert fuzz.classify(eager, RuntimeError("boom"), wrong, tol)[0] == fuzz.MISMATCH
 
 
-def test_classify_where_the_compiler_alone_raised():
+def test_classify_where_the_compiler_alone_raised_or_is_wrong():
     """The reference left is fxoffload with nothing offloaded on that compiler, once on aot_eager it
     gives eager's answer (seed 41 case 8: a float counter, torch's partitioner bug, and Inductor's
     rounding grown over a step to 0.4% of a 2e6 gradient)."""
@@ -180,6 +180,13 @@ def test_classify_where_the_compiler_alone_raised():
     assert _status_of(eager, raised, rounded, tol, lambda: (rounded, rounded)) == fuzz.MISMATCH
     assert _status_of(eager, raised, rounded, tol, lambda: (raised, eager)) == fuzz.MISMATCH
     assert _status_of(eager, raised, rounded, tol, None) == fuzz.MISMATCH
+    # The compiler alone wrong (seed 40 case 4: torch's partitioner bug, 0.3 off a conv weight's
+    # gradient) bounds no rounding: a near-zero gradient, fxoffload's and nothing offloaded's alike.
+    torch_bug = _result(loss=1.0, grad=[1.3, 2.0])
+    near_zero = _result(loss=1.0, grad=[1.0, 2.0 + 1e-2])
+    assert _status_of(eager, torch_bug, near_zero, tol, None) == fuzz.MISMATCH
+    assert _status_of(eager, torch_bug, near_zero, tol, lambda: (near_zero, eager)) == fuzz.TORCH_BUG
+    assert _status_of(eager, torch_bug, near_zero, tol, lambda: (eager, eager)) == fuzz.MISMATCH
 
 
 def _status_of(*args):
