@@ -94,6 +94,19 @@ def test_only_a_graph_that_copies_is_lowered_without_pool_reuse():
     assert both == {"allow_buffer_reuse": False, "reorder_for_peak_memory": False}
 
 
+def test_every_scatter_of_this_torch_is_named():
+    """Every aten op that writes into a copy of its input (``diagonal_scatter`` and
+    ``as_strided_scatter`` as well: a clone and a ``copy_`` into a view of it) is one of the scatters."""
+    from fxoffload.compiler.lowering import SCATTERS
+
+    scatters = {
+        n for n in dir(torch.ops.aten)
+        if ("scatter" in n or "index_put" in n or n.startswith("index_")) and n != "index_select"
+        and not n.endswith("_backward")
+    }  # fmt: skip
+    assert scatters and scatters <= SCATTERS, sorted(scatters - SCATTERS)
+
+
 def _budget_plan_peaks():
     """The tiny GPT under ``memory_budget=0.5``: its plan's code peak and the FX model's."""
     from bench.workloads import build

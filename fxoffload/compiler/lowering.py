@@ -65,12 +65,15 @@ def on_roomy_stack(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
     return _roomy_caller()(fn, args, kwargs)
 
 
-# The aten ops Inductor lowers to a buffer and a scatter into it, which mutates that buffer: the
-# readers of the result must follow the scatter.
+# The aten ops Inductor lowers to a buffer and a scatter into it, which mutates that buffer (a clone
+# and ``mutate_to``, ``copy_`` or ``ir.Scatter``; some are pointwise on some devices): the readers of
+# the result must follow the scatter.
 SCATTERS = frozenset({
-    "index_put", "index_put_", "_unsafe_index_put", "index_add", "index_add_", "index_copy", "index_copy_",
-    "index_fill", "index_reduce", "scatter", "scatter_", "scatter_add", "scatter_add_", "scatter_reduce",
-    "scatter_reduce_", "masked_scatter", "_generalized_scatter", "select_scatter", "slice_scatter",
+    "index_put", "index_put_", "_index_put_impl", "_index_put_impl_", "_unsafe_index_put",
+    "_unsafe_masked_index_put_accumulate", "index_add", "index_add_", "index_copy", "index_copy_", "index_fill",
+    "index_fill_", "index_reduce", "index_reduce_", "scatter", "scatter_", "scatter_add", "scatter_add_",
+    "scatter_reduce", "scatter_reduce_", "masked_scatter", "masked_scatter_", "_generalized_scatter",
+    "select_scatter", "slice_scatter", "diagonal_scatter", "as_strided_scatter",
 })  # fmt: skip
 
 
