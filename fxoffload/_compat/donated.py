@@ -22,7 +22,6 @@ Inductor's own, and are handled here:
 from __future__ import annotations
 
 import contextlib
-import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -31,6 +30,8 @@ import torch.fx as fx
 from torch._functorch import config as functorch_config
 from torch._inductor import config as inductor_config
 from torch._inductor.custom_graph_pass import CustomGraphPass
+
+from ..warn import warn
 
 _early = [0]  # backward_lowered_at_compile contexts open (compiles run on one thread)
 
@@ -149,12 +150,12 @@ def _eager_when_graph_kept(compiled: Any, eager: tuple[fx.GraphModule, fx.Graph]
             return run(args)
         if not module:
             module.append(fx.GraphModule(*eager))
-            warnings.warn(
+            warn(
                 "fxoffload: backward(retain_graph=True) through a backward Inductor lowered with donated "
                 "buffers (it writes into saved tensors a second backward reads): its FX graph runs "
                 "eagerly instead, slower; torch._functorch.config.donated_buffer=False compiles it "
                 "without them",
-                stacklevel=2,
+                UserWarning,
             )
         out = module[0](*args)
         args.clear()

@@ -68,6 +68,7 @@ from ..reporting.report import carry_measured, with_measured
 from ..runtime.host_pool import host_buffer_ranges
 from ..runtime.transfers import switch_copies_off, switch_copies_on
 from ..sizes import fmt_bytes
+from ..warn import warn
 from .compile import GraphCompiler, copy_graph_module
 from .copy_timer import CopyTimer
 from .pair import PlannedPair
@@ -250,7 +251,7 @@ class CallWatch:
         if over:
             for w in said:  # what the last plan's compile said about the budget
                 log.info("fxoffload: graph %d: at its last compile: %s", pair.graph_id, w.message)
-            warnings.warn(text, RuntimeWarning, stacklevel=3)
+            warn(text)
         else:
             log.warning(text)
 

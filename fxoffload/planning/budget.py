@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import warnings
 from collections.abc import Iterable, Mapping, Sequence
 
 from ..analysis.lifetimes import SavedTensor
@@ -19,6 +18,7 @@ from ..analysis.recompute import RecomputeOption
 from ..options import OffloadOptions
 from ..reasons import Reason, ReasonCode
 from ..sizes import fmt_bytes
+from ..warn import warn
 from .decisions import OffloadPlan, PlanCosts, planned_host_bytes
 from .schedule import TransferTiming, copy_seconds, padded_copy_seconds, schedule_transfers, windows
 from .trees import MinTree
@@ -307,7 +307,7 @@ def unreachable_budget(budget: int, peak: int, at: MemoryPoint, strict: bool, hi
     )
     if strict:
         raise ValueError(message.replace("; applying that plan", " (strict=True)"))
-    warnings.warn(message, RuntimeWarning, stacklevel=3)
+    warn(message)
 
 
 def min_bytes_hint(kept: Iterable[tuple[int, Reason]]) -> str:
@@ -364,4 +364,4 @@ def budget_verdict(
     )
     if strict:
         raise ValueError(message.replace(". Expect the step to peak about there.", " (strict=True)."))
-    warnings.warn(message, RuntimeWarning, stacklevel=2)
+    warn(message)

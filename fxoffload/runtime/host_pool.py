@@ -5,13 +5,13 @@ from __future__ import annotations
 import dataclasses
 import mmap
 import threading
-import warnings
 import weakref
 
 import torch
 
 from .._compat import storage_use_count
 from ..sizes import host_bytes
+from ..warn import warn
 
 __all__ = [
     "HOST_POOL", "STAGING_POOL", "HostBufferPool", "HostPoolStats", "host_buffer_ranges", "host_pool_stats",
@@ -141,11 +141,9 @@ class HostBufferPool:
                 return pinned.untyped_storage(), True
             except RuntimeError as e:  # out of pinned (page-locked) memory
                 self._pin_failed = True
-                warnings.warn(
+                warn(
                     f"fxoffload: pinned host allocation of {nbytes} bytes failed ({e}); "
-                    "falling back to pageable host memory, transfers will be synchronous and slower",
-                    RuntimeWarning,
-                    stacklevel=3,
+                    "falling back to pageable host memory, transfers will be synchronous and slower"
                 )
         return torch.empty(host_bytes(nbytes), dtype=torch.uint8).untyped_storage(), False
 
