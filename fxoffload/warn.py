@@ -61,8 +61,10 @@ def warn(message: str, category: type[Warning] = RuntimeWarning) -> None:
     if frame is None:
         warnings.warn(message, category, stacklevel=2)
         return
+    # Not ``module_globals``: its loader may not serve the module's name (``python -m pkg.mod`` runs as
+    # __main__ with pkg.mod's loader, which then raised ImportError); the line is read from the file.
     module_globals = frame.f_globals
     warnings.warn_explicit(
         message, category, frame.f_code.co_filename, frame.f_lineno, module=module_globals.get("__name__"),
-        registry=module_globals.setdefault("__warningregistry__", {}), module_globals=module_globals,
+        registry=module_globals.setdefault("__warningregistry__", {}),
     )  # fmt: skip

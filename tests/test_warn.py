@@ -40,12 +40,21 @@ def test_code_torch_calls_is_not_the_users_line():
     assert (said[0].filename, said[0].lineno) == (__file__, line)
 
 
-def test_a_script_run_by_python_is_the_users_line(tmp_path):
-    """A script's frame is called by Python's own library (``python -m``, runpy): it is still the user's."""
-    script = tmp_path / "train.py"
+@pytest.mark.parametrize("how", ["path", "module"])
+def test_a_script_run_by_python_is_the_users_line(tmp_path, monkeypatch, how):
+    """A script's frame is called by Python's own library (``python script.py``, ``python -m pkg.mod``:
+    runpy): it is still the user's. Run as a module it is __main__ with its package's loader, which
+    cannot read __main__'s source (the fuzz, ``python -m bench.fuzz``, got an ImportError at compile)."""
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "__init__.py").write_text("")
+    script = tmp_path / "pkg" / "train.py"
     script.write_text("from fxoffload.warn import warn\n\nwarn('fxoffload: from a script')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
     with pytest.warns(RuntimeWarning, match="from a script") as said:
-        runpy.run_path(str(script))
+        if how == "path":
+            runpy.run_path(str(script))
+        else:
+            runpy.run_module("pkg.train", run_name="__main__", alter_sys=True)
     assert (said[0].filename, said[0].lineno) == (str(script), 3)
 
 
