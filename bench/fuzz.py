@@ -892,15 +892,18 @@ Ref = RunResult | BaseException  # a run's results, or what it raised
 
 
 def classify(
-    eager: Ref, inner: Ref, got: Ref, tol: Tolerance, unplanned: Callable[[], tuple[Ref, Ref]] | None = None
+    eager: Ref, inner: Ref, got: Ref, tol: Tolerance, unplanned: Callable[[], tuple[Ref, Ref]] | None = None,
+    own_partition: bool = False,
 ) -> tuple[str, str]:
     """(status, detail) of one fxoffload run next to eager and the compiler alone (module docstring).
 
     The compiler alone may differ from eager by rounding noise (``Tolerance.noise``); fxoffload may
     differ from it by ``tol`` plus twice that noise, as measured on that tensor. ``unplanned`` gives
-    fxoffload's runs with nothing offloaded (``UNPLANNED``) on the compiler and on aot_eager; it is
-    called only where the compiler alone raised or is not eager's answer, and fxoffload's answer is
-    neither: a near-zero gradient's rounding, say, which only the compiler's own answer bounds."""
+    fxoffload's runs with nothing offloaded (``UNPLANNED``, partitioned as ``got``) on the compiler and
+    on aot_eager; it is called only where fxoffload's answer is not the compiler's and the compiler's
+    is no reference: it raised, it is not eager's answer (a near-zero gradient's rounding, say, which
+    only the compiler's own answer bounds), or ``own_partition``: the option set asks for another
+    partitioner than the compiler's (other tensors saved, other kernels, other rounding)."""
     if isinstance(eager, BaseException):
         return ERROR, f"eager raised (a fuzz generator bug): {_exc(eager)}"
     if isinstance(inner, BaseException):
@@ -920,6 +923,8 @@ def classify(
     slack = rounding_slack(inner, eager, tol)
     got_vs_inner = first_difference(got, inner, tol, slack)
     got_vs_eager = first_difference(got, eager, tol, slack)
+    if got_vs_inner is not None and own_partition and unplanned is not None:
+        return _classify_against_unplanned(eager, got, tol, None, got_vs_eager or "", *unplanned())
     if got_vs_inner is None and inner_vs_eager is None:
         return OK, ""
     if got_vs_eager is None:  # eager's answer where the compiler alone has another (or borders on it)
@@ -933,19 +938,24 @@ def classify(
 
 
 def _classify_against_unplanned(
-    eager: RunResult, got: RunResult, tol: Tolerance, raised: str, got_vs_eager: str, on_inner: Ref, on_aot: Ref
+    eager: RunResult, got: RunResult, tol: Tolerance, torch_bug: str | None, got_vs_eager: str, on_inner: Ref,
+    on_aot: Ref,
 ) -> tuple[str, str]:
-    """``classify`` where the compiler alone raised or is wrong and fxoffload is not eager's answer:
-    fxoffload with nothing offloaded is the compiler's reference once, on aot_eager, it gives eager's."""
+    """``classify`` where the compiler's answer is no reference (``torch_bug`` says why: it raised or
+    is wrong; None: the option set partitions otherwise): fxoffload with nothing offloaded is the
+    compiler's reference once, on aot_eager, it gives eager's."""
+    why = torch_bug or "partitioned as asked, not as the compiler alone"
     if isinstance(on_inner, BaseException) or isinstance(on_aot, BaseException):
         e = on_inner if isinstance(on_inner, BaseException) else on_aot
-        return MISMATCH, f"{raised}; nothing offloaded raised too ({_exc(e)}); vs eager: {got_vs_eager}"
+        return MISMATCH, f"{why}; nothing offloaded raised ({_exc(e)}); vs eager: {got_vs_eager}"
     aot_vs_eager = first_difference(on_aot, eager, tol)
     if aot_vs_eager is not None:
-        return MISMATCH, f"{raised}; nothing offloaded on aot_eager differs from eager: {aot_vs_eager}"
+        return MISMATCH, f"{why}; nothing offloaded on aot_eager differs from eager: {aot_vs_eager}"
     status, detail = classify(eager, on_inner, got, tol)
+    if status == OK and torch_bug is None:
+        return OK, ""
     detail = detail.replace("the compiler alone", "nothing offloaded").replace("vs compiler alone", "vs nothing offloaded")
-    return (TORCH_BUG if status == OK else status), f"{raised}; {detail or 'fxoffload matches nothing offloaded'}"
+    return (TORCH_BUG if status == OK else status), f"{why}; {detail or 'fxoffload matches nothing offloaded'}"
 
 
 def _exc(e: BaseException) -> str:
@@ -975,14 +985,16 @@ def run_case(
         # fxoffload warns where a budget is not met on these tiny graphs; that is not a result.
         warnings.simplefilter("ignore")
         references: dict[int, tuple[Ref, Ref]] = {}  # eager's and the compiler's alone, by steps
-        unplanned_runs: dict[int, tuple[Ref, Ref]] = {}  # UNPLANNED on the compiler and on aot_eager
+        # UNPLANNED on the compiler and on aot_eager, by steps and partitioner
+        unplanned_runs: dict[tuple[int, str], tuple[Ref, Ref]] = {}
 
-        def unplanned(steps: int) -> tuple[Ref, Ref]:
-            if steps not in unplanned_runs:
-                runs = {i: _attempt(lambda i=i: train(case, fxoffload.backend(**{**UNPLANNED, "inner": i}), steps))
+        def unplanned(steps: int, partitioner: str) -> tuple[Ref, Ref]:
+            if (steps, partitioner) not in unplanned_runs:
+                opts = {**UNPLANNED, "partitioner": partitioner}
+                runs = {i: _attempt(lambda i=i: train(case, fxoffload.backend(**opts, inner=i), steps))
                         for i in dict.fromkeys((inner, "aot_eager"))}  # fmt: skip
-                unplanned_runs[steps] = (runs[inner], runs["aot_eager"])
-            return unplanned_runs[steps]
+                unplanned_runs[steps, partitioner] = (runs[inner], runs["aot_eager"])
+            return unplanned_runs[steps, partitioner]
 
         factories = {name: (lambda o=opts: fxoffload.backend(**{**o, "inner": inner}))
                      for name, opts in option_sets.items()}
@@ -996,7 +1008,9 @@ def run_case(
             eager, reference = references[steps]
             start = time.perf_counter()
             got = _attempt(lambda f=factory: train(case, f(), steps))
-            status, detail = classify(eager, reference, got, tol, lambda s=steps: unplanned(s))
+            part = option_sets.get(name, {}).get("partitioner", "min_cut")
+            status, detail = classify(eager, reference, got, tol, lambda s=steps, p=part: unplanned(s, p),
+                                      own_partition=part != "min_cut")  # fmt: skip
             outcome = Outcome(case, name, status, detail, seconds=time.perf_counter() - start)
             if isinstance(got, RunResult):
                 outcome.offloaded, outcome.recomputed = got.offloaded, got.recomputed

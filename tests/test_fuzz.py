@@ -189,6 +189,24 @@ def test_classify_where_the_compiler_alone_raised_or_is_wrong():
     assert _status_of(eager, torch_bug, near_zero, tol, lambda: (eager, eager)) == fuzz.MISMATCH
 
 
+def test_classify_an_option_set_that_partitions_otherwise():
+    """Seed 42 case 13, ``partitioner="default"``: torch's default partitioner saves other tensors and
+    Inductor fuses otherwise, so a near-zero conv-bias gradient rounds to 4.7e-5 off the compiler
+    alone's (on 1.6e-5); fxoffload with nothing offloaded, partitioned alike, gives the same bits."""
+    tol = fuzz.Tolerance(rtol=1e-4, atol=1e-6, noise=1e-3)
+    def grads(bias):
+        return _result(**{"step0.grad.conv.weight": [1.0, 2.0], "step0.grad.conv.bias": [bias]})
+
+    eager, inner = grads(0.0), grads(1e-6)
+    partitioned = grads(4.7e-5)  # within eager's noise, not within the compiler's distance from eager
+    assert _status_of(eager, inner, partitioned, tol) == fuzz.MISMATCH
+    alike = lambda: (partitioned, eager)  # noqa: E731
+    assert _status_of(eager, inner, partitioned, tol, alike) == fuzz.MISMATCH  # the compiler's partitioner
+    assert _status_of(eager, inner, partitioned, tol, alike, True) == fuzz.OK
+    # The offloads changed it: nothing offloaded, partitioned alike, gives the compiler's answer.
+    assert _status_of(eager, inner, partitioned, tol, lambda: (inner, eager), True) == fuzz.MISMATCH
+
+
 def _status_of(*args):
     status, detail = fuzz.classify(*args)
     assert (status == fuzz.OK) == (detail == ""), detail
