@@ -149,6 +149,14 @@ def test_inductor_code_replay_agrees_with_the_allocator_and_checks_the_budget():
     assert "Inductor fuses" not in str(said[0].message)
     with pytest.warns(RuntimeWarning, match=r"the plan's peak on the FX graph \(Inductor fuses, reuses"):
         budget_verdict(report.graph_id, replay.peak_bytes // 2, replay, replay.peak_bytes // 2)
+    # The plan dropped by verify_peak (its code peaked higher): the code judged is the one without
+    # offloading, and the FX model's peak beside it would be the unchanged graph's (a new user's UNet
+    # read "against 518.0 KiB, the lowest peak the budget's fit reached", 518.0 KiB being without).
+    dropped = "Inductor's code with the plan peaks at 512.4 KiB (...): compiled without offloading (verify_peak)"
+    with pytest.warns(RuntimeWarning, match=r"it peaks at .*, without offloading: the budget's plan was dropped, "
+                      r"Inductor's code with the plan peaks at 512.4 KiB .*; planned once more") as said:
+        budget_verdict(report.graph_id, predicted // 2, replay, predicted, ["once"], dropped=dropped)
+    assert "the lowest peak the budget's fit reached" not in str(said[0].message)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         budget_verdict(report.graph_id, replay.peak_bytes, replay, predicted)

@@ -435,7 +435,11 @@ def check_budget(pair: PlannedPair, strict: bool = False) -> None:
     """The verdict on ``memory_budget`` by the code that will run (``budget_verdict``)."""
     predicted = pair.memory_after.peak_bytes if pair.memory_after is not None else 0
     hint = decisions_hint(pair.plan)
-    budget_verdict(pair.graph_id, pair.memory_budget, pair.code_memory(), predicted, pair.report.replans, strict, hint)
+    swapped = any(d.reason.code == ReasonCode.PEAK_NOT_LOWERED for d in pair.plan.decisions)  # verify_peak's
+    budget_verdict(
+        pair.graph_id, pair.memory_budget, pair.code_memory(), predicted, pair.report.replans, strict, hint,
+        dropped=pair.plan.note if swapped else "",
+    )  # fmt: skip
 
 
 def may_return_only_scalars(gm: fx.GraphModule) -> bool:

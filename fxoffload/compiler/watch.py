@@ -287,7 +287,8 @@ class CallWatch:
         if over:
             text += f", over memory_budget {fmt_bytes(pair.memory_budget or 0)}"
             if self.replans:
-                text += f"; planned again {self.replans} times at run time, this is the last plan's"
+                times = "once" if self.replans == 1 else f"{self.replans} times"
+                text += f"; planned again {times} at run time, this is the last plan's"
             elif self.why_not:
                 text += f"; not planned again: {self.why_not}"
         return text + ". Compiling the whole model as one graph lets the plan see all of it."

@@ -310,6 +310,10 @@ def unreachable_budget(budget: int, peak: int, at: MemoryPoint, strict: bool, hi
     warn(message)
 
 
+def _times(n: int) -> str:
+    return "once" if n == 1 else f"{n} times"
+
+
 def min_bytes_hint(kept: Iterable[tuple[int, Reason]]) -> str:
     """Where ``min_bytes`` kept saved tensors from a budget (a tiny model's, under its 1 MiB
     default): how many and their bytes, of ``kept`` (bytes, reason), for a budget said to be missed."""
@@ -335,11 +339,13 @@ def budget_verdict(
     replans: Sequence[str] = (),
     strict: bool = False,
     hint: str = "",
+    dropped: str = "",
 ) -> None:
     """Once both graphs are compiled, the peak of Inductor's code replayed (``compiled``) against
     ``budget``: past it (``BUDGET_TOLERANCE``), say so with the figures, beside the FX model's
     ``predicted`` peak (a RuntimeWarning, or a ValueError with ``strict=True``), and ``hint``
-    (``min_bytes_hint``)."""
+    (``min_bytes_hint``). ``dropped``: why the budget's plan does not run (verify_peak compiled the
+    graphs without offloading, whose code peaks lower): then the code is that, not the plan's."""
     if budget is None or compiled is None or not compiled.points:
         return
     peak = compiled.peak
@@ -355,10 +361,14 @@ def budget_verdict(
         if predicted > budget * (1 + BUDGET_TOLERANCE)
         else "the plan's peak on the FX graph (Inductor fuses, reuses and frees buffers its own way)"
     )  # fmt: skip
+    if dropped:
+        why = f"without offloading: the budget's plan was dropped, {dropped}"
+    else:
+        why = f"against {fmt_bytes(predicted)}, {why}"
     message = (
         f"fxoffload: graph {graph_id}: memory_budget {fmt_bytes(budget)} is not met by the code Inductor generated: "
-        f"it peaks at {fmt_bytes(peak.total)} ({peak.node}), against {fmt_bytes(predicted)}, {why}"
-        + (f"; planned {len(replans)} more times for lower targets, this is the lowest peak reached" if replans else "")
+        f"it peaks at {fmt_bytes(peak.total)} ({peak.node}), {why}"
+        + (f"; planned {_times(len(replans))} more for lower targets, this is the lowest peak reached" if replans else "")
         + hint
         + ". Expect the step to peak about there."
     )
