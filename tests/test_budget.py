@@ -6,6 +6,7 @@ and, where it misses the budget, plans again for a lower target (``report.replan
 at 0.01 GB/s nothing is hidden, so the budget alone decides what is offloaded.
 """
 
+import logging
 import re
 import warnings
 
@@ -193,3 +194,52 @@ def test_a_budget_its_fit_met_only_on_its_own_estimate_is_planned_again(monkeypa
     monkeypatch.setattr(compile_module, "fit_is_lowest", lowest_by_the_model)
     report, said = _lora_budget(0.62)
     assert not report.replans and [s for s in said if "not met" in s], (report.summary(), said)
+
+
+class _TinyViT(torch.nn.Module):
+    """Two attention blocks over 4x4 patches: a frozen model for attribution (gradients of the input)."""
+
+    def __init__(self, dim: int = 16, blocks: int = 2):
+        super().__init__()
+        self.patch = torch.nn.Conv2d(3, dim, 4, stride=4)
+        self.blocks = torch.nn.ModuleList(
+            torch.nn.ModuleDict({
+                "ln1": torch.nn.LayerNorm(dim), "attn": torch.nn.MultiheadAttention(dim, 4, batch_first=True),
+                "ln2": torch.nn.LayerNorm(dim), "mlp": torch.nn.Sequential(
+                    torch.nn.Linear(dim, 4 * dim), torch.nn.GELU(), torch.nn.Linear(4 * dim, dim)),
+            }) for _ in range(blocks)
+        )  # fmt: skip
+        self.head = torch.nn.Linear(dim, 10)
+
+    def forward(self, img):
+        x = self.patch(img).flatten(2).transpose(1, 2)
+        for b in self.blocks:
+            h = b["ln1"](x)
+            x = x + b["attn"](h, h, h, need_weights=False)[0]
+            x = x + b["mlp"](b["ln2"](x))
+        return self.head(x[:, 0])
+
+
+def test_a_plan_again_that_takes_nothing_more_is_not_lowered_again(caplog):
+    """A new user's attribution (a frozen ViT, gradients of the input) under memory_budget="60%": the
+    code peaked over the budget in the forward, so it was planned again for a lower target, twice, and
+    the fit took the same tensors each time: the same graphs, lowered three times (10.7 s against 6.2
+    for policy "all"), and each re-plan numbered as a new graph. Now a plan that rewrites the graphs
+    as one compiled before stops before Inductor lowers it, and the graph keeps its number."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = _TinyViT().eval().requires_grad_(False)
+    backend = fxoffload.backend(offload_cpu=True, min_bytes=0, memory_budget="60%")
+    img = torch.randn(4, 3, 16, 16, requires_grad=True)
+    with caplog.at_level(logging.INFO, logger="fxoffload"), pytest.warns(RuntimeWarning, match="is not met"):
+        (grad,) = torch.autograd.grad(torch.compile(model, backend=backend)(img)[:, 0].sum(), img)
+    (report,) = backend.reports
+    assert report.replans, "not planned again: the test says nothing"
+    spent = report.timings.spent
+    assert [c.lowered for c in spent] == [True, False], spent
+    assert spent[1].what.endswith("stopped before lowering: the same graphs as a plan compiled before")
+    said = {int(m) for m in re.findall(r"fxoffload: graph (\d+):", caplog.text)}
+    assert said == {report.graph_id}, caplog.text
+    torch._dynamo.reset()
+    (expected,) = torch.autograd.grad(torch.compile(model, backend="inductor")(img)[:, 0].sum(), img)
+    assert torch.equal(grad, expected)

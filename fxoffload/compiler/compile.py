@@ -28,7 +28,7 @@ from ..sizes import fmt_bytes
 from .costs import read_outside
 from .lowering import host_placeholders, lowering_config, on_roomy_stack
 from .pair import PairRegister, PlannedPair
-from .partitioner import OffloadPartitioner, PlanChangesNothing
+from .partitioner import OffloadPartitioner, PlanChangesNothing, PlanCompiledBefore
 from .refine import Trial, attempt_quietly, lowest, refine, say
 from .verify import autos_own_picks, checked_model_floor, fit_is_lowest, plan_kept
 from .verify import unchanged_floor, with_peak_not_lowered
@@ -69,8 +69,9 @@ class GraphCompiler:
         what: str = "the plan",
         judge: OffloadOptions | None = None,
     ) -> Compiled | None:
-        """``graph`` compiled by Inductor; None where ``partitioner`` stopped it (``PlanChangesNothing``)
-        before anything was lowered (its seconds count in ``compile_s``, not as a compile).
+        """``graph`` compiled by Inductor; None where ``partitioner`` stopped it (``PlanChangesNothing``,
+        ``PlanCompiledBefore``) before anything was lowered (its seconds count in ``compile_s``, not as
+        a compile).
         ``code_only``: stopped once the code is generated (``_compat.compile_with_inductor``).
         ``what``: what the compile is for, as ``report.timings.spent`` says it. ``judge``: the options
         of a plan ``verify_peak`` judges (``_lower_unchanged_forward``, in this compile)."""
@@ -86,8 +87,12 @@ class GraphCompiler:
                 graph_patches=lowering_config, not_donated=host_placeholders, join_runs=_TRANSFERS,
             )
         except Exception as e:
-            stopped = _compat.raised_from(e, PlanChangesNothing)
-            said = "the plan, stopped before lowering: it changes nothing" if stopped else f"{what} (failed)"
+            same = _compat.raised_from(e, PlanCompiledBefore)
+            stopped = same or _compat.raised_from(e, PlanChangesNothing)
+            said = (
+                f"{what}, stopped before lowering: " + ("the same graphs as a plan compiled before" if same else "it changes nothing")
+                if stopped else f"{what} (failed)"
+            )  # fmt: skip
             self._compiles.append(CompileSpent(said, time.perf_counter() - start, lowered=not stopped))
             if not stopped:
                 raise
@@ -233,12 +238,14 @@ class GraphCompiler:
 
         tried: list[int | None] = []
         judge = opts if checked and early else None  # verify_peak's unchanged forward, lowered in the plan's compile
+        compiled_plans: set[tuple[str, str]] = set()  # a re-plan that takes nothing more is not lowered again
 
         def attempt(target: int | None) -> Trial | None:
             partitioner = first if not tried else self._partitioner(
                 plan_opts, first.outside, first.graph_id, target, judged_here=True
             )
             tried.append(target)
+            partitioner.compiled_plans = compiled_plans
             graph = gm if partitioner is first else copy_graph_module(pristine)
             what = "the plan" if target is None else f"the plan for a lower target, {fmt_bytes(target)} (budget)"
             try:
@@ -250,7 +257,9 @@ class GraphCompiler:
                     raise
                 return None  # strict=True and a lower target out of the FX model's reach: keep what was tried
             pair = partitioner.pair
-            if compiled is None:  # stopped: the plan changes nothing (``compile`` compiles it as Inductor does)
+            # Stopped: the plan changes nothing (``compile`` compiles it as Inductor does), or it is one
+            # compiled before (``refine`` keeps the trials it judged).
+            if compiled is None:
                 return Trial((None, pair), None, target, said=said)
             timeline = pair.code_memory() if pair is not None and lowered else None
             if pair is None or timeline is None or not timeline.points or pair.memory_budget is None:

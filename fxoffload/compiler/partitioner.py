@@ -29,13 +29,20 @@ from .pair import PairRegister, PlannedPair, new_graph_id
 
 log = logging.getLogger(__name__)
 
-__all__ = ["OffloadPartitioner", "PlanChangesNothing", "UnchangedForward"]
+__all__ = ["OffloadPartitioner", "PlanChangesNothing", "PlanCompiledBefore", "UnchangedForward"]
 
 
 class PlanChangesNothing(Exception):
     """Raised by a partitioner told to ``stop_if_unchanged`` once its plan changes neither graph:
     the compile that would lower both graphs now (to judge the plan's code) is abandoned before
     Inductor lowers anything, and the caller compiles the graph as ``backend="inductor"`` does."""
+
+
+class PlanCompiledBefore(Exception):
+    """Raised by a partitioner given the graphs already compiled for a graph (``compiled_plans``) when
+    its plan rewrites them as one of those: planned again for a lower target, the fit took nothing
+    more, and lowering the same graphs again would give the same code. The compile is abandoned before
+    Inductor lowers anything; the caller keeps what it compiled before."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,6 +90,9 @@ class OffloadPartitioner(_compat.CustomPartitionerFn):
         self.stop_if_unchanged = False
         # Keep the forward torch's partitioner made, before the pass changes it (``unchanged_forward``).
         self.keep_unchanged_forward = False
+        # The rewritten graphs' code of the plans compiled for this graph (shared by the compiles of a
+        # budget's re-plans): one seen before stops the compile (``PlanCompiledBefore``). None: never.
+        self.compiled_plans: set[tuple[str, str]] | None = None
         self.unchanged_forward: UnchangedForward | None = None
 
     def record_output_code(self, kind: str, code: str) -> None:
@@ -143,7 +153,9 @@ class OffloadPartitioner(_compat.CustomPartitionerFn):
         static = tuple(kwargs.get("static_lifetime_input_indices") or ())
         if self.keep_unchanged_forward:
             self.unchanged_forward = unchanged_forward(fw, bw, num_fwd_outputs, static)
-        graph_id = self.graph_id if self.graph_id is not None else new_graph_id()
+        if self.graph_id is None:  # kept: the partitioners of its re-plans take it (``GraphCompiler``)
+            self.graph_id = new_graph_id()
+        graph_id = self.graph_id
         host_before = self.register.host_bytes_planned(except_graph=graph_id)  # the report says it
         host_left = self.register.host_left(self.options.host_budget, graph_id)
         # 3. The pass: lifetimes, costs, plan, rewrite.
@@ -184,6 +196,11 @@ class OffloadPartitioner(_compat.CustomPartitionerFn):
         _compat.trace_artifact("fxoffload_graphs", report.graph_code)
         if self.stop_if_unchanged and not plan.changes_graphs:
             raise PlanChangesNothing(f"fxoffload: graph {graph_id}: the plan changes nothing")
+        if self.compiled_plans is not None:
+            rewritten = (fw.code, bw.code)
+            if rewritten in self.compiled_plans:
+                raise PlanCompiledBefore(f"fxoffload: graph {graph_id}: the plan rewrites the graphs as one compiled before")
+            self.compiled_plans.add(rewritten)
         return fw, bw
 
 
