@@ -153,9 +153,8 @@ class OffloadPartitioner(_compat.CustomPartitionerFn):
         static = tuple(kwargs.get("static_lifetime_input_indices") or ())
         if self.keep_unchanged_forward:
             self.unchanged_forward = unchanged_forward(fw, bw, num_fwd_outputs, static)
-        if self.graph_id is None:  # kept: the partitioners of its re-plans take it (``GraphCompiler``)
-            self.graph_id = new_graph_id()
-        graph_id = self.graph_id
+        # Kept: the partitioners of its re-plans take it (``GraphCompiler``).
+        graph_id = self.graph_id = self.graph_id if self.graph_id is not None else new_graph_id()
         host_before = self.register.host_bytes_planned(except_graph=graph_id)  # the report says it
         host_left = self.register.host_left(self.options.host_budget, graph_id)
         # 3. The pass: lifetimes, costs, plan, rewrite.
@@ -194,14 +193,19 @@ class OffloadPartitioner(_compat.CustomPartitionerFn):
             log.debug("fxoffload plan for graph %d:\n%s", graph_id, report.table())
         _compat.trace_artifact("fxoffload_plan", report.to_json, encoding="json")
         _compat.trace_artifact("fxoffload_graphs", report.graph_code)
-        if self.stop_if_unchanged and not plan.changes_graphs:
-            raise PlanChangesNothing(f"fxoffload: graph {graph_id}: the plan changes nothing")
+        self._stop_if_asked(plan.changes_graphs, fw, bw)
+        return fw, bw
+
+    def _stop_if_asked(self, changes_graphs: bool, fw: fx.GraphModule, bw: fx.GraphModule) -> None:
+        """Abandon the compile, before Inductor lowers anything, where told to: a plan that changes
+        nothing (``stop_if_unchanged``), or graphs rewritten as a plan compiled before (``compiled_plans``)."""
+        if self.stop_if_unchanged and not changes_graphs:
+            raise PlanChangesNothing(f"fxoffload: graph {self.graph_id}: the plan changes nothing")
         if self.compiled_plans is not None:
             rewritten = (fw.code, bw.code)
             if rewritten in self.compiled_plans:
-                raise PlanCompiledBefore(f"fxoffload: graph {graph_id}: the plan rewrites the graphs as one compiled before")
+                raise PlanCompiledBefore(f"fxoffload: graph {self.graph_id}: the plan rewrites the graphs as one compiled before")
             self.compiled_plans.add(rewritten)
-        return fw, bw
 
 
 def unchanged_forward(
