@@ -149,6 +149,48 @@ def test_a_fallback_allocates_its_results_sized_by_the_asserts_in_its_first_argu
     assert timeline.peak.node == "forward line 10: buf3 = empty_strided_cpu((8, 64), (64, 1), torch.float32)"
 
 
+def test_the_backward_names_its_buffers_afresh():
+    """Names are the wrapper's locals: the backward's ``buf0`` is not the forward's. A bf16 saved
+    tensor the backward reuses as ``buf0`` was taken in the forward ``buf0``'s float32, and a fallback
+    reading it was sized twice its bytes (a new user's bf16 UNet: +56.9 KB by one line)."""
+    fw = wrapper(
+        """
+        primals_1, = args
+        args.clear()
+        buf0 = empty_strided_cpu((8, 64), (64, 1), torch.float32)
+        cpp_fused_0(primals_1, buf0)
+        buf1 = empty_strided_cpu((8, 64), (64, 1), torch.bfloat16)
+        cpp_fused_1(buf0, buf1)
+        del buf0
+        buf2 = empty_strided_cpu((), (), torch.float32)
+        cpp_fused_sum_2(buf1, buf2)
+        return (buf2, buf1, )
+        """,
+        "primals_1 = rand_strided((8, 64), (64, 1), device='cpu', dtype=torch.float32)",
+    )
+    bw = wrapper(
+        """
+        convert, tangents_1 = args
+        args.clear()
+        buf0 = convert; del convert  # reuse
+        # Topologically Sorted Source Nodes: [native_layer_norm], Original ATen: [aten.native_layer_norm]
+        buf1 = torch.ops.aten.native_layer_norm.default(buf0, [64], None, None, 1e-05)
+        buf2 = buf1[0]
+        assert_size_stride(buf2, (8, 64), (64, 1), 'torch.ops.aten.native_layer_norm.default')
+        del buf1
+        del buf0
+        return (None, )
+        """,
+        """
+        convert = rand_strided((8, 64), (64, 1), device='cpu', dtype=torch.bfloat16)
+        tangents_1 = rand_strided((), (), device='cpu', dtype=torch.float32)
+        """,
+    )
+    timeline = simulate_output_code(fw, bw)
+    backward = [above_start(p) for p in timeline.points if p.phase == "backward"]
+    assert max(backward) == backward[0] + 1024, backward  # its result in bf16 (2048 bytes in float32)
+
+
 def test_an_extern_kernel_into_an_out_buffer_counts_its_scratch_at_its_line():
     """``extern_kernels.mm(..., out=buf0)`` allocates nothing the code shows; its scratch (a bf16
     matmul's oneDNN buffers on a CPU with bf16 units) counts at its line, by the node its source

@@ -327,6 +327,7 @@ def simulate_output_code(
     returned = _run("forward", fw, state, symbols, temporaries)
     state.known_dtypes = {}  # the backward's results are gradients: their first argument's dtype
     saved = _saved_between(state, returned, bw_args, num_fwd_outputs)
+    state.dtypes = {}  # the wrapper's locals: the backward's ``buf0`` is not the forward's
     _bind_backward_args(state, bw_args, bw_sizes, saved)
     grads = _run("backward", bw, state, symbols, temporaries)
     for ids in grads:  # held by AccumulateGrad
