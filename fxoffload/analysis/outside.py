@@ -96,7 +96,7 @@ class OutsideMemory:
         if self.largest:
             text += ", most by " + ", ".join(f"{name} {fmt_bytes(n)}" for name, n in self.largest)
         if self.params_bytes:
-            text += f"; and {fmt_bytes(self.params_bytes)} of its parameters and their gradients"
+            text += f"; and {fmt_bytes(self.params_bytes)} of its parameters, with their gradients where they have any"
         if self.calls:
             text += (
                 f"; planned for {len(self.calls)} of its calls in a row, the last after "
