@@ -70,9 +70,9 @@ def test_fuzz_per_block():
 # index_put) depended on the buffer Inductor scatters into, not on the scatter, and Inductor's
 # peak-memory reordering put it first: a wrong loss (1.65e3 off 2.17e3) with only the convolution
 # offloaded; with add_8 as well, a buffer reused in place was read by its old name (UnboundLocalError).
-# A graph with copies and a scatter is now lowered without that reordering (``lowering.SCATTERS``).
-# The lost dependency is Inductor's: its C++ backend recomputes the reader's loops to fuse it
-# (``SchedulerNode.recompute_size_and_body``) and drops the renames that point a read at the scatter.
+# The lost dependency is Inductor's (its C++ backend recomputes the reader's loops to fuse it and drops
+# the renames that point its reads at the scatter; so does Inductor alone, whose order happens to be
+# right); a graph with copies is lowered keeping them (``_compat.keeping_mutation_renames``).
 def _seed39_case10(names):
     opts = dict(offload_cpu=True, min_bytes=0, verify_peak=False, policy=lambda t: "offload" if t.name in names else "keep")
     (outcome,) = fuzz.run_case(fuzz.make_case(39, 10), "inductor", {"seed39": opts})
@@ -84,33 +84,15 @@ def test_a_scatter_is_not_reordered_after_its_reader(names, monkeypatch):
     outcome = _seed39_case10(names)
     _check([outcome], "inductor")
     assert outcome.offloaded == len(names)
-    # Broken on purpose (the reordering left on): the wrong loss, or the crash, comes back.
-    from fxoffload.compiler import lowering
+    # Broken on purpose (Inductor's renames dropped, as it does): the wrong loss, or the crash, comes back.
+    import contextlib
 
-    monkeypatch.setattr(lowering, "SCATTERS", frozenset())
+    from fxoffload._compat import scheduler_runs
+
+    monkeypatch.setattr(scheduler_runs, "keeping_mutation_renames", lambda ops, graph: contextlib.nullcontext())
     broken = _seed39_case10(names)
     assert broken.status in (fuzz.MISMATCH, fuzz.ERROR), broken.detail
     assert "step0.loss" in broken.detail or "UnboundLocalError" in broken.detail, broken.detail
-
-
-def test_the_scatter_rule_stands_in_for_a_rename_inductor_drops(monkeypatch):
-    """Without the rule, and with Inductor keeping its mutation renames where it recomputes a node's
-    loops, the case is right: that lost rename is the whole cause. When torch keeps them itself, the
-    broken-on-purpose half of the test above fails, and the rule can go."""
-    from fxoffload.compiler import lowering
-    from torch._inductor import scheduler
-
-    recompute = scheduler.SchedulerNode.recompute_size_and_body
-
-    def keeping_renames(node, *args, **kwargs):
-        recompute(node, *args, **kwargs)
-        node.set_read_writes(node.read_writes.rename(node.mutation_renames))
-
-    monkeypatch.setattr(lowering, "SCATTERS", frozenset())
-    monkeypatch.setattr(scheduler.SchedulerNode, "recompute_size_and_body", keeping_renames)
-    outcome = _seed39_case10({"convolution"})
-    _check([outcome], "inductor")
-    assert outcome.offloaded == 1
 
 
 @pytest.mark.parametrize("seed,index,options,inner", REPLANNED_CASES)

@@ -75,8 +75,9 @@ def test_inductor_compiles_on_the_roomy_stack(monkeypatch):
 
 
 def test_only_a_graph_that_copies_is_lowered_without_pool_reuse():
-    """The config each graph is lowered with: no pool reuse where a transfer op is in it (and no
-    peak-memory reordering where it also scatters into a result), Inductor's own config everywhere else."""
+    """The config each graph is lowered with: no pool reuse where a transfer op is in it, Inductor's
+    own config everywhere else (a scatter too: its readers keep their dependency on it instead,
+    ``_compat.keeping_mutation_renames``)."""
     from fxoffload import ir
     from fxoffload.compiler.lowering import lowering_config
 
@@ -85,27 +86,10 @@ def test_only_a_graph_that_copies_is_lowered_without_pool_reuse():
     graph = torch.fx.Graph()
     x = graph.placeholder("x")
     host = graph.call_function(ir.OFFLOAD, (x, [], 0.0, ir.transfer_name(0, "x")))
-    graph.output(graph.call_function(ir.WAIT, (host, x, [])))
-    assert lowering_config(torch.fx.GraphModule({}, graph)) == {"allow_buffer_reuse": False}
-    # A graph that copies and scatters into a result: no peak-memory reordering either.
     idx = graph.placeholder("idx")
     graph.call_function(torch.ops.aten.index_put.default, (x, [idx], x, True))
-    both = lowering_config(torch.fx.GraphModule({}, graph))
-    assert both == {"allow_buffer_reuse": False, "reorder_for_peak_memory": False}
-
-
-def test_every_scatter_of_this_torch_is_named():
-    """Every aten op that writes into a copy of its input (``diagonal_scatter`` and
-    ``as_strided_scatter`` as well: a clone and a ``copy_`` into a view of it) is one of the scatters."""
-    from fxoffload.compiler.lowering import NOT_SCATTERS, SCATTERS
-
-    scatters = {
-        n for n in dir(torch.ops.aten)
-        if ("scatter" in n or "index_put" in n or n.startswith("index_")) and n != "index_select"
-        and not n.endswith("_backward")
-    }  # fmt: skip
-    assert scatters and scatters <= SCATTERS | NOT_SCATTERS, sorted(scatters - SCATTERS - NOT_SCATTERS)
-    assert not SCATTERS & NOT_SCATTERS
+    graph.output(graph.call_function(ir.WAIT, (host, x, [])))
+    assert lowering_config(torch.fx.GraphModule({}, graph)) == {"allow_buffer_reuse": False}
 
 
 def _budget_plan_peaks():

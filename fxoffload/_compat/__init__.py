@@ -233,7 +233,7 @@ def compile_with_inductor(
     ``graph_patches(graph)``: Inductor config patched while that graph (the partitioned forward or
     backward, also one lowered lazily at the first backward call) is lowered. ``not_donated(graph)``: a
     backward's placeholders whose buffers Inductor must not reuse (``donated.lowering_backward``).
-    ``join_runs``: the transfer ops whose C++ kernel runs Inductor's schedule joins (``scheduler_runs``)."""
+    ``join_runs``: the transfer ops whose runs Inductor's schedule joins, and keeps dependencies in (``scheduler_runs``)."""
     from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 
     if code_only and on_output_code is None:
@@ -277,7 +277,7 @@ def compile_with_inductor(
         return compiled
 
     def _inner_compile(graph: fx.GraphModule, inputs: Any, **kwargs: Any) -> Any:
-        with inductor_config.patch(graph_patches(graph) if graph_patches else {}), joining_runs(join_runs):
+        with inductor_config.patch(graph_patches(graph) if graph_patches else {}), joining_runs(join_runs, graph):
             if on_output_code is None:
                 return compile_fx_inner(graph, inputs, **kwargs)
             kind = "backward" if kwargs.get("is_backward") else "inference" if kwargs.get("is_inference") else "forward"

@@ -35,11 +35,45 @@ import torch._inductor.memory as inductor_memory
 from torch._inductor import config as inductor_config
 from torch._inductor import ir
 from torch._inductor.custom_graph_pass import CustomGraphPass
-from torch._inductor.scheduler import BaseSchedulerNode, NopKernelSchedulerNode
+from torch._inductor.dependencies import StarDep, WeakDep
+from torch._inductor.scheduler import BaseSchedulerNode, NopKernelSchedulerNode, SchedulerNode
+from torch.utils._ordered_set import OrderedSet
 
 log = logging.getLogger(__name__)
 
-__all__ = ["TransferOps", "join_runs", "joining_runs"]
+__all__ = ["TransferOps", "join_runs", "joining_runs", "keeping_mutation_renames"]
+
+
+@contextlib.contextmanager
+def keeping_mutation_renames(ops: TransferOps | None, graph: Any) -> Iterator[None]:
+    """Inductor's scheduler, lowering ``graph`` where it calls one of ``ops`` (a graph with copies;
+    Inductor's own otherwise), keeping a node's dependencies on the mutations before it where it
+    recomputes the node's loops.
+
+    ``SchedulerNode.recompute_size_and_body`` (the C++ backend's fusion of loops of another shape,
+    its loop split) reads a node's dependencies again from its loop body, and drops the renames that
+    point its reads at the latest mutation of a buffer (torch 2.13 renames only where the node has
+    fake dependencies; 2.11 keeps neither the renames nor those). A kernel reading an accumulating
+    ``index_put``'s result then depends on the buffer scattered into, not on the scatter, and
+    Inductor's peak-memory reordering is free to put it first; copies change the peaks it weighs: a
+    wrong loss, or a buffer read after its reuse (fuzz seed 39 case 10, docs/results.md). Inside,
+    both are kept, as 2.13 does where there are fake dependencies. (Its GPU backends recompute a split
+    reduction by ``_compute_attrs`` alone: not this path, not covered.)"""
+    if ops is None or not any(n.target in ops.all for n in graph.graph.nodes):
+        yield
+        return
+    original = SchedulerNode.recompute_size_and_body
+
+    def recompute(node: SchedulerNode, *args: Any, **kwargs: Any) -> None:
+        fake = OrderedSet(dep for dep in node.read_writes.reads if isinstance(dep, (WeakDep, StarDep)))
+        original(node, *args, **kwargs)
+        node.set_read_writes(node.read_writes.with_read(fake).rename(node.mutation_renames))
+
+    SchedulerNode.recompute_size_and_body = recompute  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        SchedulerNode.recompute_size_and_body = original  # type: ignore[method-assign]
 
 
 def _op(n: BaseSchedulerNode) -> Any:
@@ -188,12 +222,18 @@ def join_runs(
 
 
 @contextlib.contextmanager
-def joining_runs(ops: TransferOps | None) -> Iterator[None]:
+def joining_runs(ops: TransferOps | None, graph: Any = None) -> Iterator[None]:
     """Inductor's memory reordering followed by ``join_runs`` for the graphs lowered inside (None:
-    Inductor's alone)."""
+    Inductor's alone); ``graph``, lowered inside, ``keeping_mutation_renames`` where it calls an op of
+    ``ops``."""
     if ops is None:
         yield
         return
+    with keeping_mutation_renames(ops, graph) if graph is not None else contextlib.nullcontext():
+        yield from _joining_runs(ops)
+
+
+def _joining_runs(ops: TransferOps) -> Iterator[None]:
     original = inductor_memory.reorder_for_peak_memory
 
     def reorder(nodes: list[BaseSchedulerNode], name_to_buf: Any, name_to_fused_node: Any,

@@ -30,7 +30,7 @@ from typing import Any, TypeVar
 
 import torch.fx as fx
 
-from ..analysis.graph import holds_host_copy, op_name
+from ..analysis.graph import holds_host_copy
 from ..ir import is_transfer
 
 T = TypeVar("T")
@@ -65,23 +65,6 @@ def on_roomy_stack(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
     return _roomy_caller()(fn, args, kwargs)
 
 
-# The aten ops Inductor lowers to a buffer and a scatter into it, which mutates that buffer (a clone
-# and ``mutate_to``, ``copy_`` or ``ir.Scatter``; some are pointwise on some devices): the readers of
-# the result must follow the scatter. Not those of ``NOT_SCATTERS``.
-SCATTERS = frozenset({
-    "index_put", "index_put_", "_index_put_impl", "_index_put_impl_", "_unsafe_index_put",
-    "index_add", "index_add_", "index_copy", "index_copy_", "index_fill",
-    "index_fill_", "index_reduce", "index_reduce_", "scatter", "scatter_", "scatter_add", "scatter_add_",
-    "scatter_reduce", "scatter_reduce_", "masked_scatter", "masked_scatter_", "_generalized_scatter",
-    "select_scatter", "slice_scatter", "diagonal_scatter", "as_strided_scatter",
-})  # fmt: skip
-# Left out on purpose: ``_unsafe_masked_index_put_accumulate``, an embedding's backward. Every language
-# model's backward calls it, and without the reordering Inductor's code for the built-in GPT called 14
-# kernels, not 12, and peaked otherwise (tests/test_kernel_runs.py); no fuzz case found a reader of it
-# put before it (docs/results.md, eighteenth session).
-NOT_SCATTERS = frozenset({"_unsafe_masked_index_put_accumulate"})
-
-
 def lowering_config(graph: fx.GraphModule) -> dict[str, Any]:
     """Inductor's config for lowering ``graph``; every graph without a copy is compiled as Inductor
     compiles it. Where it copies tensors to or from the host:
@@ -92,23 +75,13 @@ def lowering_config(graph: fx.GraphModule) -> dict[str, Any]:
       to the next block's, and the plans' code peaked 8-17% higher on the tiny transformers
       (docs/results.md, eighth session). Buffers written in place of a dying input
       (``inplace_buffers``) stay as they are.
-    - where it also scatters into a result (``SCATTERS``), no peak-memory reordering
-      (``reorder_for_peak_memory``). In a forward with copies, the kernel reading an accumulating
-      ``index_put``'s result depended on the buffer scattered into, not on the scatter, and the
-      reordering put it first: a wrong loss (fuzz seed 39 case 10, docs/results.md, seventeenth
-      session). The graph's own order is right. The lost dependency is Inductor's (torch 2.11 and
-      2.13): where it recomputes a node's loops to fuse it with one of another shape
-      (``SchedulerNode.recompute_size_and_body``, from its C++ backend) it drops the renames that
-      point the node's reads at the latest scatter; copies only change the peaks the reordering
-      weighs. Its GPU backends recompute a split reduction the same way, so the rule is not only
-      the CPU's.
-    """
+
+    Such a graph is also lowered with the scheduler's dependencies on mutations kept where its C++
+    backend recomputes a node's loops (``_compat.keeping_mutation_renames``: the reader of a scatter's
+    result put before the scatter, fuzz seed 39 case 10)."""
     if not any(is_transfer(n) for n in graph.graph.nodes):
         return {}
-    patches: dict[str, Any] = {"allow_buffer_reuse": False}
-    if any(op_name(n) in SCATTERS for n in graph.graph.nodes):
-        patches["reorder_for_peak_memory"] = False
-    return patches
+    return {"allow_buffer_reuse": False}
 
 
 def host_placeholders(graph: fx.GraphModule) -> frozenset[str]:
