@@ -72,7 +72,8 @@ def test_fuzz_per_block():
 # offloaded; with add_8 as well, a buffer reused in place was read by its old name (UnboundLocalError).
 # The lost dependency is Inductor's (its C++ backend recomputes the reader's loops to fuse it and drops
 # the renames that point its reads at the scatter; so does Inductor alone, whose order happens to be
-# right); a graph with copies is lowered keeping them (``_compat.keeping_mutation_renames``).
+# right); a graph with copies is lowered keeping them
+# (``_compat.scheduler_runs.keeping_mutation_renames``).
 def _seed39_case10(names):
     opts = dict(offload_cpu=True, min_bytes=0, verify_peak=False, policy=lambda t: "offload" if t.name in names else "keep")
     (outcome,) = fuzz.run_case(fuzz.make_case(39, 10), "inductor", {"seed39": opts})

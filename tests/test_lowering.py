@@ -77,7 +77,7 @@ def test_inductor_compiles_on_the_roomy_stack(monkeypatch):
 def test_only_a_graph_that_copies_is_lowered_without_pool_reuse():
     """The config each graph is lowered with: no pool reuse where a transfer op is in it, Inductor's
     own config everywhere else (a scatter too: its readers keep their dependency on it instead,
-    ``_compat.keeping_mutation_renames``)."""
+    ``_compat.scheduler_runs.keeping_mutation_renames``)."""
     from fxoffload import ir
     from fxoffload.compiler.lowering import lowering_config
 

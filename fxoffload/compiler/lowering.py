@@ -77,8 +77,8 @@ def lowering_config(graph: fx.GraphModule) -> dict[str, Any]:
       (``inplace_buffers``) stay as they are.
 
     Such a graph is also lowered with the scheduler's dependencies on mutations kept where its C++
-    backend recomputes a node's loops (``_compat.keeping_mutation_renames``: the reader of a scatter's
-    result put before the scatter, fuzz seed 39 case 10)."""
+    backend recomputes a node's loops (``_compat.scheduler_runs.keeping_mutation_renames``: the
+    reader of a scatter's result put before the scatter, fuzz seed 39 case 10)."""
     if not any(is_transfer(n) for n in graph.graph.nodes):
         return {}
     return {"allow_buffer_reuse": False}
