@@ -27,8 +27,8 @@ buffers is never within it. Outcomes per (case, option set):
 
 - OK: fxoffload agrees with the compiler alone, which agrees with eager;
 - FXOFFLOAD_MISMATCH: fxoffload differs from the compiler alone and from eager (and, where the
-  compiler alone raised or is not eager's answer, from its own run with nothing offloaded,
-  ``UNPLANNED``);
+  compiler alone raised or is not eager's answer, or the option set asks for another partitioner,
+  from its own run with nothing offloaded, ``UNPLANNED``);
 - TORCH_BUG: the compiler alone differs from eager or raises, and fxoffload matches one of them or
   raises too (fxoffload matching eager there is torch's bug that it avoids, e.g. the guarded
   partitioner bug of ``fxoffload/rewrite/mutated_reads.py``). Where the compiler alone raised or is

@@ -17,8 +17,7 @@ state touched; where frames are not kept in chunks (CPython before 3.11, other i
 a plain call.
 
 ``lowering_config(graph)``: the Inductor config a graph is lowered with; a graph that copies to or
-from the host keeps no freed buffer for a later allocation of its size, and one that also scatters
-into a result is not reordered for peak memory (see there).
+from the host keeps no freed buffer for a later allocation of its size (see there).
 """
 
 from __future__ import annotations
