@@ -58,7 +58,7 @@ from ..analysis.outside import OutsideMemory, graph_device, mark_call, read_outs
 from ..ir import TransferTime, transfer_name
 from ..measure.op_time import host_op_seconds
 from ..options import OffloadOptions
-from ..planning.budget import BUDGET_TOLERANCE
+from ..planning.budget import BUDGET_TOLERANCE, times_said
 from ..planning.decisions import OffloadPlan
 from ..planning.measured import (
     Measured, calls_over_allowance, calls_over_price, measured_plan, measured_step, room, stalled,
@@ -287,8 +287,7 @@ class CallWatch:
         if over:
             text += f", over memory_budget {fmt_bytes(pair.memory_budget or 0)}"
             if self.replans:
-                times = "once" if self.replans == 1 else f"{self.replans} times"
-                text += f"; planned again {times} at run time, this is the last plan's"
+                text += f"; planned again {times_said(self.replans)} at run time, this is the last plan's"
             elif self.why_not:
                 text += f"; not planned again: {self.why_not}"
         return text + ". Compiling the whole model as one graph lets the plan see all of it."

@@ -27,7 +27,7 @@ log = logging.getLogger(__name__)
 
 __all__ = [
     "BUDGET_TOLERANCE", "BudgetFit", "budget_bytes", "budget_verdict", "decisions_hint", "fit_budget", "min_bytes_hint",
-    "off_device", "planned_memory", "unreachable_budget",
+    "off_device", "planned_memory", "times_said", "unreachable_budget",
 ]
 
 # A memory_budget is met when the peak is at most this much above it: the tolerance of a
@@ -310,7 +310,8 @@ def unreachable_budget(budget: int, peak: int, at: MemoryPoint, strict: bool, hi
     warn(message)
 
 
-def _times(n: int) -> str:
+def times_said(n: int) -> str:
+    """How many times, as the budget's messages say it: "once", "2 times"."""
     return "once" if n == 1 else f"{n} times"
 
 
@@ -368,7 +369,7 @@ def budget_verdict(
     message = (
         f"fxoffload: graph {graph_id}: memory_budget {fmt_bytes(budget)} is not met by the code Inductor generated: "
         f"it peaks at {fmt_bytes(peak.total)} ({peak.node}), {why}"
-        + (f"; planned {_times(len(replans))} more for lower targets, this is the lowest peak reached" if replans else "")
+        + (f"; planned {times_said(len(replans))} more for lower targets, this is the lowest peak reached" if replans else "")
         + hint
         + ". Expect the step to peak about there."
     )
