@@ -256,3 +256,29 @@ def test_cli_explain_measure(capsys):
     assert "  predicted peak with fxoffload: " in out
     assert "of parameters, buffers and inputs live at the start" in " ".join(out.split())  # lines wrap
     torch._dynamo.reset()
+
+
+def test_the_calls_of_generated_code_run_alone_on_its_layouts():
+    """``call_temporaries``: each call of the code runs alone on made-up operands of the layouts the
+    code gives them (``code_memory.extern_calls``); what it holds above its results while it runs is
+    its scratch, by line. ``native_dropout_backward`` casts its bool mask to the gradient's dtype on a
+    CPU: one 16 KiB buffer here. An fp32 ``mm`` into its ``out=`` buffer holds none (not listed);
+    fxoffload's own ops, an extern kernel without an aten namesake and a call on an empty tensor do
+    not run (the calibration's rules)."""
+    from fxoffload.analysis.code_memory import ExternCall
+    from fxoffload.measure.standalone import call_temporaries
+
+    f32, empty = ((64, 64), (64, 1), torch.float32), ((0, 64), (64, 1), torch.float32)
+    mask = ((64, 64), (64, 1), torch.bool)
+    dropout = "torch.ops.aten.native_dropout_backward.default"
+    calls = [
+        ExternCall(3, dropout, "buf0, buf1, 2.0", {"buf0": f32, "buf1": mask}),
+        ExternCall(4, "extern_kernels.mm", "buf0, reinterpret_tensor(buf2, (64, 64), (1, 64), 0), out=buf3",
+                   {"buf0": f32, "buf2": f32, "buf3": f32}),
+        ExternCall(5, "torch.ops.fxoffload.reload.default", "buf0, 0", {"buf0": f32}),
+        ExternCall(6, "extern_kernels._mm_plus_mm", "buf0, buf0, buf0, buf0", {"buf0": f32}),
+        ExternCall(7, dropout, "buf0, buf1, 2.0", {"buf0": empty, "buf1": empty[:2] + (torch.bool,)}),
+    ]  # fmt: skip
+    got = call_temporaries(calls, torch.device("cpu"))
+    assert list(got) == [3]
+    assert 64 * 64 * 4 <= got[3] <= 64 * 64 * 4 + 64, got  # and a few bytes of a scalar's

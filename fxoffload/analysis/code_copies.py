@@ -1,14 +1,22 @@
-"""Host copies over a replay of Inductor's code (``code_memory``): where each is taken, reloaded and
-released, read from the statements the replay's points are labelled with."""
+"""A pair's replay of Inductor's code (``code_memory``), once per distinct code and never failing
+(``replay_pair``, ``replay_forward``), and the host copies over it: where each is taken, reloaded
+and released, read from the statements the replay's points are labelled with."""
 
 from __future__ import annotations
 
+import functools
+import logging
 import re
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Mapping, Sequence
 
-from .memory import MemoryTimeline, bytes_over_points
+import torch
 
-__all__ = ["host_in_flight", "kept_in_replay"]
+from .code_memory import simulate_forward_code, simulate_output_code
+from .memory import MemoryTimeline, bytes_over_points, with_held
+
+log = logging.getLogger(__name__)
+
+__all__ = ["host_in_flight", "kept_in_replay", "replay_forward", "replay_pair"]
 
 _OFFLOAD_CALL = "torch.ops.fxoffload.offload.default("
 _RELOAD_CALL = "torch.ops.fxoffload.reload.default("
@@ -71,3 +79,62 @@ def _copy_spans(
         reload = next((i for i in named if _RELOAD_CALL in points[i].node), named[0])
         spans.append((host_name, nbytes, start, reload, named[-1]))
     return spans
+
+
+@functools.lru_cache(maxsize=32)
+def _replay_cached(
+    forward: str, backward: str, num_fwd_outputs: int | None, outside: int, outside_backward: int,
+    scratch: tuple[tuple[str, int, int], ...] = (),
+) -> MemoryTimeline:
+    kw = {"scratch": _by_line(scratch), "outside": outside, "outside_backward": outside_backward}
+    return simulate_output_code(forward, backward, num_fwd_outputs, **kw)
+
+
+@functools.lru_cache(maxsize=32)
+def _replay_kept_cached(*args: object, copies: tuple[tuple[str, int, int], ...], kept: frozenset[str]) -> MemoryTimeline:
+    replay = _replay_cached(*args)
+    held = kept_in_replay(replay, copies, kept)
+    return with_held(replay, held) if held is not None else replay
+
+
+def replay_pair(
+    output_code: Mapping[str, str],
+    num_fwd_outputs: int | None,
+    outside: int = 0,
+    outside_backward: int = 0,
+    copies: Sequence[tuple[str, int, int]] = (),
+    kept: Collection[str] = (),
+    scratch: tuple[tuple[str, int, int], ...] = (),
+) -> MemoryTimeline | None:
+    """``simulate_output_code`` of a pair's wrapper codes (``{"forward": ..., "backward": ...}``), once
+    per distinct codes and arguments. None until both graphs are compiled, and for code this reader
+    does not know (a new Inductor): no figure then, never a failure. ``kept``: host placeholders of
+    copies switched off at run time, counted on the device (``kept_in_replay``; ``copies`` as there).
+    ``scratch``: ``(phase, line, bytes)`` of the calls' measured scratch (``simulate_output_code``)."""
+    forward, backward = output_code.get("forward"), output_code.get("backward")
+    if not forward or not backward:
+        return None
+    try:
+        args = (forward, backward, num_fwd_outputs, outside, outside_backward, tuple(scratch))
+        if kept:
+            return _replay_kept_cached(*args, copies=tuple(copies), kept=frozenset(kept))
+        return _replay_cached(*args)
+    except ValueError as e:
+        log.debug("fxoffload: cannot replay the generated code: %s", e)
+        return None
+
+
+def replay_forward(
+    forward: str, saved_dtypes: Sequence[torch.dtype | None], outside: int = 0,
+    scratch: tuple[tuple[str, int, int], ...] = (),
+) -> MemoryTimeline | None:
+    """``simulate_forward_code`` of a pair's forward code; None for code this reader does not know."""
+    try:
+        return simulate_forward_code(forward, saved_dtypes, _by_line(scratch), outside)
+    except ValueError as e:
+        log.debug("fxoffload: cannot replay the generated forward: %s", e)
+        return None
+
+
+def _by_line(scratch: Sequence[tuple[str, int, int]]) -> dict[tuple[str, int], int]:
+    return {(phase, line): nbytes for phase, line, nbytes in scratch}

@@ -33,8 +33,9 @@ Who holds what between and around the two functions:
 
 A point is recorded after every statement of ``call``, so a kernel's inputs and outputs are counted
 together (the frees come on later lines). A fallback op's result is allocated while its arguments
-are alive, plus its scratch (``temporaries``, also at an extern kernel writing into an ``out=``
-buffer). Sizes are storage spans (``empty_strided`` size,
+are alive, plus its scratch (``scratch``, by line, also at an extern kernel writing into an ``out=``
+buffer: what the call holds inside and frees before it returns, measured running it alone on the
+code's layouts, ``extern_calls``). Sizes are storage spans (``empty_strided`` size,
 stride, dtype). A fallback's dtype is not in the text, so it is taken, in this order, from the
 backward's ``get_args`` when the result is a saved tensor (``rand_strided(..., dtype=...)``), from
 ``_OUTPUT_DTYPES`` for the few ops whose outputs differ in dtype from their inputs (the bool mask of
@@ -62,16 +63,15 @@ imports Inductor.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import logging
 import re
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import NamedTuple
 
 import torch
 
 from ..sizes import cuda_block_bytes, span_bytes
-from .code_copies import kept_in_replay
-from .memory import CATEGORIES, MemoryPoint, MemoryTimeline, with_held
+from .memory import CATEGORIES, MemoryPoint, MemoryTimeline
 from .output_code import (
     ASSIGN, NAME, Statement, arg_names, asserted_layouts, base_name, call_body, eval_ints, module_args,
     parse_dtype, returned_names, split_args, statements,
@@ -80,7 +80,7 @@ from .output_code import (
 log = logging.getLogger(__name__)
 
 __all__ = [
-    "CUBLAS_WORKSPACE_BYTES", "replay_forward", "replay_pair", "simulate_forward_code", "simulate_output_code",
+    "CUBLAS_WORKSPACE_BYTES", "ExternCall", "extern_calls", "simulate_forward_code", "simulate_output_code",
 ]
 
 # cuBLAS's workspace on sm90 and later (CublasHandlePool.cpp: 4096 * 8 * 1024 when major >= 9), one
@@ -108,6 +108,21 @@ _GETITEM = re.compile(r"^(\w+)\[(\d+)\]$")
 _CALL = re.compile(r"^([\w.]+)\((.*)\)$")
 _DEL = re.compile(r"^del ([\w\s,]+)$")
 _FXOFFLOAD = re.compile(r"^torch\.ops\.fxoffload\.(offload|reload|wait|order)\.default$")
+_WORD = re.compile(r"\b[A-Za-z_]\w*\b")
+
+Layout = tuple[tuple[int, ...], tuple[int, ...], torch.dtype]  # size, stride, dtype
+
+
+class ExternCall(NamedTuple):
+    """A fallback or extern kernel call of a wrapper, with what running it alone takes: its line in
+    ``call`` (``Statement.line``), the op as the code names it (``extern_kernels.mm``,
+    ``torch.ops.aten.convolution_backward.default``), its argument text, and the layout of every
+    buffer that text names (``reinterpret_tensor`` views in the text are laid over them)."""
+
+    line: int
+    op: str
+    args: str
+    operands: Mapping[str, Layout]
 
 
 @dataclasses.dataclass
@@ -129,6 +144,9 @@ class _State:
     # name -> the storages it holds (several for the tuple a multi-output op returns)
     names: dict[str, list[int]] = dataclasses.field(default_factory=dict)
     dtypes: dict[str, torch.dtype] = dataclasses.field(default_factory=dict)
+    # name -> size and stride, where the code gives them: the operands of ``calls``
+    layouts: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] = dataclasses.field(default_factory=dict)
+    calls: list[ExternCall] = dataclasses.field(default_factory=list)
     live: set[int] = dataclasses.field(default_factory=set)
     events: list[tuple[str, str, frozenset[int], int]] = dataclasses.field(default_factory=list)
 
@@ -166,10 +184,10 @@ def _run(
     stmts: Sequence[Statement],
     state: _State,
     symbols: Mapping[str, int],
-    temporaries: Mapping[str, int],
+    scratch: Mapping[tuple[str, int], int],
 ) -> list[list[int]]:
     """Replay one ``call``; its argument names must be bound already. Returns the storages it returns,
-    each held once more for the caller."""
+    each held once more for the caller. ``scratch``: bytes by ``(phase, line)`` of a call, added there."""
     asserts = asserted_layouts(stmts, symbols)
     getitems: dict[str, list[tuple[int, str]]] = {}  # tuple name -> (index, element name)
     for _, stmt, _ in stmts:
@@ -178,7 +196,6 @@ def _run(
     result: list[list[int]] = []
     for line, stmt, source in stmts:
         label = f"{phase} line {line}: {stmt[:100]}"
-        scratch = 0
         if stmt.startswith("return"):
             result = [list(state.names.get(n, [])) if n else [] for n in returned_names([Statement(line, stmt, source)])]
             for ids in result:
@@ -193,10 +210,16 @@ def _run(
                 size, stride = eval_ints(args[0], symbols, stmt), eval_ints(args[1], symbols, stmt)
                 dtype = parse_dtype(args[2] if len(args) > 2 else "float32", stmt)
                 state.dtypes[target] = dtype
+                state.layouts[target] = (size, stride)
                 state.bind(target, [state.new(span_bytes(size, stride, dtype), phase)])
             elif NAME.match(value) or _REINTERPRET.match(value):
                 base = base_name(value)
                 state.dtypes.setdefault(target, state.dtypes.get(base, torch.float32))
+                if not NAME.match(value):  # reinterpret_tensor(base, size, stride, offset)
+                    args = split_args(value[len("reinterpret_tensor(") : -1])
+                    state.layouts[target] = (eval_ints(args[1], symbols, stmt), eval_ints(args[2], symbols, stmt))
+                elif base in state.layouts:
+                    state.layouts[target] = state.layouts[base]
                 state.bind(target, state.names.get(base, []))
             elif g := _GETITEM.match(value):
                 ids = state.names.get(g.group(1), [])
@@ -204,30 +227,49 @@ def _run(
                 state.dtypes.setdefault(target, state.dtypes.get(g.group(1), torch.float32))
                 state.bind(target, ids[index : index + 1] if len(ids) > 1 else ids[:1])
             elif c := _CALL.match(value):
-                op, args = c.group(1), split_args(c.group(2))
-                positional = [a for a in args if a and "=" not in a.split("(")[0]]  # not out=, stride=
-                tensors = [base_name(a) for a in positional if base_name(a) in state.names]
-                dtype = next((state.dtypes[t] for t in tensors if t in state.dtypes), torch.float32)
-                kind = _FXOFFLOAD.match(op)
-                # copy_if_misaligned (torch 2.13, on an input): a copy only of data that is not 16-byte
-                # aligned, never the case for an allocator block; the input itself otherwise.
-                if op == "copy_if_misaligned" or (kind and kind.group(1) in ("wait", "order")):
-                    state.dtypes[target] = dtype
-                    state.bind(target, state.names.get(tensors[0], []) if tensors else [])
-                elif kind and kind.group(1) == "offload":
-                    state.dtypes[target] = dtype
-                    state.bind(target, [])  # a host buffer: no device bytes
-                else:
-                    ids = _allocate(target, stmt, phase, dtype, asserts, getitems, state, op.removeprefix("torch.ops."))
-                    state.dtypes[target] = dtype
-                    state.bind(target, ids)
-                    scratch = max((temporaries.get(n.strip(), 0) for n in source.split(",")), default=0)
+                _call(phase, line, target, stmt, c.group(1), c.group(2), state, asserts, getitems)
+            if target in asserts:
+                state.layouts[target] = asserts[target]
         elif (c := _CALL.match(stmt)) and c.group(1).startswith("extern_kernels."):  # into an ``out=`` buffer
-            scratch = max((temporaries.get(n.strip(), 0) for n in source.split(",")), default=0)
-        state.point(phase, label, scratch)
+            _record_call(state, line, c.group(1), c.group(2))
+        state.point(phase, label, scratch.get((phase, line), 0))
     for name in list(state.names):  # the frame ends: every local name goes
         state.unbind(name)
     return result
+
+
+def _call(
+    phase: str, line: int, target: str, stmt: str, op: str, arg_text: str, state: _State,
+    asserts: Mapping[str, tuple], getitems: Mapping[str, list[tuple[int, str]]],
+) -> None:
+    """``target = op(...)``: a transfer op of fxoffload, or a fallback or extern kernel that allocates
+    its results (recorded in ``state.calls``)."""
+    args = split_args(arg_text)
+    positional = [a for a in args if a and "=" not in a.split("(")[0]]  # not out=, stride=
+    tensors = [base_name(a) for a in positional if base_name(a) in state.names]
+    dtype = next((state.dtypes[t] for t in tensors if t in state.dtypes), torch.float32)
+    kind = _FXOFFLOAD.match(op)
+    # copy_if_misaligned (torch 2.13, on an input): a copy only of data that is not 16-byte
+    # aligned, never the case for an allocator block; the input itself otherwise.
+    if op == "copy_if_misaligned" or (kind and kind.group(1) in ("wait", "order")):
+        state.dtypes[target] = dtype
+        state.bind(target, state.names.get(tensors[0], []) if tensors else [])
+    elif kind and kind.group(1) == "offload":
+        state.dtypes[target] = dtype
+        state.bind(target, [])  # a host buffer: no device bytes
+    else:
+        _record_call(state, line, op, arg_text)
+        ids = _allocate(target, stmt, phase, dtype, asserts, getitems, state, op.removeprefix("torch.ops."))
+        state.dtypes[target] = dtype
+        state.bind(target, ids)
+
+
+def _record_call(state: _State, line: int, op: str, arg_text: str) -> None:
+    operands = {
+        n: (*state.layouts[n], state.dtypes.get(n, torch.float32))
+        for n in dict.fromkeys(_WORD.findall(arg_text)) if n in state.layouts and n in state.names
+    }  # fmt: skip
+    state.calls.append(ExternCall(line, op, arg_text, operands))
 
 
 def _allocate(
@@ -289,7 +331,7 @@ def simulate_output_code(
     bw_code: str,
     num_fwd_outputs: int | None = None,
     static_input_indices: Sequence[int] = (),
-    temporaries: Mapping[str, int] | None = None,
+    scratch: Mapping[tuple[str, int], int] | None = None,
     symbols: Mapping[str, int] | None = None,
     outside: int = 0,
     outside_backward: int = 0,
@@ -299,12 +341,12 @@ def simulate_output_code(
     ``fw_code``, ``bw_code``: the modules Inductor generated (``report.output_code["forward"]`` and
     ``["backward"]``). ``num_fwd_outputs``: the forward's user outputs before its saved tensors; by
     default, what the backward does not receive (its arguments other than ``tangents_*``).
-    ``temporaries``: scratch bytes by FX node name, counted at the fallback or extern kernel whose
-    "Topologically Sorted Source Nodes" comment names the node (the largest of them; in the forward it
-    may name the user's source instead, ``[input_1]``, and match nothing). A pair's replay passes the
-    matmuls' (``partitioner.matmul_scratch``): other ``op_temporaries`` are measured on the FX graph's
-    layouts, not Inductor's (a channels-last ``convolution_backward`` measured 1 MiB alone, while the
-    step stayed within 19 KB without it). ``symbols``: values of symbolic sizes (``{"s0": 8}``).
+    ``scratch``: bytes a fallback or extern kernel allocates inside its call and frees before it
+    returns, by ``(phase, line)`` of the call (``"forward"`` or ``"backward"``, ``Statement.line``),
+    counted at that line: a pair's replay passes what ``measure.standalone.call_temporaries`` measured
+    running its ``extern_calls`` alone on the code's layouts (a channels-last ``convolution_backward``
+    holds oneDNN's weight-gradient buffer and a dense copy: 55 KB on a small UNet, 11% of its step's
+    peak). ``symbols``: values of symbolic sizes (``{"s0": 8}``).
     ``outside``: bytes code before the pair holds through it, "outside" at every point
     (``memory.simulate``), and ``outside_backward`` more at the backward's points.
 
@@ -312,8 +354,7 @@ def simulate_output_code(
     categories of ``memory.CATEGORIES``; the peak less "parameters" and "inputs" is what the step
     allocates above its start.
     """
-    symbols = dict(symbols or {})
-    temporaries = dict(temporaries or {})
+    symbols, scratch = dict(symbols or {}), dict(scratch or {})
     fw, bw = (statements(code) if call_body(code) else [] for code in (fw_code, bw_code))
     if not fw or not bw:
         which = " and ".join(n for n, s in (("fw_code", fw), ("bw_code", bw)) if not s)
@@ -321,15 +362,15 @@ def simulate_output_code(
             f"{which}: no 'def call(...)' with statements found; pass Inductor's Python wrapper code"
         )
     bw_args, bw_sizes = arg_names(bw), module_args(bw_code, symbols)
-    dtypes = [bw_sizes[a][1] if a in bw_sizes else None for a in bw_args if not a.startswith("tangents_")]
+    dtypes = [bw_sizes[a][2] if a in bw_sizes else None for a in bw_args if not a.startswith("tangents_")]
     state = _State(cuda=_is_cuda_code(fw_code) or _is_cuda_code(bw_code), known_dtypes=_saved_dtypes(fw, dtypes))
     _bind_forward_args(state, arg_names(fw), module_args(fw_code, symbols), set(static_input_indices))
-    returned = _run("forward", fw, state, symbols, temporaries)
+    returned = _run("forward", fw, state, symbols, scratch)
     state.known_dtypes = {}  # the backward's results are gradients: their first argument's dtype
     saved = _saved_between(state, returned, bw_args, num_fwd_outputs)
     state.dtypes = {}  # the wrapper's locals: the backward's ``buf0`` is not the forward's
     _bind_backward_args(state, bw_args, bw_sizes, saved)
-    grads = _run("backward", bw, state, symbols, temporaries)
+    grads = _run("backward", bw, state, symbols, scratch)
     for ids in grads:  # held by AccumulateGrad
         for i in ids:
             if state.storages[i].phase == "backward":
@@ -338,7 +379,7 @@ def simulate_output_code(
 
 
 def simulate_forward_code(
-    fw_code: str, saved_dtypes: Sequence[torch.dtype | None] = (), temporaries: Mapping[str, int] | None = None,
+    fw_code: str, saved_dtypes: Sequence[torch.dtype | None] = (), scratch: Mapping[tuple[str, int], int] | None = None,
     outside: int = 0,
 ) -> MemoryTimeline:
     """The forward alone of ``simulate_output_code``, from its code alone: its peak is a lower bound
@@ -351,8 +392,22 @@ def simulate_forward_code(
         raise ValueError("fw_code: no 'def call(...)' with statements found; pass Inductor's Python wrapper code")
     state = _State(cuda=_is_cuda_code(fw_code), known_dtypes=_saved_dtypes(fw, saved_dtypes))
     _bind_forward_args(state, arg_names(fw), module_args(fw_code, {}), set())
-    _run("forward", fw, state, {}, dict(temporaries or {}))
+    _run("forward", fw, state, {}, dict(scratch or {}))
     return _timeline(state, outside, 0)
+
+
+def extern_calls(code: str, symbols: Mapping[str, int] | None = None) -> list[ExternCall]:
+    """The fallback and extern kernel calls of one wrapper (a forward or a backward), each with the
+    layouts of the buffers it names as the replay finds them: what ``measure.standalone`` runs alone
+    to measure the scratch a replay counts at their lines (``scratch``). Raises ``ValueError`` for
+    code this reader does not know, and for symbolic sizes not in ``symbols``."""
+    stmts = statements(code) if call_body(code) else []
+    if not stmts:
+        raise ValueError("code: no 'def call(...)' with statements found; pass Inductor's Python wrapper code")
+    state = _State(cuda=_is_cuda_code(code))
+    _bind_forward_args(state, arg_names(stmts), module_args(code, dict(symbols or {})), set())
+    _run("forward", stmts, state, dict(symbols or {}), {})
+    return state.calls
 
 
 def _timeline(state: _State, outside: int, outside_backward: int) -> MemoryTimeline:
@@ -368,17 +423,24 @@ def _timeline(state: _State, outside: int, outside_backward: int) -> MemoryTimel
     return MemoryTimeline(tuple(points))
 
 
-def _bind_forward_args(
-    state: _State, names: Sequence[str], sizes: Mapping[str, tuple[int, torch.dtype]], static: set[int]
-) -> None:
+def _bind_forward_args(state: _State, names: Sequence[str], layouts: Mapping[str, Layout], static: set[int]) -> None:
     """The forward's arguments: the caller's for the whole step (parameters, or inputs)."""
     for i, name in enumerate(names):
-        nbytes, dtype = sizes.get(name, (0, torch.float32))
+        nbytes, dtype = _arg_bytes(state, name, layouts)
         sid = state.new(nbytes, "caller")
         state.storages[sid].category = "parameters" if i in static else "inputs"
         state.storages[sid].refs += 1  # the caller's reference, never dropped
         state.dtypes[name] = dtype
         state.bind(name, [sid])
+
+
+def _arg_bytes(state: _State, name: str, layouts: Mapping[str, Layout]) -> tuple[int, torch.dtype]:
+    """Bytes and dtype of argument ``name`` from ``get_args`` (its layout kept for the calls it reads)."""
+    if name not in layouts:
+        return 0, torch.float32
+    size, stride, dtype = layouts[name]
+    state.layouts[name] = (size, stride)
+    return span_bytes(size, stride, dtype), dtype
 
 
 def _saved_between(
@@ -403,71 +465,13 @@ def _saved_between(
 
 
 def _bind_backward_args(
-    state: _State, names: Sequence[str], sizes: Mapping[str, tuple[int, torch.dtype]], saved: list[list[int]]
+    state: _State, names: Sequence[str], layouts: Mapping[str, Layout], saved: list[list[int]]
 ) -> None:
     """The backward's arguments: the saved tensors first, then the tangents (allocated before the
     call); the saved ones are freed where the backward drops its last name for them."""
     for j, name in enumerate(names):
-        if j < len(saved):
-            ids = saved[j]
-        else:
-            nbytes, _ = sizes.get(name, (0, torch.float32))
-            ids = [state.new(nbytes, "backward")]
-        state.dtypes[name] = sizes.get(name, (0, torch.float32))[1]
+        nbytes, state.dtypes[name] = _arg_bytes(state, name, layouts)
+        ids = saved[j] if j < len(saved) else [state.new(nbytes, "backward")]
         state.bind(name, ids)
     for ids in saved:
         state.drop(ids)  # the backward frees them at its ``del``
-
-
-@functools.lru_cache(maxsize=32)
-def _replay_cached(
-    forward: str, backward: str, num_fwd_outputs: int | None, outside: int, outside_backward: int,
-    scratch: tuple[tuple[str, int], ...] = (),
-) -> MemoryTimeline:
-    kw = {"temporaries": dict(scratch), "outside": outside, "outside_backward": outside_backward}
-    return simulate_output_code(forward, backward, num_fwd_outputs, **kw)
-
-
-@functools.lru_cache(maxsize=32)
-def _replay_kept_cached(*args: object, copies: tuple[tuple[str, int, int], ...], kept: frozenset[str]) -> MemoryTimeline:
-    replay = _replay_cached(*args)
-    held = kept_in_replay(replay, copies, kept)
-    return with_held(replay, held) if held is not None else replay
-
-
-def replay_pair(
-    output_code: Mapping[str, str],
-    num_fwd_outputs: int | None,
-    outside: int = 0,
-    outside_backward: int = 0,
-    copies: Sequence[tuple[str, int, int]] = (),
-    kept: Collection[str] = (),
-    scratch: tuple[tuple[str, int], ...] = (),
-) -> MemoryTimeline | None:
-    """``simulate_output_code`` of a pair's wrapper codes (``{"forward": ..., "backward": ...}``), once
-    per distinct codes and arguments. None until both graphs are compiled, and for code this reader
-    does not know (a new Inductor): no figure then, never a failure. ``kept``: host placeholders of
-    copies switched off at run time, counted on the device (``kept_in_replay``; ``copies`` as there).
-    ``scratch``: ``(FX node name, bytes)`` its ``temporaries``."""
-    forward, backward = output_code.get("forward"), output_code.get("backward")
-    if not forward or not backward:
-        return None
-    try:
-        args = (forward, backward, num_fwd_outputs, outside, outside_backward, tuple(scratch))
-        if kept:
-            return _replay_kept_cached(*args, copies=tuple(copies), kept=frozenset(kept))
-        return _replay_cached(*args)
-    except ValueError as e:
-        log.debug("fxoffload: cannot replay the generated code: %s", e)
-        return None
-
-
-def replay_forward(
-    forward: str, saved_dtypes: Sequence[torch.dtype | None], outside: int = 0, scratch: tuple[tuple[str, int], ...] = ()
-) -> MemoryTimeline | None:
-    """``simulate_forward_code`` of a pair's forward code; None for code this reader does not know."""
-    try:
-        return simulate_forward_code(forward, saved_dtypes, dict(scratch), outside)
-    except ValueError as e:
-        log.debug("fxoffload: cannot replay the generated forward: %s", e)
-        return None

@@ -274,12 +274,12 @@ def _topological(
 
 
 def extern_scratch(temporaries: Mapping[fx.Node, int]) -> dict[fx.Node, int]:
-    """Of the ops' measured scratch (``measure.standalone.op_temporaries``), what the code Inductor
-    generates allocates: the matmuls', which Inductor calls as extern kernels and whose scratch its
-    code cannot show. On a CPU with bf16 matmul units oneDNN takes it from torch's allocator (up to
-    about twice the output of a small bf16 ``mm`` on a 2-core EPYC; none in fp32): left out, the
-    replay was 10% under the allocator's peak of a GPT under bf16 autocast
-    (``tests/test_autocast.py``). Other ops are left out: measured on the FX graph's layouts, their
-    scratch may not be what Inductor's layouts need (a channels-last ``convolution_backward``
-    measured 1 MiB alone, while the step stayed within 19 KB without it)."""
+    """Of the ops' measured scratch (``measure.standalone.op_temporaries``), what the FX model of
+    the code Inductor generates counts (``memory.simulate`` with ``fuses``): the matmuls', which
+    Inductor calls as extern kernels on the FX graph's layouts. On a CPU with bf16 matmul units oneDNN
+    takes it from torch's allocator (up to about twice the output of a small bf16 ``mm`` on a 2-core
+    EPYC; none in fp32). Other ops are left out: measured on the FX graph's layouts, their scratch
+    may not be what Inductor's layouts need (a channels-last ``convolution_backward`` measured 1 MiB
+    alone, while the step stayed within 19 KB without it). The replay of the code itself measures
+    every call on the code's own layouts (``measure.standalone.call_temporaries``)."""
     return {n: b for n, b in temporaries.items() if _name(n) in _MATMULS}

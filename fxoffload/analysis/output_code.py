@@ -28,8 +28,6 @@ from typing import NamedTuple
 
 import torch
 
-from ..sizes import span_bytes
-
 __all__ = [
     "Statement", "Transfer", "arg_names", "asserted_layouts", "base_name", "call_body", "eval_ints", "is_kernel",
     "is_materialised_call", "may_launch", "module_args", "op_name", "parse_dtype", "readers",
@@ -272,16 +270,15 @@ def arg_names(stmts: Sequence[Statement]) -> list[str]:
     return []
 
 
-def module_args(code: str, symbols: Mapping[str, int]) -> dict[str, tuple[int, torch.dtype]]:
-    """Bytes and dtype of every argument in the module's ``get_args`` (``rand_strided`` lines)."""
+def module_args(code: str, symbols: Mapping[str, int]) -> dict[str, tuple[tuple[int, ...], tuple[int, ...], torch.dtype]]:
+    """Size, stride and dtype of every argument in the module's ``get_args`` (``rand_strided`` lines)."""
     out = {}
     for line in code.splitlines():
         if m := _RAND.match(line):
             args = split_args(m.group(2))
             where = f"get_args: {m.group(1)}"
             dtype = next((parse_dtype(a, where) for a in args if a.startswith("dtype=")), torch.float32)
-            size, stride = eval_ints(args[0], symbols, where), eval_ints(args[1], symbols, where)
-            out[m.group(1)] = (span_bytes(size, stride, dtype), dtype)
+            out[m.group(1)] = (eval_ints(args[0], symbols, where), eval_ints(args[1], symbols, where), dtype)
     return out
 
 

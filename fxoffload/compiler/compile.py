@@ -14,7 +14,7 @@ import torch
 import torch.fx as fx
 
 from .. import _compat
-from ..analysis.code_memory import replay_forward
+from ..analysis.code_copies import replay_forward
 from ..analysis.lifetimes import returns_only_scalars
 from ..analysis.memory import MemoryTimeline
 from ..analysis.outside import OutsideMemory
@@ -25,7 +25,7 @@ from ..planning.measured import Measured
 from ..reasons import Reason, ReasonCode
 from ..reporting.report import CompileSpent
 from ..sizes import fmt_bytes
-from .costs import read_outside
+from .costs import code_scratch, read_outside
 from .lowering import host_placeholders, lowering_config, on_roomy_stack
 from .pair import PairRegister, PlannedPair
 from .partitioner import OffloadPartitioner, PlanChangesNothing, PlanCompiledBefore
@@ -171,7 +171,7 @@ class GraphCompiler:
         on it."""
         unchanged = self._unchanged_partitioner(opts, pair)
         log.debug("fxoffload: graph %d: the plan changes nothing; compiled as Inductor does", pair.graph_id)
-        sink = pair.output_code.__setitem__ if not pair.output_code else None
+        sink = pair.record_code if not pair.output_code else None
         what = "without offloading, as Inductor compiles it"
         compiled = self._inductor(copy_graph_module(pristine), example_inputs, unchanged, patches, sink, what=what)
         assert compiled is not None  # an unchanged partitioner is never told to stop
@@ -379,7 +379,8 @@ class GraphCompiler:
             self._inside.append(("verify_peak: the forward without offloading, in the plan's compile, not built",
                                  time.perf_counter() - start))  # fmt: skip
         outside = pair.outside.outside(unchanged.kept_bytes) if pair.outside is not None else 0
-        forward = replay_forward(code, unchanged.saved_dtypes, outside, pair.matmul_scratch)
+        scratch = tuple(("forward", line, b) for line, b in code_scratch(code, pair.plan.costs))
+        forward = replay_forward(code, unchanged.saved_dtypes, outside, scratch)
         if forward is not None and forward.points:
             self._unchanged_forward_peak[pair.graph_id] = (pair.outside, forward.peak_bytes)
 

@@ -13,12 +13,13 @@ import torch.fx as fx
 
 from .. import _compat
 from ..analysis import cost
+from ..analysis.code_memory import extern_calls
 from ..analysis.lifetimes import GraphLifetimes
 from ..analysis.memory import kept_saved_bytes, simulate
 from ..analysis.outside import OutsideMemory, graph_device, read_outside_memory
 from ..measure.link import measure_link
 from ..measure.op_time import measure_op_time
-from ..measure.standalone import calibrate, op_temporaries
+from ..measure.standalone import calibrate, call_temporaries, op_temporaries
 from ..options import OffloadOptions
 from ..planning.decisions import PlanCosts
 from ..runtime.host_pool import host_buffer_ranges
@@ -65,9 +66,9 @@ def plan_costs(
         fw_times, bw_times = calibrate(fw, device), calibrate(bw, device)
     # Scratch memory of the ops: on a CPU, cheap and harmless to measure; on a device it resets the
     # allocator's peak statistics, so only where calibrate runs ops there anyway.
-    temporaries = {}
+    temporaries, scratch_on = {}, None
     if lifetimes.saved and (options.offload_cpu if device.type == "cpu" else options.calibrate and wants_measure):
-        temporaries = op_temporaries((fw, bw), device)
+        temporaries, scratch_on = op_temporaries((fw, bw), device), str(device)
     kept = kept_saved_bytes(fw, num_fwd_outputs, static)
     held, later = (outside.outside(kept), outside.outside_backward(kept)) if outside is not None else (0, 0)
     # Under Inductor, the graphs as it compiles them: fused, written in place (``analysis.fusion``).
@@ -82,6 +83,7 @@ def plan_costs(
         outside=held,
         calls=outside.calls if outside is not None else (),
         kept=kept,
+        scratch_on=scratch_on,
     )
 
 
@@ -114,3 +116,20 @@ def read_outside(example_inputs: Sequence[Any], mark: object | None = None) -> O
     elif outside.held_bytes:
         log.info("fxoffload: %s", outside.summary())
     return outside
+
+
+def code_scratch(code: str, costs: PlanCosts | None) -> tuple[tuple[int, int], ...]:
+    """``(line, bytes)`` of the scratch the fallback and extern kernels of Inductor's wrapper ``code``
+    allocate inside their calls, measured running each alone on the layouts the code gives it
+    (``measure.standalone.call_temporaries``), where the pair's ops' scratch was measured
+    (``PlanCosts.scratch_on``): Inductor lays a convolution's operands out channels-last, and oneDNN's
+    scratch then is not what the FX graph's layouts measure. Empty elsewhere, and for code the reader
+    does not know (symbolic sizes)."""
+    if costs is None or costs.scratch_on is None:
+        return ()
+    try:
+        calls = extern_calls(code)
+    except ValueError as e:
+        log.debug("fxoffload: the calls of the generated code are not measured: %s", e)
+        return ()
+    return tuple(sorted(call_temporaries(calls, torch.device(costs.scratch_on)).items()))

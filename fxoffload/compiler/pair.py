@@ -27,6 +27,7 @@ from ..reporting.report import OffloadReport
 from ..reporting.rows import carry_measured, saved_rows
 from ..rewrite.host_copies import HostCopy, replay_switched_off, switched_off_held
 from ..runtime.transfers import switch_copies_off, wait_on_host
+from .costs import code_scratch
 
 log = logging.getLogger(__name__)
 
@@ -66,9 +67,10 @@ class PlannedPair:
     # Saved tensors whose copies were switched off at run time (``CallWatch.switch_off``): the compiled
     # code keeps them on the device, from their offload to their reload. The report copies these.
     switched_off: tuple[str, ...] = ()
-    # Scratch the matmuls allocate while they run, by FX node name (``matmul_scratch``), which the
-    # replay counts at their lines; the report copies these.
-    matmul_scratch: tuple[tuple[str, int], ...] = ()
+    # Scratch bytes the fallback and extern kernels of ``output_code`` allocate inside their calls,
+    # ``(line, bytes)`` by graph, measured on the code's layouts as each graph is compiled
+    # (``record_code``), which the replay counts at their lines; the report shares this dict.
+    code_scratch: dict[str, tuple[tuple[int, int], ...]] = dataclasses.field(default_factory=dict)
     # What ``_read`` read, by the timeline it was read from: the watch asks at every call it reads,
     # and the timeline (a cached replay, or the FX model) rarely changes.
     _memo: dict[str, tuple[MemoryTimeline | None, Any]] = dataclasses.field(
@@ -89,12 +91,18 @@ class PlannedPair:
     def outside_backward(self) -> int:
         return self.outside.outside_backward(self.kept_bytes) if self.outside is not None else 0
 
+    def record_code(self, kind: str, code: str) -> None:
+        """Inductor's wrapper ``code`` for graph ``kind`` ("forward", "backward"), with the scratch its
+        calls allocate measured on its layouts (``costs.code_scratch``)."""
+        self.output_code[kind] = code
+        self.code_scratch[kind] = code_scratch(code, self.plan.costs)
+
     def code_memory(self) -> MemoryTimeline | None:
         """The replay of the code Inductor generated for the pair, the copies switched off at run time
         counted on the device (None until both graphs are compiled, and with ``inner="aot_eager"``)."""
         return replay_switched_off(
             self.output_code, self.num_fwd_outputs, self.outside_bytes, self.outside_backward, self.host_copies,
-            self.switched_off, self.matmul_scratch,
+            self.switched_off, self.code_scratch,
         )  # fmt: skip
 
     def expected_memory(self) -> MemoryTimeline | None:

@@ -6,7 +6,7 @@ import contextlib
 import dataclasses
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -14,7 +14,6 @@ import torch.fx as fx
 
 from .. import _compat
 from ..analysis.blocks import NoRepeatedBlocks, block_tags
-from ..analysis.fusion import extern_scratch
 from ..analysis.memory import kept_saved_bytes, param_grad_bytes, simulate
 from ..analysis.outside import OutsideMemory
 from ..options import OffloadOptions
@@ -98,7 +97,7 @@ class OffloadPartitioner(_compat.CustomPartitionerFn):
     def record_output_code(self, kind: str, code: str) -> None:
         """Inductor's wrapper code for the graphs of this pair (``PlannedPair.output_code``)."""
         if self.pair is not None:
-            self.pair.output_code[kind] = code
+            self.pair.record_code(kind, code)
             if kind == "backward" and self.on_backward_code is not None:
                 self.on_backward_code(self.pair)
 
@@ -177,17 +176,17 @@ class OffloadPartitioner(_compat.CustomPartitionerFn):
             memory_after = simulate(fw, bw, num_fwd_outputs, static, temporaries, held, later, self.options.fuses)
         timings = PassTimings(pass_s, repartition_s[0], time.perf_counter() - start, *nodes_in)
         output_code: dict[str, str] = {}
+        code_scratch: dict[str, tuple[tuple[int, int], ...]] = {}
         grads = param_grad_bytes(fw, bw, static)
         copies = find_host_copies(fw, bw, memory_after)
-        scratch = matmul_scratch(plan.costs.temporaries if plan.costs is not None else {})
         report = OffloadReport.from_plan(
             graph_id, plan, fw, bw, self.options.host_budget, host_before, memory_before, memory_after,
             timings=timings, num_fwd_outputs=num_fwd_outputs, outside=self.outside, kept_bytes=kept,
-            param_grad_bytes=grads, output_code=output_code, host_copies=copies, matmul_scratch=scratch,
+            param_grad_bytes=grads, output_code=output_code, host_copies=copies, code_scratch=code_scratch,
         )  # fmt: skip
         self.pair = PlannedPair(
             graph_id, plan, fw, bw, num_fwd_outputs, static, memory_before, memory_after, self.outside, kept, grads,
-            report, output_code, host_copies=copies, matmul_scratch=scratch,
+            report, output_code, host_copies=copies, code_scratch=code_scratch,
         )  # fmt: skip
         if log.isEnabledFor(logging.DEBUG):  # the table takes 0.5 s on a 12-block GPT: not for nothing
             log.debug("fxoffload plan for graph %d:\n%s", graph_id, report.table())
@@ -218,9 +217,3 @@ def unchanged_forward(
     saved = [p.meta.get("val") for p in bw.graph.find_nodes(op="placeholder") if not p.name.startswith("tangents_")]
     dtypes = tuple(v.dtype if isinstance(v, torch.Tensor) else None for v in saved)
     return UnchangedForward(fx.GraphModule(fw, graph), dtypes, kept_saved_bytes(fw, num_fwd_outputs, static))
-
-
-def matmul_scratch(temporaries: Mapping[fx.Node, int]) -> tuple[tuple[str, int], ...]:
-    """The measured scratch (``measure.standalone.op_temporaries``) that Inductor's code allocates
-    (``fusion.extern_scratch``: the matmuls'), by node name, for the replay of that code."""
-    return tuple(sorted((n.name, b) for n, b in extern_scratch(temporaries).items()))

@@ -1,5 +1,8 @@
 """Ops run alone on made-up inputs of their traced shapes: their time (``calibrate``) and the scratch
-memory they allocate inside and free before they return (``op_temporaries``).
+memory they allocate inside and free before they return (``op_temporaries``); and the calls of the
+code Inductor generated, on the layouts that code gives them, for the replay of that code
+(``call_temporaries``: Inductor runs convolutions channels-last, where oneDNN's scratch is not what
+the FX graph's contiguous layouts measure).
 
 Both run each distinct (op, argument signature, device) once per process, with inputs that pass
 the ops' device-side checks (``_real``) and only for ops that are safe to run that way
@@ -12,7 +15,8 @@ buffer), ``native_dropout`` draws its mask in floating point, a convolution's ba
 weights. Measured on a 2-layer GPT, the dropout backward's scratch alone was 0.5 MiB above a 2.3 MiB
 prediction. So each distinct (op, argument signature, device; on a CPU also the thread count, which
 changes oneDNN's algorithms) is run once on made-up inputs, and the bytes it allocated above what it
-returned are its temporary; graphs of the process share the figures.
+returned are its temporary; graphs of the process share the figures. Each runs once before it is
+measured: a first call may build what later calls reuse (a library's workspace).
 
 CPU: one ``torch.profiler`` session for all the ops of a graph pair: each op runs inside a
 ``record_function`` range, and the CPU allocator's events inside the range give its peak and what
@@ -27,24 +31,30 @@ crashes the process at its export): its prediction then lacks the scratch.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
+import re
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
 import torch.fx as fx
 
 from .._compat import profiler_active, real_tensors, size_hint
+from ..analysis.code_memory import ExternCall
 from ..analysis.graph import is_compute
 from .link import cuda_device
 from .profiler import cpu_memory_events, cpu_memory_profile, trace_events
 
 log = logging.getLogger(__name__)
 
-__all__ = ["calibrate", "op_temporaries"]
+__all__ = ["calibrate", "call_temporaries", "op_temporaries"]
 
 _RANGE = "fxoffload_temporary_"
+_WORD = re.compile(r"\b[A-Za-z_]\w*\b")
+# What runs one op alone: it builds the inputs (outside the measured range) and returns (op, args, kwargs).
+_Prepare = Callable[[], tuple[Callable[..., Any], Any, Any]]
 
 
 # Measured seconds per (op, argument signature, device), shared by every graph of the process.
@@ -84,13 +94,7 @@ _READ_ON_THE_HOST = frozenset({"philox_seed", "philox_offset", "rng_state"})
 
 def _calibratable(node: fx.Node) -> bool:
     """Whether ``node`` may run on made-up inputs (see ``_UNSAFE_TO_CALIBRATE``)."""
-    target = node.target
-    if not isinstance(target, torch._ops.OpOverload) or target.namespace not in ("aten", "prims"):
-        return False
-    name = target._schema.name.split("::")[-1]
-    if name in _UNSAFE_TO_CALIBRATE or "assert" in name:
-        return False
-    if any(a.name in _READ_ON_THE_HOST for a in target._schema.arguments):
+    if not isinstance(node.target, torch._ops.OpOverload) or not _safe(node.target):
         return False
     for arg in node.all_input_nodes:
         val = arg.meta.get("val")
@@ -98,6 +102,16 @@ def _calibratable(node: fx.Node) -> bool:
         if any(isinstance(v, torch.Tensor) and any(size_hint(s) == 0 for s in v.shape) for v in vals):
             return False
     return True
+
+
+def _safe(op: torch._ops.OpOverload) -> bool:
+    """Whether made-up inputs may run ``op`` (see ``_UNSAFE_TO_CALIBRATE``), tensors of zero elements aside."""
+    if op.namespace not in ("aten", "prims"):
+        return False
+    name = op._schema.name.split("::")[-1]
+    if name in _UNSAFE_TO_CALIBRATE or "assert" in name:
+        return False
+    return not any(a.name in _READ_ON_THE_HOST for a in op._schema.arguments)
 
 
 def calibrate(gm: fx.GraphModule, device: torch.device, repeats: int = 3) -> dict[fx.Node, float]:
@@ -222,38 +236,93 @@ def op_temporaries(graphs: Iterable[fx.GraphModule], device: torch.device) -> di
         log.debug("fxoffload: a profiler is running; %d ops' temporaries are not measured", len(pending))
         return {n: _measured[k] for n in nodes if (k := _key(n, device)) in _measured and _measured[k] > 0}
     if pending:
-        with real_tensors(), torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-            measured = _on_cpu(pending) if device.type == "cpu" else _on_cuda(pending, device)
-        _measured.update(measured)
-        log.debug("fxoffload: measured the temporaries of %d ops on %s", len(pending), device)
+        _measure({k: functools.partial(_inputs, n, device) for k, n in pending.items()}, device)
     out = {n: _measured[_key(n, device)] for n in nodes}
     return {n: b for n, b in out.items() if b > 0}
 
 
-def _inputs(node: fx.Node, device: torch.device) -> tuple[Any, Any]:
+def call_temporaries(calls: Iterable[ExternCall], device: torch.device) -> dict[int, int]:
+    """Scratch bytes of the fallback and extern kernel calls of one wrapper (``code_memory.extern_calls``),
+    by line, measured running each alone on ``device`` on the layouts the code gives its operands
+    (each distinct call once per process). A call that cannot run alone (another namespace, an op
+    unsafe on made-up inputs, ``_calibratable``'s rules) is left out, as are calls without scratch."""
+    calls = list(calls)
+    keys = {c.line: _call_key(c, device) for c in calls}
+    pending = {}
+    for c in calls:
+        if keys[c.line] not in _measured and keys[c.line] not in pending and (op := _runnable(c)) is not None:
+            pending[keys[c.line]] = functools.partial(_call_inputs, c, op, device)
+    if pending and device.type == "cpu" and profiler_active():
+        log.debug("fxoffload: a profiler is running; %d calls' temporaries are not measured", len(pending))
+        pending = {}
+    if pending:
+        _measure(pending, device)
+    return {line: _measured[k] for line, k in keys.items() if _measured.get(k, 0) > 0}
+
+
+def _measure(pending: Mapping[tuple[Any, ...], _Prepare], device: torch.device) -> None:
+    with real_tensors(), torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        _measured.update(_on_cpu(pending) if device.type == "cpu" else _on_cuda(pending, device))
+    log.debug("fxoffload: measured the temporaries of %d ops on %s", len(pending), device)
+
+
+def _inputs(node: fx.Node, device: torch.device) -> tuple[Callable[..., Any], Any, Any]:
     def arg(a: Any) -> Any:
         return _real(a.meta.get("val"), device) if isinstance(a, fx.Node) else a
 
-    return fx.node.map_aggregate(node.args, arg), fx.node.map_aggregate(node.kwargs, arg)
+    return node.target, fx.node.map_aggregate(node.args, arg), fx.node.map_aggregate(node.kwargs, arg)
 
 
-def _on_cpu(pending: dict[tuple[Any, ...], fx.Node]) -> dict[tuple[Any, ...], int]:
+def _call_key(call: ExternCall, device: torch.device) -> tuple[Any, ...]:
+    threads = torch.get_num_threads() if device.type == "cpu" else None
+    text = _WORD.sub(lambda m: f"<{list(call.operands).index(m.group())}>" if m.group() in call.operands else m.group(), call.args)
+    return (call.op, text, tuple(call.operands.values()), str(device), threads)
+
+
+def _runnable(call: ExternCall) -> Callable[..., Any] | None:
+    """The op a call names, where made-up inputs may run it (``_calibratable``'s rules): an aten
+    overload (``torch.ops.aten.x.default``), or an extern kernel with an aten namesake
+    (``extern_kernels.mm`` is ``aten.mm``, with its ``out=``)."""
+    if call.op.startswith("extern_kernels."):
+        packet = getattr(torch.ops.aten, call.op.removeprefix("extern_kernels."), None)
+        overload, op = getattr(packet, "default", None), packet
+    elif call.op.startswith("torch.ops.aten.") and call.op.count(".") == 4:
+        overload = op = getattr(getattr(torch.ops.aten, call.op.split(".")[3], None), call.op.split(".")[4], None)
+    else:
+        return None
+    if not isinstance(overload, torch._ops.OpOverload) or not _safe(overload):
+        return None
+    if any(0 in size for size, _, _ in call.operands.values()):
+        return None
+    return op
+
+
+def _call_inputs(call: ExternCall, op: Callable[..., Any], device: torch.device) -> tuple[Callable[..., Any], Any, Any]:
+    def meta(layout: tuple[Any, ...]) -> torch.Tensor:
+        return torch.empty_strided(layout[0], layout[1], dtype=layout[2], device="meta")
+
+    scope = {name: _real(meta(layout), device) for name, layout in call.operands.items()}
+    scope.update(__builtins__={}, torch=torch, reinterpret_tensor=torch.as_strided, _args=lambda *a, **k: (a, k))
+    args, kwargs = eval(f"_args({call.args})", scope)  # noqa: S307 - Inductor's own call text, names bound above
+    return op, args, kwargs
+
+
+def _on_cpu(pending: Mapping[tuple[Any, ...], _Prepare]) -> dict[tuple[Any, ...], int]:
     from torch.profiler import record_function
 
-    cpu = torch.device("cpu")
     keys = list(pending)
     ran: set[int] = set()
     with cpu_memory_profile() as prof:
         for i, key in enumerate(keys):
-            node = pending[key]
             try:
-                args, kwargs = _inputs(node, cpu)
+                op, args, kwargs = pending[key]()
+                op(*args, **kwargs)  # warm: a first call may build and cache what a step's calls reuse
                 with record_function(f"{_RANGE}{i}"):
-                    out = node.target(*args, **kwargs)
+                    out = op(*args, **kwargs)
                 del out, args, kwargs
                 ran.add(i)
             except Exception as e:  # runs alone or not at all: the model counts no temporary then
-                log.debug("fxoffload: %s did not run alone (%s): no temporary counted", node.name, e)
+                log.debug("fxoffload: %s did not run alone (%s): no temporary counted", key[0], e)
     events = trace_events(prof)
     ranges = {
         int(e["name"][len(_RANGE):]): (e["ts"], e["ts"] + e.get("dur", 0))
@@ -275,22 +344,23 @@ def _on_cpu(pending: dict[tuple[Any, ...], fx.Node]) -> dict[tuple[Any, ...], in
     return out
 
 
-def _on_cuda(pending: dict[tuple[Any, ...], fx.Node], device: torch.device) -> dict[tuple[Any, ...], int]:
+def _on_cuda(pending: Mapping[tuple[Any, ...], _Prepare], device: torch.device) -> dict[tuple[Any, ...], int]:
     out: dict[tuple[Any, ...], int] = {}
     with torch.cuda.device(device):
-        for key, node in pending.items():
+        for key, prepare in pending.items():
             try:
-                args, kwargs = _inputs(node, device)
+                op, args, kwargs = prepare()
+                op(*args, **kwargs)  # warm: cuBLAS's workspace, a first call's caches (as on a CPU)
                 torch.cuda.synchronize(device)
                 base = torch.cuda.memory_allocated(device)
                 torch.cuda.reset_peak_memory_stats(device)
-                result = node.target(*args, **kwargs)
+                result = op(*args, **kwargs)
                 torch.cuda.synchronize(device)
                 peak = torch.cuda.max_memory_allocated(device) - base
                 end = torch.cuda.memory_allocated(device) - base
                 del result
                 out[key] = max(0, peak - end)
             except Exception as e:
-                log.debug("fxoffload: %s did not run alone on %s (%s): no temporary counted", node.name, device, e)
+                log.debug("fxoffload: %s did not run alone on %s (%s): no temporary counted", key[0], device, e)
                 out[key] = 0
     return out

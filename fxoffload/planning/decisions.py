@@ -50,6 +50,9 @@ class PlanCosts:
     # The measured corrections in ``fw_starts`` / ``bw_starts`` (``Measured.corrected``): the model's
     # node times were multiplied by these. A measurement of this plan's copies is divided by them.
     scale: tuple[float, float] = (1.0, 1.0)
+    # The device ``temporaries`` were measured on (``str(torch.device)``), where the calls of the
+    # pair's compiled code are measured too (``compiler.costs.code_scratch``); None: not measured.
+    scratch_on: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -178,8 +178,9 @@ class OffloadReport:
     # (``compiled_memory``) count them there, from their offload to their reload. Copied, with
     # ``host_copies``, from the compiler's ``PlannedPair``, which decides on its own.
     switched_off: tuple[str, ...] = ()
-    # Scratch the matmuls allocate while they run, by FX node name: the replay counts it (``PlannedPair``).
-    matmul_scratch: tuple[tuple[str, int], ...] = ()
+    # Scratch bytes the code's fallback and extern kernels allocate inside their calls, by graph and
+    # line, measured on the code's layouts: the replay counts it (the ``PlannedPair``'s, shared).
+    code_scratch: dict[str, tuple[tuple[int, int], ...]] = dataclasses.field(default_factory=dict)
 
     @property
     def outside_bytes(self) -> int:
@@ -278,7 +279,7 @@ class OffloadReport:
         later = self.outside.outside_backward(self.kept_bytes) if self.outside is not None else 0
         return replay_switched_off(
             self.output_code, self.num_fwd_outputs, self.outside_bytes, later, self.host_copies, self.switched_off,
-            self.matmul_scratch,
+            self.code_scratch,
         )
 
     def switched_off_held(self, names: Collection[str] | None = None) -> list[int]:
@@ -389,7 +390,8 @@ class OffloadReport:
         data["host_copies"] = tuple(HostCopy(**c) for c in data.get("host_copies", ()))
         data["replans"] = tuple(data.get("replans", ()))
         data["switched_off"] = tuple(data.get("switched_off", ()))
-        data["matmul_scratch"] = tuple((name, int(b)) for name, b in data.get("matmul_scratch", ()))
+        data.pop("matmul_scratch", None)  # written before the scratch was measured on the code's layouts
+        data["code_scratch"] = {k: tuple((int(n), int(b)) for n, b in v) for k, v in data.get("code_scratch", {}).items()}
         if "upstream" in data:  # written before the field was renamed
             data["outside"] = data.pop("upstream")
         if data.get("outside") is not None:

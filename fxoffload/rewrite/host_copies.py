@@ -13,7 +13,7 @@ from collections.abc import Collection, Mapping, Sequence
 
 import torch.fx as fx
 
-from ..analysis.code_memory import replay_pair
+from ..analysis.code_copies import replay_pair
 from ..analysis.graph import storage_users
 from ..analysis.memory import MemoryTimeline, bytes_over_points
 from ..ir import OFFLOAD, RELOAD, WAIT, is_transfer
@@ -102,11 +102,13 @@ def replay_switched_off(
     outside_backward: int,
     copies: Sequence[HostCopy],
     switched_off: Collection[str],
-    scratch: tuple[tuple[str, int], ...] = (),
+    scratch: Mapping[str, Sequence[tuple[int, int]]] | None = None,
 ) -> MemoryTimeline | None:
-    """The replay of the code Inductor generated (``analysis.code_memory.replay_pair``), the host copies
-    of ``switched_off`` counted on the device (their offloads keep a copy there), the matmuls'
-    ``scratch`` counted where they run. None until both graphs are compiled, and with ``inner="aot_eager"``."""
+    """The replay of the code Inductor generated (``analysis.code_copies.replay_pair``), the host copies
+    of ``switched_off`` counted on the device (their offloads keep a copy there), the calls' measured
+    ``scratch`` (``(line, bytes)`` by graph) counted where they run. None until both graphs are
+    compiled, and with ``inner="aot_eager"``."""
     kept = switched_off_hosts(copies, switched_off)
     listed = [(c.host_name, c.first, c.nbytes) for c in copies] if kept else ()
-    return replay_pair(output_code, num_fwd_outputs, outside, outside_backward, listed, kept, scratch)
+    by_line = tuple((phase, line, b) for phase, lines in sorted((scratch or {}).items()) for line, b in lines)
+    return replay_pair(output_code, num_fwd_outputs, outside, outside_backward, listed, kept, by_line)
