@@ -142,6 +142,25 @@ def returned_names(code: str) -> set[str]:
     return set(re.findall(r"\w+", code.rsplit("return", 1)[-1]))
 
 
+class ConvStack(torch.nn.Module):
+    """Convolutions, GroupNorms and SiLUs, as in a diffusion UNet's blocks: Inductor lays the
+    convolutions' operands out channels-last."""
+
+    def __init__(self):
+        super().__init__()
+        nn = torch.nn
+        self.c1, self.g1 = nn.Conv2d(3, 16, 3, padding=1), nn.GroupNorm(4, 16)
+        self.c2, self.g2 = nn.Conv2d(16, 16, 3, padding=1), nn.GroupNorm(4, 16)
+        self.c3, self.g3 = nn.Conv2d(16, 32, 3, stride=2, padding=1), nn.GroupNorm(4, 32)
+        self.c4 = nn.Conv2d(32, 3, 1)
+
+    def forward(self, x):
+        silu = torch.nn.functional.silu
+        x = silu(self.g1(self.c1(x)))
+        x = silu(self.g2(self.c2(x))) + x
+        return self.c4(silu(self.g3(self.c3(x)))).pow(2).mean()
+
+
 def measured_example(name, backend):
     """``measured_steady_step`` of a training step of ``fxoffload.testing.models.example(name)`` compiled with
     ``backend`` (a non-scalar output is reduced to a loss): the peak bytes above the step's start."""

@@ -346,25 +346,6 @@ def test_predicted_within_5_percent_of_the_cpu_allocator(name, policy):
     assert abs(predicted / measured - 1) < 0.01, (name, policy, measured, predicted, fx_predicted)
 
 
-class _ConvNet(torch.nn.Module):
-    """Convolutions, GroupNorms and SiLUs, as in a diffusion UNet's blocks: Inductor lays the
-    convolutions' operands out channels-last."""
-
-    def __init__(self):
-        super().__init__()
-        nn = torch.nn
-        self.c1, self.g1 = nn.Conv2d(3, 16, 3, padding=1), nn.GroupNorm(4, 16)
-        self.c2, self.g2 = nn.Conv2d(16, 16, 3, padding=1), nn.GroupNorm(4, 16)
-        self.c3, self.g3 = nn.Conv2d(16, 32, 3, stride=2, padding=1), nn.GroupNorm(4, 32)
-        self.c4 = nn.Conv2d(32, 3, 1)
-
-    def forward(self, x):
-        silu = torch.nn.functional.silu
-        x = silu(self.g1(self.c1(x)))
-        x = silu(self.g2(self.c2(x))) + x
-        return self.c4(silu(self.g3(self.c3(x)))).pow(2).mean()
-
-
 def test_a_convolutions_scratch_is_measured_on_the_layouts_inductor_runs(monkeypatch):
     """oneDNN's convolution backward on channels-last operands holds its weight gradient's buffer and
     dense copies inside the call. The replay counts each call's scratch measured alone on the layouts
@@ -373,12 +354,12 @@ def test_a_convolutions_scratch_is_measured_on_the_layouts_inductor_runs(monkeyp
     low (235088), as it was 11% low on a new user's UNet."""
     from fxoffload.compiler import pair
 
-    from .conftest import measured_steady_step
+    from .conftest import ConvStack, measured_steady_step
 
     def replayed() -> tuple[int, int]:
         torch._dynamo.reset()
         torch.manual_seed(0)
-        model, x = _ConvNet(), torch.randn(2, 3, 16, 16)
+        model, x = ConvStack(), torch.randn(2, 3, 16, 16)
         backend = fxoffload.backend(offload_cpu=True, policy="none", min_bytes=0)
         compiled = torch.compile(model, backend=backend)
         measured, _ = measured_steady_step(model, lambda: compiled(x).backward())

@@ -240,3 +240,21 @@ def test_a_budgets_offloads_priced_again_where_their_calls_cost_more(monkeypatch
     assert "the host bound the forward and backward" in why and "stalled" not in why, why
     assert not report.offloaded and _by_torch(report), report.table()
     assert "recompute_cheaper" in {r.reason_code for r in report.saved}, report.table()
+
+
+def test_verify_peak_compiles_the_graph_unchanged_without_torchs_recompute():
+    """To judge a plan, ``verify_peak`` compiles its graph without offloading: no budget, and so no
+    ``recompute="inductor"`` (which needs one). It kept that option, and the compile raised
+    "recompute='inductor' says what recomputes to meet a memory_budget, and none is set" (a
+    stack of convolutions at 60%, as a new user's UNet)."""
+    from .conftest import ConvStack
+
+    torch.manual_seed(0)
+    model, x = ConvStack(), torch.randn(2, 3, 16, 16)
+    backend = _backend("inductor", memory_budget=0.6, verify_peak=True, offload_cpu=True)
+    compiled = torch.compile(model, backend=backend)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the budget's verdict: not what this test is about
+        compiled(x).backward()
+    (report,) = backend.reports
+    assert "verify_peak: the code without offloading, not built" in [c.what for c in report.timings.spent]

@@ -187,8 +187,9 @@ class GraphCompiler:
         return OffloadPartitioner(self.register, opts, outside, graph_id, target, late, measured)
 
     def _unchanged_partitioner(self, opts: OffloadOptions, pair: PlannedPair) -> OffloadPartitioner:
-        """A partitioner for ``pair``'s graph without offloading (what ``backend="inductor"`` compiles)."""
-        plain = opts.replace(policy="none", memory_budget=None, offload_modules=())
+        """A partitioner for ``pair``'s graph without offloading (what ``backend="inductor"`` compiles):
+        no budget, and so no ``recompute="inductor"`` either (which needs one)."""
+        plain = opts.replace(policy="none", memory_budget=None, recompute="fxoffload", offload_modules=())
         return self._partitioner(plain, pair.outside, pair.graph_id, judged_here=True)
 
     def spent(self, round: int = 0) -> tuple[CompileSpent, ...]:
