@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import fxoffload
-from fxoffload.analysis.code_memory import extern_calls, simulate_forward_code, simulate_output_code
+from fxoffload.analysis.code_memory import extern_calls, returned_strides, simulate_forward_code, simulate_output_code
 from fxoffload.analysis.output_code import statements
 from fxoffload.sizes import span_bytes as storage_bytes
 from fxoffload.measure.allocator import track_cpu_frees
@@ -237,6 +237,14 @@ def test_extern_calls_name_the_layouts_the_code_gives_their_operands():
     assert calls[1].args.startswith("reinterpret_tensor(buf3, (8, 32), (1, 8), 0), ")
     with pytest.raises(ValueError, match="the size 's0' is symbolic"):
         extern_calls(code.replace("(2, 8, 4, 4), (128, 1, 32, 8), torch.bfloat16", "(s0, 8, 4, 4), (128, 1, 32, 8), torch.bfloat16"))
+
+
+def test_a_forwards_output_strides_as_its_code_lays_them_out():
+    """``returned_strides``: what Inductor tells AOTAutograd of a forward it compiled, read from the code
+    (a code-only lowering tells it from here): a buffer's ``empty_strided``, an argument's
+    ``get_args``, a view's ``reinterpret_tensor``; nothing for code with symbolic sizes."""
+    assert returned_strides(FW) == [(), (64, 1), (64, 1), (1, 64)]
+    assert returned_strides(FW.replace("empty_strided_cpu((8, 64)", "empty_strided_cpu((s0, 64)")) == []
 
 
 def test_offload_is_host_memory_reload_allocates_and_wait_aliases():

@@ -258,3 +258,15 @@ def test_verify_peak_compiles_the_graph_unchanged_without_torchs_recompute():
         compiled(x).backward()
     (report,) = backend.reports
     assert "verify_peak: the code without offloading, not built" in [c.what for c in report.timings.spent]
+    # The plan kept, the report says what Inductor's code peaks at without it, above the plan's code.
+    assert report.unchanged_code_peak > report.compiled_memory().peak_bytes
+    peak = fxoffload.sizes.fmt_bytes(report.unchanged_code_peak)
+    assert f"peak of Inductor's code without offloading: {peak} (lowered by verify_peak" in report.summary()
+    # That code, lowered for itself alone, is the code Inductor runs: the forward's output strides
+    # (channels-last copies of the weights, saved) told to the backward's lowering as a whole compile
+    # tells them (``_compat._report_output_strides``). Not told, its backward re-laid the weights out
+    # and peaked higher than Inductor's own (820.3 against 737.6 KiB on a UNet).
+    torch._dynamo.reset()
+    inductors = fxoffload.backend(offload_cpu=True, policy="none")  # Inductor's code, replayed
+    torch.compile(model, backend=inductors)(x).backward()
+    assert report.unchanged_code_peak == inductors.reports[0].compiled_memory().peak_bytes

@@ -221,6 +221,7 @@ def compile_with_inductor(
     graph_patches: Callable[[fx.GraphModule], dict[str, Any]] | None = None,
     not_donated: Callable[[fx.GraphModule], frozenset[str]] | None = None,
     join_runs: TransferOps | None = None,
+    output_strides: Callable[[str], list[tuple[int, ...] | None]] | None = None,
 ) -> Callable[..., Any]:
     """Inductor's ``compile_fx`` with our partitioner plugged in for the duration of this compile.
     ``on_output_code(kind, code)`` receives the wrapper code Inductor generates for each graph it
@@ -233,18 +234,25 @@ def compile_with_inductor(
     ``graph_patches(graph)``: Inductor config patched while that graph (the partitioned forward or
     backward, also one lowered lazily at the first backward call) is lowered. ``not_donated(graph)``: a
     backward's placeholders whose buffers Inductor must not reuse (``donated.lowering_backward``).
-    ``join_runs``: the transfer ops whose runs Inductor's schedule joins, and keeps dependencies in (``scheduler_runs``)."""
+    ``join_runs``: the transfer ops whose runs Inductor's schedule joins, and keeps dependencies in (``scheduler_runs``).
+    ``output_strides(code)``: with ``code_only``, the strides of a forward's outputs read from its code,
+    told to AOTAutograd as a finished compile tells them (``_report_output_strides``)."""
     from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 
     if code_only and on_output_code is None:
         raise ValueError("fxoffload: compile_with_inductor(code_only=True) needs on_output_code, where the code goes")
     forward_call: list[tuple[Any, dict[str, Any]]] = []
 
-    def until_code(graph: fx.GraphModule, inputs: Any, kwargs: dict[str, Any], on_code: Callable[[str], None]) -> Any:
-        """``compile_fx_inner`` stopped once ``on_code`` has the wrapper code (``_code_only_stub``)."""
+    def until_code(
+        graph: fx.GraphModule, inputs: Any, kwargs: dict[str, Any], on_code: Callable[[str], None], forward: bool = False
+    ) -> Any:
+        """``compile_fx_inner`` stopped once ``on_code`` has the wrapper code (``_code_only_stub``);
+        a ``forward`` reports its outputs' strides first, as a whole compile does (``_report_output_strides``)."""
 
         def sink(code: str) -> None:
             on_code(code)
+            if forward and output_strides is not None:
+                _report_output_strides(output_strides(code))
             raise _CodeOnly()
 
         with capture_output_code(sink):
@@ -282,7 +290,7 @@ def compile_with_inductor(
                 return compile_fx_inner(graph, inputs, **kwargs)
             kind = "backward" if kwargs.get("is_backward") else "inference" if kwargs.get("is_inference") else "forward"
             if code_only:
-                return until_code(graph, inputs, kwargs, lambda code: on_output_code(kind, code))
+                return until_code(graph, inputs, kwargs, lambda code: on_output_code(kind, code), kind == "forward")
             with capture_output_code(lambda code: on_output_code(kind, code)):
                 return compile_fx_inner(graph, inputs, **kwargs)
 
@@ -290,6 +298,19 @@ def compile_with_inductor(
     patches["custom_partitioner_fn"] = partitioner
     with _no_autograd_cache():
         return compile_fx(gm, example_inputs, inner_compile=inner_compile, config_patches=patches)
+
+
+def _report_output_strides(strides: list[tuple[int, ...] | None]) -> None:
+    """A forward's output strides, told to AOTAutograd as a finished compile tells them
+    (``set_tracing_context_output_strides``), which gives them to the backward's saved inputs. A compile
+    stopped at its code tells nothing, and the backward was lowered for the traced strides: contiguous
+    weights where the forward saves channels-last copies, another backward than the one that runs
+    (a UNet's peaked 11% above Inductor's own)."""
+    from torch._guards import TracingContext
+
+    context = TracingContext.try_get()
+    if context is not None and context.output_strides is not None and not context.output_strides:
+        context.output_strides.extend(strides)
 
 
 def raised_from(e: BaseException | None, kind: type[BaseException]) -> bool:

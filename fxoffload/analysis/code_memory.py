@@ -74,13 +74,14 @@ from ..sizes import cuda_block_bytes, span_bytes
 from .memory import CATEGORIES, MemoryPoint, MemoryTimeline
 from .output_code import (
     ASSIGN, NAME, Statement, arg_names, asserted_layouts, base_name, call_body, eval_ints, module_args,
-    parse_dtype, returned_names, split_args, statements,
+    parse_dtype, returned_names, returned_values, split_args, statements,
 )
 
 log = logging.getLogger(__name__)
 
 __all__ = [
-    "CUBLAS_WORKSPACE_BYTES", "ExternCall", "extern_calls", "simulate_forward_code", "simulate_output_code",
+    "CUBLAS_WORKSPACE_BYTES", "ExternCall", "extern_calls", "returned_strides", "simulate_forward_code",
+    "simulate_output_code",
 ]
 
 # cuBLAS's workspace on sm90 and later (CublasHandlePool.cpp: 4096 * 8 * 1024 when major >= 9), one
@@ -396,18 +397,40 @@ def simulate_forward_code(
     return _timeline(state, outside, 0)
 
 
+def returned_strides(code: str) -> list[tuple[int, ...] | None]:
+    """The strides of what a wrapper returns, in order, as its code lays them out: what Inductor tells
+    AOTAutograd of a forward it compiled, for the backward's saved inputs. None for a value the code
+    gives no layout; empty for code this reader does not know (symbolic sizes)."""
+    try:
+        stmts, state = _walked(code, {})
+    except ValueError:
+        return []
+    out: list[tuple[int, ...] | None] = []
+    for value in returned_values(stmts):
+        if value.startswith("reinterpret_tensor("):
+            out.append(eval_ints(split_args(value[len("reinterpret_tensor(") : -1])[2], {}, value))
+        else:
+            out.append(state.layouts[value][1] if value in state.layouts else None)
+    return out
+
+
+def _walked(code: str, symbols: Mapping[str, int]) -> tuple[list[Statement], _State]:
+    """One wrapper's statements, replayed from its ``get_args`` alone (``extern_calls``)."""
+    stmts = statements(code) if call_body(code) else []
+    if not stmts:
+        raise ValueError("code: no 'def call(...)' with statements found; pass Inductor's Python wrapper code")
+    state = _State(cuda=_is_cuda_code(code))
+    _bind_forward_args(state, arg_names(stmts), module_args(code, symbols), set())
+    _run("forward", stmts, state, symbols, {})
+    return stmts, state
+
+
 def extern_calls(code: str, symbols: Mapping[str, int] | None = None) -> list[ExternCall]:
     """The fallback and extern kernel calls of one wrapper (a forward or a backward), each with the
     layouts of the buffers it names as the replay finds them: what ``measure.standalone`` runs alone
     to measure the scratch a replay counts at their lines (``scratch``). Raises ``ValueError`` for
     code this reader does not know, and for symbolic sizes not in ``symbols``."""
-    stmts = statements(code) if call_body(code) else []
-    if not stmts:
-        raise ValueError("code: no 'def call(...)' with statements found; pass Inductor's Python wrapper code")
-    state = _State(cuda=_is_cuda_code(code))
-    _bind_forward_args(state, arg_names(stmts), module_args(code, dict(symbols or {})), set())
-    _run("forward", stmts, state, dict(symbols or {}), {})
-    return state.calls
+    return _walked(code, dict(symbols or {}))[1].calls
 
 
 def _timeline(state: _State, outside: int, outside_backward: int) -> MemoryTimeline:

@@ -31,7 +31,8 @@ import torch
 __all__ = [
     "Statement", "Transfer", "arg_names", "asserted_layouts", "base_name", "call_body", "eval_ints", "is_kernel",
     "is_materialised_call", "may_launch", "module_args", "op_name", "parse_dtype", "readers",
-    "read_offloads", "returned_names", "reused_reloads", "split_args", "statements", "transfers", "triton_kernel",
+    "read_offloads", "returned_names", "returned_values", "reused_reloads", "split_args", "statements", "transfers",
+    "triton_kernel",
 ]  # fmt: skip
 
 _KERNEL = re.compile(
@@ -212,14 +213,19 @@ def statements(code: str) -> list[Statement]:
     return out
 
 
-def returned_names(stmts: Sequence[Statement]) -> list[str | None]:
-    """Base names of the last ``return``, one per value (None for a constant or ``None``)."""
+def returned_values(stmts: Sequence[Statement]) -> list[str]:
+    """The values of the last ``return``, as text (``buf3``, ``reinterpret_tensor(buf2, ...)``, ``None``)."""
     for _, stmt, _ in reversed(stmts):
         if stmt.startswith("return"):
             m = _RETURN.match(stmt)
-            values = [a for a in split_args(m.group(1)) if a] if m else []
-            return [None if a == "None" or not re.match(r"[A-Za-z_]", a) else base_name(a) for a in values]
+            return [a for a in split_args(m.group(1)) if a] if m else []
     return []
+
+
+def returned_names(stmts: Sequence[Statement]) -> list[str | None]:
+    """Base names of the last ``return``, one per value (None for a constant or ``None``)."""
+    values = returned_values(stmts)
+    return [None if a == "None" or not re.match(r"[A-Za-z_]", a) else base_name(a) for a in values]
 
 
 def readers(code: str, name: str) -> list[int]:

@@ -15,6 +15,7 @@ import torch.fx as fx
 
 from .. import _compat
 from ..analysis.code_copies import replay_forward
+from ..analysis.code_memory import returned_strides
 from ..analysis.lifetimes import returns_only_scalars
 from ..analysis.memory import MemoryTimeline
 from ..analysis.outside import OutsideMemory
@@ -85,6 +86,7 @@ class GraphCompiler:
             compiled = on_roomy_stack(
                 _compat.compile_with_inductor, graph, example_inputs, partitioner, patches, sink, code_only, after,
                 graph_patches=lowering_config, not_donated=host_placeholders, join_runs=_TRANSFERS,
+                output_strides=returned_strides,
             )
         except Exception as e:
             same = _compat.raised_from(e, PlanCompiledBefore)
@@ -343,7 +345,7 @@ class GraphCompiler:
                 "fxoffload: graph %d: Inductor's code peaks at %s with the plan, %s without it",
                 pair.graph_id, fmt_bytes(timeline.peak_bytes), fmt_bytes(base.peak_bytes),
             )  # fmt: skip
-            return compiled, pair
+            return compiled, pair.with_report(unchanged_code_peak=base.peak_bytes)
         swapped = with_peak_not_lowered(unchanged, pair, timeline, base.peak_bytes)
         log.info("fxoffload: graph %d: %s", pair.graph_id, swapped.plan.note)
         return None, swapped  # it changes nothing: ``compile`` compiles it as Inductor does

@@ -212,6 +212,11 @@ def summary(report: OffloadReport) -> str:
         peak = report.peak_breakdown("compiled")
         node = _cut(peak.node, 72)
         lines.append(f"  peak of Inductor's generated code: {fmt_bytes(peak.total)} at {node} ({peak.kinds()})")
+    if report.unchanged_code_peak is not None:
+        lines.append(
+            f"  peak of Inductor's code without offloading: {fmt_bytes(report.unchanged_code_peak)} "
+            "(lowered by verify_peak to judge the plan, replayed)"
+        )
     if report.memory_budget is not None:
         expected = compiled if compiled is not None and compiled.points else report.memory_after
         reached = expected.peak_bytes if expected is not None else 0

@@ -181,6 +181,9 @@ class OffloadReport:
     # Scratch bytes the code's fallback and extern kernels allocate inside their calls, by graph and
     # line, measured on the code's layouts: the replay counts it (the ``PlannedPair``'s, shared).
     code_scratch: dict[str, tuple[tuple[int, int], ...]] = dataclasses.field(default_factory=dict)
+    # The replayed peak of Inductor's code for this graph without offloading, where ``verify_peak``
+    # lowered it to judge the plan and kept the plan: what ``backend="inductor"`` would peak at.
+    unchanged_code_peak: int | None = None
 
     @property
     def outside_bytes(self) -> int:
