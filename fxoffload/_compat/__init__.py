@@ -243,30 +243,10 @@ def compile_with_inductor(
         raise ValueError("fxoffload: compile_with_inductor(code_only=True) needs on_output_code, where the code goes")
     forward_call: list[tuple[Any, dict[str, Any]]] = []
 
-    def until_code(
-        graph: fx.GraphModule, inputs: Any, kwargs: dict[str, Any], on_code: Callable[[str], None], forward: bool = False
-    ) -> Any:
-        """``compile_fx_inner`` stopped once ``on_code`` has the wrapper code (``_code_only_stub``);
-        a ``forward`` reports its outputs' strides first, as a whole compile does (``_report_output_strides``)."""
-
-        def sink(code: str) -> None:
-            on_code(code)
-            if forward and output_strides is not None:
-                _report_output_strides(output_strides(code))
-            raise _CodeOnly()
-
-        with capture_output_code(sink):
-            try:
-                return compile_fx_inner(graph, inputs, **kwargs)
-            except Exception as e:
-                if not raised_from(e, _CodeOnly):
-                    raise
-                return _code_only_stub
-
     def lower_like_forward(graph: fx.GraphModule) -> str:
         inputs, kwargs = forward_call[-1]
         codes: list[str] = []
-        until_code(graph, inputs, kwargs, codes.append)
+        _until_code(graph, inputs, kwargs, codes.append)
         if not codes:
             raise RuntimeError("fxoffload: Inductor generated no wrapper code for the graph lowered like the forward")
         return codes[0]
@@ -290,7 +270,8 @@ def compile_with_inductor(
                 return compile_fx_inner(graph, inputs, **kwargs)
             kind = "backward" if kwargs.get("is_backward") else "inference" if kwargs.get("is_inference") else "forward"
             if code_only:
-                return until_code(graph, inputs, kwargs, lambda code: on_output_code(kind, code), kind == "forward")
+                strides = output_strides if kind == "forward" else None
+                return _until_code(graph, inputs, kwargs, lambda code: on_output_code(kind, code), strides)
             with capture_output_code(lambda code: on_output_code(kind, code)):
                 return compile_fx_inner(graph, inputs, **kwargs)
 
@@ -298,6 +279,29 @@ def compile_with_inductor(
     patches["custom_partitioner_fn"] = partitioner
     with _no_autograd_cache():
         return compile_fx(gm, example_inputs, inner_compile=inner_compile, config_patches=patches)
+
+
+def _until_code(
+    graph: fx.GraphModule, inputs: Any, kwargs: dict[str, Any], on_code: Callable[[str], None],
+    output_strides: Callable[[str], list[tuple[int, ...] | None]] | None = None,
+) -> Any:
+    """``compile_fx_inner`` stopped once ``on_code`` has the wrapper code (``_code_only_stub``); with
+    ``output_strides``, a forward's outputs' strides reported first, as a whole compile does."""
+    from torch._inductor.compile_fx import compile_fx_inner
+
+    def sink(code: str) -> None:
+        on_code(code)
+        if output_strides is not None:
+            _report_output_strides(output_strides(code))
+        raise _CodeOnly()
+
+    with capture_output_code(sink):
+        try:
+            return compile_fx_inner(graph, inputs, **kwargs)
+        except Exception as e:
+            if not raised_from(e, _CodeOnly):
+                raise
+            return _code_only_stub
 
 
 def _report_output_strides(strides: list[tuple[int, ...] | None]) -> None:
