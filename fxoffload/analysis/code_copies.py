@@ -86,7 +86,7 @@ def _replay_cached(
     forward: str, backward: str, num_fwd_outputs: int | None, outside: int, outside_backward: int,
     scratch: tuple[tuple[str, int, int], ...] = (),
 ) -> MemoryTimeline:
-    kw = {"scratch": _by_line(scratch), "outside": outside, "outside_backward": outside_backward}
+    kw = {"scratch": {(p, line): b for p, line, b in scratch}, "outside": outside, "outside_backward": outside_backward}
     return simulate_output_code(forward, backward, num_fwd_outputs, **kw)
 
 
@@ -104,18 +104,20 @@ def replay_pair(
     outside_backward: int = 0,
     copies: Sequence[tuple[str, int, int]] = (),
     kept: Collection[str] = (),
-    scratch: tuple[tuple[str, int, int], ...] = (),
+    scratch: Mapping[str, Sequence[tuple[int, int]]] | None = None,
 ) -> MemoryTimeline | None:
     """``simulate_output_code`` of a pair's wrapper codes (``{"forward": ..., "backward": ...}``), once
     per distinct codes and arguments. None until both graphs are compiled, and for code this reader
     does not know (a new Inductor): no figure then, never a failure. ``kept``: host placeholders of
     copies switched off at run time, counted on the device (``kept_in_replay``; ``copies`` as there).
-    ``scratch``: ``(phase, line, bytes)`` of the calls' measured scratch (``simulate_output_code``)."""
+    ``scratch``: ``(line, bytes)`` of the calls' measured scratch by graph ("forward", "backward";
+    ``simulate_output_code``)."""
     forward, backward = output_code.get("forward"), output_code.get("backward")
     if not forward or not backward:
         return None
     try:
-        args = (forward, backward, num_fwd_outputs, outside, outside_backward, tuple(scratch))
+        flat = tuple((phase, line, b) for phase, lines in sorted((scratch or {}).items()) for line, b in lines)
+        args = (forward, backward, num_fwd_outputs, outside, outside_backward, flat)
         if kept:
             return _replay_kept_cached(*args, copies=tuple(copies), kept=frozenset(kept))
         return _replay_cached(*args)
@@ -126,15 +128,12 @@ def replay_pair(
 
 def replay_forward(
     forward: str, saved_dtypes: Sequence[torch.dtype | None], outside: int = 0,
-    scratch: tuple[tuple[str, int, int], ...] = (),
+    scratch: Sequence[tuple[int, int]] = (),
 ) -> MemoryTimeline | None:
-    """``simulate_forward_code`` of a pair's forward code; None for code this reader does not know."""
+    """``simulate_forward_code`` of a pair's forward code, ``scratch`` by line as in ``replay_pair``;
+    None for code this reader does not know."""
     try:
-        return simulate_forward_code(forward, saved_dtypes, _by_line(scratch), outside)
+        return simulate_forward_code(forward, saved_dtypes, {("forward", line): b for line, b in scratch}, outside)
     except ValueError as e:
         log.debug("fxoffload: cannot replay the generated forward: %s", e)
         return None
-
-
-def _by_line(scratch: Sequence[tuple[str, int, int]]) -> dict[tuple[str, int], int]:
-    return {(phase, line): nbytes for phase, line, nbytes in scratch}

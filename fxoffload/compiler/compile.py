@@ -382,8 +382,7 @@ class GraphCompiler:
             self._inside.append(("verify_peak: the forward without offloading, in the plan's compile, not built",
                                  time.perf_counter() - start))  # fmt: skip
         outside = pair.outside.outside(unchanged.kept_bytes) if pair.outside is not None else 0
-        scratch = tuple(("forward", line, b) for line, b in code_scratch(code, pair.plan.costs))
-        forward = replay_forward(code, unchanged.saved_dtypes, outside, scratch)
+        forward = replay_forward(code, unchanged.saved_dtypes, outside, code_scratch(code, pair.plan.costs))
         if forward is not None and forward.points:
             self._unchanged_forward_peak[pair.graph_id] = (pair.outside, forward.peak_bytes)
 

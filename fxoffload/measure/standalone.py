@@ -217,8 +217,11 @@ def _key(node: fx.Node, device: torch.device) -> tuple[Any, ...]:
     # On a CPU the thread count is part of the op: oneDNN picks its convolution algorithm, and so its
     # scratch, per thread count (the CNN's convolution backwards measured at 8 threads put 1.6% more
     # on a steady step's peak run at 1 thread), and a process changes its thread count between graphs.
-    threads = torch.get_num_threads() if device.type == "cpu" else None
-    return (node.target, _signature(node.args), _signature(node.kwargs), str(device), threads)
+    return (node.target, _signature(node.args), _signature(node.kwargs), str(device), _threads(device))
+
+
+def _threads(device: torch.device) -> int | None:
+    return torch.get_num_threads() if device.type == "cpu" else None
 
 
 def op_temporaries(graphs: Iterable[fx.GraphModule], device: torch.device) -> dict[fx.Node, int]:
@@ -274,9 +277,10 @@ def _inputs(node: fx.Node, device: torch.device) -> tuple[Callable[..., Any], An
 
 
 def _call_key(call: ExternCall, device: torch.device) -> tuple[Any, ...]:
-    threads = torch.get_num_threads() if device.type == "cpu" else None
-    text = _WORD.sub(lambda m: f"<{list(call.operands).index(m.group())}>" if m.group() in call.operands else m.group(), call.args)
-    return (call.op, text, tuple(call.operands.values()), str(device), threads)
+    """A call's text with its operands numbered, their layouts, and the device and thread count (``_key``)."""
+    names = list(call.operands)
+    text = _WORD.sub(lambda m: f"<{names.index(m.group())}>" if m.group() in call.operands else m.group(), call.args)
+    return (call.op, text, tuple(call.operands.values()), str(device), _threads(device))
 
 
 def _runnable(call: ExternCall) -> Callable[..., Any] | None:

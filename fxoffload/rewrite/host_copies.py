@@ -110,5 +110,4 @@ def replay_switched_off(
     compiled, and with ``inner="aot_eager"``."""
     kept = switched_off_hosts(copies, switched_off)
     listed = [(c.host_name, c.first, c.nbytes) for c in copies] if kept else ()
-    by_line = tuple((phase, line, b) for phase, lines in sorted((scratch or {}).items()) for line, b in lines)
-    return replay_pair(output_code, num_fwd_outputs, outside, outside_backward, listed, kept, by_line)
+    return replay_pair(output_code, num_fwd_outputs, outside, outside_backward, listed, kept, scratch)
