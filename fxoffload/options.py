@@ -73,8 +73,9 @@ class OffloadOptions:
     # still be hidden; an offload's wait goes where its copy is predicted done). An int: fixed, that
     # many compute nodes (reloads before their first use, waits after the copy starts).
     prefetch: int | None = None
-    # Target for the predicted peak device memory: bytes (int or "12GiB"), or a float in (0, 1] as a
-    # fraction of the predicted peak without offloading. On top of policy="auto", tensors whose copies
+    # Target for the peak device memory: bytes (int or "12GiB"), or a float in (0, 1] as a fraction
+    # of the peak without offloading (that of Inductor's code, lowered first for its code alone and
+    # replayed, where it can be; else the FX model's). On top of policy="auto", tensors whose copies
     # cannot be hidden are offloaded too, cheapest predicted stall per byte first, until it fits.
     memory_budget: int | float | None = None
     # With memory_budget: raise instead of warning when the budget cannot be reached.
@@ -284,7 +285,8 @@ class OffloadOptions:
 
 
 def parse_budget(value: Any) -> int | float:
-    """memory_budget: bytes (int or size string), or a float in (0, 1] (fraction of the baseline),
+    """memory_budget: bytes (int or size string), or a float in (0, 1] (fraction of the peak without
+    offloading: ``planning.budget.budget_bytes``),
     or a percentage string ("60%": 0.6). Fewer than 512 bytes (the allocator's smallest block) is
     refused: ``1`` meant as all of the peak would be a budget of one byte."""
     if isinstance(value, str) and value.strip().endswith("%"):

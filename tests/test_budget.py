@@ -72,7 +72,7 @@ def test_a_budget_the_code_misses_is_planned_again_and_met_when_measured(inducto
     assert "planned again: Inductor's code of plan 1" in report.summary()
     code = report.compiled_memory().peak_bytes
     assert code <= report.memory_budget * 1.03, report.summary()
-    assert re.search(r"memory_budget: [\d.]+ MiB \(met\)", report.summary()), report.summary()
+    assert re.search(r"memory_budget: [\d.]+ MiB(, \d+% of that)? \(met\)", report.summary()), report.summary()
     assert not [s for s in said if "not met" in s or "cannot be reached" in s], said
     # Measured: the CPU allocator's events of a steady step, above what was live at its start.
     assert measured <= _above_start(report, report.memory_budget) * 1.03, (measured, report.summary())
@@ -250,3 +250,57 @@ def test_a_plan_again_that_takes_nothing_more_is_not_lowered_again(caplog):
     torch._dynamo.reset()
     (expected,) = torch.autograd.grad(torch.compile(model, backend="inductor")(img)[:, 0].sum(), img)
     assert torch.equal(grad, expected)
+
+
+def test_a_fraction_is_of_the_peak_of_inductors_code_without_offloading():
+    """``memory_budget=0.9`` is 90% of what Inductor's code peaks at without offloading (that code
+    lowered first, for its code alone, and replayed), not of the FX model's peak: on convolutions
+    with GroupNorms the model counts no convolution scratch and is 18% under the code, so 90% of it
+    asked for less than the user meant and was "NOT met" by a plan that is within 90% of Inductor's
+    peak. Measured, the plan's step peaks where its code replays."""
+    from .conftest import ConvStack
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model, x = ConvStack(), torch.randn(2, 3, 16, 16)
+    backend = fxoffload.backend(offload_cpu=True, min_bytes=0, cpu_link_bandwidth="2GB/s", memory_budget=0.9)
+    compiled = torch.compile(model, backend=backend)
+    measured, caught = measured_steady_step(model, lambda: compiled(x).backward())
+    (report,) = backend.reports
+    torch._dynamo.reset()
+    inductors = fxoffload.backend(offload_cpu=True, policy="none")  # Inductor's code, replayed
+    plain = torch.compile(model, backend=inductors)
+    plain_measured, _ = measured_steady_step(model, lambda: plain(x).backward())  # one thread, as above
+    unchanged = inductors.reports[0].compiled_memory().peak_bytes
+    assert report.unchanged_code_peak == unchanged
+    assert abs(plain_measured - (unchanged - report.start_bytes)) <= 0.01 * plain_measured
+    assert report.memory_budget == int(0.9 * unchanged)
+    assert int(0.9 * report.predicted_peak_before) < report.compiled_memory().peak_bytes  # missed, by the model
+    assert report.compiled_memory().peak_bytes <= report.memory_budget, report.summary()
+    assert "90% of that (met)" in report.summary(), report.summary()
+    assert not [w for w in caught if "not met" in str(w.message)]
+    assert abs(measured - (report.compiled_memory().peak_bytes - report.start_bytes)) <= 0.01 * measured
+    # Lowered once: the plan's verify_peak judges against the same code.
+    spent = [c.what for c in report.timings.spent]
+    assert spent.count("the code without offloading, for memory_budget's fraction, not built") == 1, spent
+    assert not any(w.startswith("verify_peak") for w in spent), spent
+
+
+def test_planned_again_the_target_moves_from_what_the_first_plan_aimed_at():
+    """A fraction of the code's peak is judged in the code's bytes while the first plan aims at the
+    same fraction of the FX model's peak (``planning.budget.fit_target``; the UNet at 80%: a budget
+    of 590.1 KiB, a first aim of 495.0 KiB). Its code missed by 40.6 KiB: the next target is that aim
+    lowered by the miss, 454.4 KiB, not the budget lowered by it (549.5 KiB, which the first plan
+    had already gone below on the model)."""
+    from fxoffload.compiler.refine import Trial, refine
+
+    asked = []
+
+    def attempt(target):
+        asked.append(target)
+        aimed = 495_000 if target is None else target  # what the plan says it aimed at
+        return Trial(f"plan {len(asked)}", {None: 630_600, 454_400: 600_000}[target], aimed, budget=590_000)
+
+    best, trials = refine(None, attempt, limit=1, tolerance=0.03)
+    assert asked == [None, 495_000 - (630_600 - 590_000)]
+    assert best.value == "plan 2" and len(trials) == 2

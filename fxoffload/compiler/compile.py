@@ -16,8 +16,6 @@ import torch.fx as fx
 from .. import _compat
 from ..analysis.code_copies import replay_forward
 from ..analysis.code_memory import returned_strides
-from ..analysis.lifetimes import returns_only_scalars
-from ..analysis.memory import MemoryTimeline
 from ..analysis.outside import OutsideMemory
 from ..ir import OFFLOAD, RELOAD, TRANSFER_OPS, WAIT
 from ..options import OffloadOptions
@@ -28,11 +26,10 @@ from ..reporting.report import CompileSpent
 from ..sizes import fmt_bytes
 from .costs import code_scratch, read_outside
 from .lowering import host_placeholders, lowering_config, on_roomy_stack
-from .pair import PairRegister, PlannedPair
+from .pair import PairRegister, PlannedPair, new_graph_id
 from .partitioner import OffloadPartitioner, PlanChangesNothing, PlanCompiledBefore
 from .refine import Trial, attempt_quietly, lowest, refine, say
-from .verify import autos_own_picks, checked_model_floor, fit_is_lowest, plan_kept
-from .verify import unchanged_floor, with_peak_not_lowered
+from .verify import autos_own_picks, fit_is_lowest, needs_unchanged_code, plan_kept, with_peak_not_lowered
 
 log = logging.getLogger(__name__)
 
@@ -140,6 +137,12 @@ class GraphCompiler:
             compiled = self._inductor(gm, example_inputs, partitioner, patches)
             return compiled, self._keep(partitioner.pair)
         pristine = pristine if pristine is not None else copy_graph_module(gm)  # compile_fx may change gm
+        if isinstance(opts.memory_budget, float) and _compat.can_lower_backward_at_compile():
+            # A fraction of the peak of the code that would run without offloading: lowered first.
+            graph_id = partitioner.graph_id = graph_id if graph_id is not None else new_graph_id()
+            what = "the code without offloading, for memory_budget's fraction, not built"
+            self._judged_unchanged(pristine, example_inputs, opts, patches, outside, graph_id, what)
+            partitioner.code_peak = self._code_peak(opts, outside, graph_id)
         best = self._to_budget(gm, pristine, example_inputs, opts, patches, partitioner, checked)
         compiled, pair = best.value
         if pair is not None and checked and compiled is not None:
@@ -171,7 +174,7 @@ class GraphCompiler:
         lowered at its first call. The report keeps the early code where it was judged on it; where
         the early compile was stopped before lowering (no budget: nothing to judge), this code goes
         on it."""
-        unchanged = self._unchanged_partitioner(opts, pair)
+        unchanged = self._unchanged_partitioner(opts, pair.outside, pair.graph_id)
         log.debug("fxoffload: graph %d: the plan changes nothing; compiled as Inductor does", pair.graph_id)
         sink = pair.record_code if not pair.output_code else None
         what = "without offloading, as Inductor compiles it"
@@ -186,13 +189,26 @@ class GraphCompiler:
         # A backward lowered lazily (at its first call) is judged against the budget when its code comes.
         late = None if judged_here or opts.memory_budget is None else (lambda pair: check_budget(pair, opts.strict))
         measured = self._measured if opts.policy != "none" else None
-        return OffloadPartitioner(self.register, opts, outside, graph_id, target, late, measured)
+        made = OffloadPartitioner(self.register, opts, outside, graph_id, target, late, measured)
+        made.code_peak = self._code_peak(opts, outside, graph_id)
+        return made
 
-    def _unchanged_partitioner(self, opts: OffloadOptions, pair: PlannedPair) -> OffloadPartitioner:
-        """A partitioner for ``pair``'s graph without offloading (what ``backend="inductor"`` compiles):
-        no budget, and so no ``recompute="inductor"`` either (which needs one)."""
+    def _code_peak(self, opts: OffloadOptions, outside: OutsideMemory | None, graph_id: int | None) -> int | None:
+        """For a fractional memory_budget, the replayed peak of graph ``graph_id``'s code without
+        offloading, where it was lowered with ``outside`` held (``compile``): what it is a fraction of."""
+        cached = self._unchanged_code.get(graph_id) if graph_id is not None else None
+        if not isinstance(opts.memory_budget, float) or cached is None or cached[0] != outside:
+            return None
+        code = cached[1].code_memory()
+        return code.peak_bytes if code is not None and code.points else None
+
+    def _unchanged_partitioner(
+        self, opts: OffloadOptions, outside: OutsideMemory | None, graph_id: int | None
+    ) -> OffloadPartitioner:
+        """A partitioner for the graph without offloading (what ``backend="inductor"`` compiles): no
+        budget, and so no ``recompute="inductor"`` either (which needs one)."""
         plain = opts.replace(policy="none", memory_budget=None, recompute="fxoffload", offload_modules=())
-        return self._partitioner(plain, pair.outside, pair.graph_id, judged_here=True)
+        return self._partitioner(plain, outside, graph_id, judged_here=True)
 
     def spent(self, round: int = 0) -> tuple[CompileSpent, ...]:
         """The compiles of the graph being compiled, so far (one that failed included)."""
@@ -268,9 +284,10 @@ class GraphCompiler:
             if pair is None or timeline is None or not timeline.points or pair.memory_budget is None:
                 return Trial((compiled, pair if lowered else None), None, target, said=said)
             plan = pair.plan
-            lowest_reachable = fit_is_lowest(pair, timeline, target if target is not None else pair.memory_budget)
+            aimed = target if target is not None else plan.budget_target  # the first: a fraction of the model's
+            lowest_reachable = fit_is_lowest(pair, timeline, aimed if aimed is not None else pair.memory_budget)
             return Trial(
-                (compiled, pair), timeline.peak_bytes, target, lowest_reachable, said, pair.memory_budget,
+                (compiled, pair), timeline.peak_bytes, aimed, lowest_reachable, said, pair.memory_budget,
                 cost=plan.time_cost, raisable=plan.budget_chose,
             )  # fmt: skip
 
@@ -332,7 +349,8 @@ class GraphCompiler:
                 pair.graph_id, fmt_bytes(timeline.peak_bytes), fmt_bytes(forward[1]),
             )  # fmt: skip
             return compiled, pair
-        unchanged = self._judged_unchanged(pristine, example_inputs, opts, patches, pair)
+        what = "verify_peak: the code without offloading, not built"
+        unchanged = self._judged_unchanged(pristine, example_inputs, opts, patches, pair.outside, pair.graph_id, what)
         base = unchanged.code_memory() if unchanged is not None else None
         if base is None or not base.points:
             return compiled, pair
@@ -363,8 +381,8 @@ class GraphCompiler:
         timeline = pair.code_memory() if pair is not None else None
         if unchanged is None or timeline is None or not needs_unchanged_code(pair, timeline, opts):
             return
-        known = self._unchanged_forward_peak.get(pair.graph_id)
-        if known is not None and known[0] == pair.outside:
+        known = self._unchanged_forward_peak.get(pair.graph_id) or self._unchanged_code.get(pair.graph_id)
+        if known is not None and known[0] == pair.outside:  # that forward, or the whole pair, lowered before
             return
         # Not where the FX model's forward, which Inductor's fusion mostly lowers, peaks no higher than
         # the plan's code (the MLP's, at the backward's end): that code would not settle it.
@@ -392,17 +410,18 @@ class GraphCompiler:
         example_inputs: list[Any],
         opts: OffloadOptions,
         patches: dict[str, Any],
-        pair: PlannedPair,
+        outside: OutsideMemory | None,
+        graph_id: int,
+        what: str,
     ) -> PlannedPair | None:
-        """The pair of ``pair``'s graph without offloading, lowered for its code alone (no kernels
-        built: a plan swapped for it is compiled again as Inductor does), once per graph and what
-        code before it holds: a plan made again from measured times is judged against the same one.
-        None where it cannot be had."""
-        cached = self._unchanged_code.get(pair.graph_id)
-        if cached is not None and cached[0] == pair.outside:
+        """The pair of graph ``graph_id`` without offloading, lowered for its code alone (no kernels
+        built: a plan swapped for it is compiled again as Inductor does), once per graph and what code
+        before it holds (``outside``): a plan made again from measured times is judged against the same
+        one. None where it cannot be had."""
+        cached = self._unchanged_code.get(graph_id)
+        if cached is not None and cached[0] == outside:
             return cached[1]
-        unchanged = self._unchanged_partitioner(opts, pair)
-        what = "verify_peak: the code without offloading, not built"
+        unchanged = self._unchanged_partitioner(opts, outside, graph_id)
         try:
             attempt_quietly(
                 lambda: self._lowered(
@@ -411,36 +430,12 @@ class GraphCompiler:
             )
         except Exception as e:  # never fail a compile over a check: keep the plan, unchecked
             log.warning(
-                "fxoffload: graph %d: compiling it unchanged for verify_peak failed (%s); keeping the plan "
-                "unchecked", pair.graph_id, e,
+                "fxoffload: graph %d: compiling it unchanged (%s) failed (%s); going on without it", graph_id, what, e
             )  # fmt: skip
             return None
         if unchanged.pair is not None:
-            self._unchanged_code[pair.graph_id] = (pair.outside, unchanged.pair)
+            self._unchanged_code[graph_id] = (outside, unchanged.pair)
         return unchanged.pair
-
-
-def needs_unchanged_code(pair: PlannedPair, timeline: MemoryTimeline, opts: OffloadOptions) -> bool:
-    """Whether ``verify_peak`` needs code without offloading to judge ``pair``'s plan, whose code
-    ``timeline`` replays: it changes the graphs, returns a loss alone, and its code peaks above what
-    the unchanged code holds at the end of its forward anyway (``unchanged_floor``) and above where
-    the FX model, checked against the plan's code, puts the unchanged code (``checked_model_floor``)."""
-    if not pair.plan.changes_graphs or not timeline.points or not returns_only_scalars(pair.fw, pair.num_fwd_outputs):
-        return False
-    mine = autos_own_picks(pair.plan, opts.offload_modules)
-    saved = [(d.saved.producer, d.saved.nbytes) for d in pair.plan.decisions]
-    checked = checked_model_floor(pair.memory_before, pair.memory_after, timeline)
-    for floor, what in (
-        (unchanged_floor(pair.memory_before, saved, timeline), "what the unchanged code holds"),
-        (checked, "the FX model's unchanged peak, checked against the plan's code"),
-    ):
-        if floor is not None and plan_kept(timeline.peak_bytes, floor, mine):
-            log.debug(
-                "fxoffload: graph %d: Inductor's code peaks at %s, below %s (%s)",
-                pair.graph_id, fmt_bytes(timeline.peak_bytes), fmt_bytes(floor), what,
-            )  # fmt: skip
-            return False
-    return True
 
 
 def check_budget(pair: PlannedPair, strict: bool = False) -> None:

@@ -41,7 +41,7 @@ from ..analysis.graph import is_compute
 from ..analysis.lifetimes import GraphLifetimes
 from ..analysis.recompute import RecomputeOption
 from ..options import OffloadOptions
-from ..planning.budget import budget_bytes, planned_memory
+from ..planning.budget import budget_bytes, fit_target, planned_memory
 from ..planning.decisions import Decision, OffloadPlan, PlanCosts
 from ..planning.plan import ineligible_reason, plan_offloads
 from ..planning.policy import user_choice
@@ -99,7 +99,7 @@ def with_inductor_recompute(
     (saved views hoisted); ``plan_args``: the rest of
     ``plan_offloads``'s arguments (host bytes, what to keep)."""
     assert options.memory_budget is not None and costs.baseline is not None
-    budget = budget_target or budget_bytes(options.memory_budget, costs.baseline)
+    budget = fit_target(options.memory_budget, costs, budget_target)  # on the FX model
     first_bw = frozenset(n.name for n in pair[1].graph.nodes)
 
     def priced(activations: float | str) -> list[_Candidate] | None:
@@ -155,7 +155,7 @@ def with_inductor_recompute(
         len(plan.offloaded), chosen.cost * 1e3, len(candidates), len({c.budget for c in candidates}),
     )  # fmt: skip
     fw, bw = chosen.pair
-    budget = budget_bytes(options.memory_budget, costs.baseline)
+    budget = budget_bytes(options.memory_budget, costs)
     return fw, bw, _with_recomputed(plan, lifetimes, costs, chosen, budget, _fusion(chosen.pair[1], options))
 
 

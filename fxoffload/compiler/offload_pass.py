@@ -46,6 +46,7 @@ def offload_pass(
     budget_target: int | None = None,
     graph_id: int = -1,
     measured: Measured | None = None,
+    code_peak: int | None = None,
 ) -> tuple[fx.GraphModule, fx.GraphModule, OffloadPlan]:
     """The fxoffload pass on a partitioned pair: analyse, plan, rewrite. Returns the rewritten pair
     and the plan.
@@ -57,7 +58,8 @@ def offload_pass(
     compiler plans again after a miss. ``graph_id`` names the copies; ``measured``: what the device
     measured of this graph's copies under an earlier plan, which corrects the cost model (the tensors
     whose copies stalled are judged again on it; the last plan made from measurements keeps them, and
-    the last re-plan of ``auto`` offloads only what hid).
+    the last re-plan of ``auto`` offloads only what hid). ``code_peak``: the peak of Inductor's code
+    for the pair without offloading, replayed (``PlanCosts.code_peak``), where it was lowered.
     The pair is rewritten in place unless the plan recomputes something: then the returned pair is
     the new partition. The predicted memory before any change is ``(plan.partition_costs or
     plan.costs).baseline``; ``plan.costs.baseline`` is that of the pair the plan was made for.
@@ -69,14 +71,14 @@ def offload_pass(
     # 2. Costs: compute time of every node and the host link, on the graph's device; what could be
     #    recomputed instead, and for how much (for a memory_budget, or when a policy function may
     #    ask for it: then at any size, the planner applies min_bytes to its own choices only).
-    costs = plan_costs(fw, bw, lifetimes, options, num_fwd_outputs, static, outside)
+    context = _Context(options, num_fwd_outputs, static, outside, host_bytes_available, code_peak)
+    costs = context.costs(fw, bw, lifetimes)
     keep: dict[str, Reason] = {}
     if measured is not None:
         costs = measured.corrected(costs, options.op_time)  # the tensors that stalled judged again on it,
         keep = measured.keep() if measured.final else {}  # but by the last plan made from measurements
         if measured.only is not None:
             keep.update(_not_measured(lifetimes, options, measured.only, keep))
-    context = _Context(options, num_fwd_outputs, static, outside, host_bytes_available)
     if options.memory_budget is not None and options.recompute == "inductor" and repartition and not disabled_reason:
         kept = _torchs_recompute((fw, bw), lifetimes, costs, keep, measured, repartition, budget_target, context)
         if kept is not None:  # torch's partitioner recomputes, the plan offloads what hides on top
@@ -121,6 +123,12 @@ class _Context:
     static: tuple[int, ...]
     outside: OutsideMemory | None
     host_bytes_available: int | None
+    code_peak: int | None = None  # of the joint graph, whatever the partition: ``PlanCosts.code_peak``
+
+    def costs(self, fw: fx.GraphModule, bw: fx.GraphModule, lifetimes: GraphLifetimes) -> PlanCosts:
+        """The cost model of one partition of the pair (``compiler.costs.plan_costs``)."""
+        found = plan_costs(fw, bw, lifetimes, self.options, self.num_fwd_outputs, self.static, self.outside)
+        return dataclasses.replace(found, code_peak=self.code_peak)
 
 
 def _torchs_recompute(
@@ -138,7 +146,7 @@ def _torchs_recompute(
 
     def analyse(f: fx.GraphModule, b: fx.GraphModule) -> tuple[GraphLifetimes, PlanCosts]:
         found = _lifetimes(f, b, context.num_fwd_outputs, context.static)
-        new = plan_costs(f, b, found, context.options, context.num_fwd_outputs, context.static, context.outside)
+        new = context.costs(f, b, found)
         return found, measured.corrected(new, context.options.op_time) if measured is not None else new
 
     plan_args = {"host_bytes_available": context.host_bytes_available, "keep": keep}
@@ -214,7 +222,7 @@ def _second_plan(
 ) -> OffloadPlan:
     """The plan of the pair torch made with ``names`` tagged for recomputation."""
     lifetimes = _lifetimes(fw, bw, context.num_fwd_outputs, context.static)
-    costs = plan_costs(fw, bw, lifetimes, context.options, context.num_fwd_outputs, context.static, context.outside)
+    costs = context.costs(fw, bw, lifetimes)
     sources = recompute_sources(bw, names, frozenset(t.name for t in lifetimes.saved))
     return replan_after_recompute(
         plan, lifetimes, costs, context.options, sources, host_bytes_available=context.host_bytes_available

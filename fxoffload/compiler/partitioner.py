@@ -93,6 +93,9 @@ class OffloadPartitioner(_compat.CustomPartitionerFn):
         # budget's re-plans): one seen before stops the compile (``PlanCompiledBefore``). None: never.
         self.compiled_plans: set[tuple[str, str]] | None = None
         self.unchanged_forward: UnchangedForward | None = None
+        # The peak of Inductor's code for this graph without offloading, replayed, where it was lowered
+        # before the plan: a fractional memory_budget is a fraction of it (``PlanCosts.code_peak``).
+        self.code_peak: int | None = None
 
     def record_output_code(self, kind: str, code: str) -> None:
         """Inductor's wrapper code for the graphs of this pair (``PlannedPair.output_code``)."""
@@ -112,7 +115,10 @@ class OffloadPartitioner(_compat.CustomPartitionerFn):
 
     def uuid(self) -> Any:
         # Cache key part for Inductor; AOTAutograd's cache is off while we compile (see _compat).
-        return ("fxoffload", repr(self.options), self.budget_target, self.disabled_reason, self.measured is not None)
+        return (
+            "fxoffload", repr(self.options), self.budget_target, self.code_peak, self.disabled_reason,
+            self.measured is not None,
+        )  # fmt: skip
 
     def __call__(self, joint: fx.GraphModule, joint_inputs: Any, **kwargs: Any) -> tuple[fx.GraphModule, fx.GraphModule]:
         # 1. torch's min-cut partitioner may recompute, in the backward, a value that reads an input
@@ -161,7 +167,7 @@ class OffloadPartitioner(_compat.CustomPartitionerFn):
         fw, bw, plan = offload_pass(
             fw, bw, num_fwd_outputs, static, self.options, host_bytes_available=host_left,
             disabled_reason=self.disabled_reason, repartition=partition, outside=self.outside,
-            budget_target=self.budget_target, graph_id=graph_id, measured=self.measured,
+            budget_target=self.budget_target, graph_id=graph_id, measured=self.measured, code_peak=self.code_peak,
         )  # fmt: skip
         pass_s = time.perf_counter() - start - repartition_s[0]
         # 4. The memory model of the rewritten pair, and the pair with its report.

@@ -93,7 +93,8 @@ def refine(
         slack = trial.raisable and trial.peak < budget * raise_below
         if (over and trial.lowest_reachable) or not (over or slack):
             break
-        target = (target if target is not None else budget) - (trial.peak - budget)
+        aimed = trial.target if trial.target is not None else target  # a first plan may say what it aimed at
+        target = (aimed if aimed is not None else budget) - (trial.peak - budget)
         if target <= 0:
             break
         log.debug(

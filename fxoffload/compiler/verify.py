@@ -17,16 +17,23 @@ step, whose peak its saved tensors make, and no pair's own peak says that.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Iterable
 
+from ..analysis.lifetimes import returns_only_scalars
 from ..analysis.memory import MemoryTimeline
+from ..options import OffloadOptions
 from ..planning.decisions import OffloadPlan
 from ..reasons import Action, Reason, ReasonCode
 from ..reporting.report import saved_rows
 from ..sizes import fmt_bytes
 from .pair import PlannedPair
 
-__all__ = ["autos_own_picks", "checked_model_floor", "unchanged_floor", "with_peak_not_lowered"]
+log = logging.getLogger(__name__)
+
+__all__ = [
+    "autos_own_picks", "checked_model_floor", "needs_unchanged_code", "unchanged_floor", "with_peak_not_lowered",
+]
 
 # The FX model (fusing as Inductor does) stands in for the code without offloading only where it
 # agrees with the plan's own code this closely, at the peak and at the forward's; the figure it
@@ -145,3 +152,26 @@ def with_peak_not_lowered(unchanged: PlannedPair, planned: PlannedPair, peak: Me
         memory_budget=plan.memory_budget, replans=planned.report.replans,
     )  # fmt: skip
     return dataclasses.replace(unchanged, graph_id=planned.graph_id, plan=plan, report=report)
+
+
+def needs_unchanged_code(pair: PlannedPair, timeline: MemoryTimeline, opts: OffloadOptions) -> bool:
+    """Whether ``verify_peak`` needs code without offloading to judge ``pair``'s plan, whose code
+    ``timeline`` replays: it changes the graphs, returns a loss alone, and its code peaks above what
+    the unchanged code holds at the end of its forward anyway (``unchanged_floor``) and above where
+    the FX model, checked against the plan's code, puts the unchanged code (``checked_model_floor``)."""
+    if not pair.plan.changes_graphs or not timeline.points or not returns_only_scalars(pair.fw, pair.num_fwd_outputs):
+        return False
+    mine = autos_own_picks(pair.plan, opts.offload_modules)
+    saved = [(d.saved.producer, d.saved.nbytes) for d in pair.plan.decisions]
+    checked = checked_model_floor(pair.memory_before, pair.memory_after, timeline)
+    for floor, what in (
+        (unchanged_floor(pair.memory_before, saved, timeline), "what the unchanged code holds"),
+        (checked, "the FX model's unchanged peak, checked against the plan's code"),
+    ):
+        if floor is not None and plan_kept(timeline.peak_bytes, floor, mine):
+            log.debug(
+                "fxoffload: graph %d: Inductor's code peaks at %s, below %s (%s)",
+                pair.graph_id, fmt_bytes(timeline.peak_bytes), fmt_bytes(floor), what,
+            )  # fmt: skip
+            return False
+    return True

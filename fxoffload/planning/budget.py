@@ -26,8 +26,8 @@ from .trees import MinTree
 log = logging.getLogger(__name__)
 
 __all__ = [
-    "BUDGET_TOLERANCE", "BudgetFit", "budget_bytes", "budget_verdict", "decisions_hint", "fit_budget", "min_bytes_hint",
-    "off_device", "planned_memory", "times_said", "unreachable_budget",
+    "BUDGET_TOLERANCE", "BudgetFit", "budget_bytes", "budget_verdict", "decisions_hint", "fit_budget", "fit_target",
+    "min_bytes_hint", "off_device", "planned_memory", "times_said", "unreachable_budget",
 ]
 
 # A memory_budget is met when the peak is at most this much above it: the tolerance of a
@@ -35,9 +35,26 @@ __all__ = [
 BUDGET_TOLERANCE = 0.03
 
 
-def budget_bytes(budget: int | float, baseline: MemoryTimeline) -> int:
-    """``memory_budget`` in bytes: an int as it is, a float as a fraction of ``baseline``'s peak."""
-    return int(budget * baseline.peak_bytes) if isinstance(budget, float) else int(budget)
+def budget_bytes(budget: int | float, costs: PlanCosts) -> int:
+    """``memory_budget`` in bytes: an int as it is; a float a fraction of the peak of Inductor's code
+    without offloading (``costs.code_peak``), the code that would run, where it was lowered and
+    replayed, else of the FX model's (``costs.baseline``)."""
+    if not isinstance(budget, float):
+        return int(budget)
+    assert costs.baseline is not None
+    return int(budget * (costs.code_peak if costs.code_peak is not None else costs.baseline.peak_bytes))
+
+
+def fit_target(budget: int | float, costs: PlanCosts, budget_target: int | None) -> int:
+    """The peak the budget fit aims at on the FX model: ``budget_target`` (planned again after a
+    miss), else, for a fraction of the code's peak, the same fraction of the model's (the model's
+    bytes for the code's: the UNet's model is 16% under its code, counting no convolution scratch),
+    else the budget. ``compiler.refine`` moves it by what the code then peaks at."""
+    if budget_target is not None:
+        return budget_target
+    if isinstance(budget, float) and costs.code_peak is not None and costs.baseline is not None:
+        return int(budget * costs.baseline.peak_bytes)
+    return budget_bytes(budget, costs)
 
 
 def estimated_interval(t: SavedTensor, fw_points: int) -> tuple[int, int]:

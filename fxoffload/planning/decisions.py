@@ -53,6 +53,9 @@ class PlanCosts:
     # The device ``temporaries`` were measured on (``str(torch.device)``), where the calls of the
     # pair's compiled code are measured too (``compiler.costs.code_scratch``); None: not measured.
     scratch_on: str | None = None
+    # The peak of Inductor's code for this pair without offloading, lowered and replayed before the
+    # plan (``compiler.compile``): what a fractional memory_budget is a fraction of. None: not lowered.
+    code_peak: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)

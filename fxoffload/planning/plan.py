@@ -16,7 +16,7 @@ from ..analysis.recompute import RecomputeOption
 from ..options import OffloadOptions
 from ..reasons import Action, Reason, ReasonCode
 from ..sizes import CUDA_BLOCK_BYTES, fmt_bytes
-from .budget import budget_bytes, fit_budget, min_bytes_hint, unreachable_budget
+from .budget import budget_bytes, fit_budget, fit_target, min_bytes_hint, unreachable_budget
 from .decisions import Decision, OffloadPlan, PlanCosts, planned_host_bytes
 from .policy import user_choice
 from .schedule import HiddenSetChecker, OpAllowance, TransferTiming, fmt_ms, not_hidden, schedule_transfers
@@ -107,10 +107,11 @@ def plan_offloads(
     picks = _pick(asked, eligible, costs, options, host_bytes_available, reasons)
     recomputed: dict[str, RecomputeOption] = dict(asked.recomputes)
     extra: list[SavedTensor] = []
-    budget = fit_peak = None
+    budget = aim = fit_peak = None
     if options.memory_budget is not None and costs is not None and costs.baseline is not None:
-        budget = budget_bytes(options.memory_budget, costs.baseline)
-    if budget is not None and fit:
+        budget = budget_bytes(options.memory_budget, costs)
+        aim = fit_target(options.memory_budget, costs, budget_target)  # on the FX model
+    if budget is not None and aim is not None and fit:
         # The budget never overrides a user's choice: what the user decided is no candidate.
         sizes = {t.name: t.nbytes for t in lifetimes.saved}
         candidates = {
@@ -118,17 +119,17 @@ def plan_offloads(
         }
         host_left = None if host_bytes_available is None else host_bytes_available - picks.host_used
         fitted = fit_budget(
-            budget_target or budget, lifetimes.saved, picks.chosen, picks.left, candidates, costs, options,
+            aim, lifetimes.saved, picks.chosen, picks.left, candidates, costs, options,
             host_left, asked.recomputes, picks.later,
         )  # fmt: skip
         extra, fit_peak = fitted.offloads, fitted.peak
-        if fitted.peak > (budget_target or budget):
-            _say_budget_missed(fitted, budget_target or budget, lifetimes.saved, options, reasons)
+        if fitted.peak > aim:
+            _say_budget_missed(fitted, aim, lifetimes.saved, options, reasons)
         _say_budget_choices(fitted, budget, asked, recompute or {}, recomputed, reasons)
         picks.chosen.extend([*fitted.hidden, *extra])
     _say_recompute_sources(recomputed, reasons)
     made = _Made(lifetimes.saved, reasons, recomputed, recompute_refused or {}, costs, options,
-                 frozenset(t.name for t in extra), budget, budget_target, fit_peak)  # fmt: skip
+                 frozenset(t.name for t in extra), budget, aim if aim != budget else budget_target, fit_peak)  # fmt: skip
     plan = made.plan(picks.chosen)
     mine = [t for t in picks.chosen if t not in asked.offloads]
     if options.base_policy == "auto" and budget is None and mine and lifetimes.returns_only_scalars:

@@ -214,8 +214,8 @@ def summary(report: OffloadReport) -> str:
         lines.append(f"  peak of Inductor's generated code: {fmt_bytes(peak.total)} at {node} ({peak.kinds()})")
     if report.unchanged_code_peak is not None:
         lines.append(
-            f"  peak of Inductor's code without offloading: {fmt_bytes(report.unchanged_code_peak)} "
-            "(lowered by verify_peak to judge the plan, replayed)"
+            f"  peak of Inductor's code without offloading: {fmt_bytes(report.unchanged_code_peak)} (lowered for its "
+            "code alone, replayed)"
         )
     if report.memory_budget is not None:
         expected = compiled if compiled is not None and compiled.points else report.memory_after
@@ -223,7 +223,8 @@ def summary(report: OffloadReport) -> str:
         fits = "met" if reached <= report.memory_budget * (1 + BUDGET_TOLERANCE) else "NOT met"
         if fits == "met" and reached > report.memory_budget:
             fits = f"met: {fmt_bytes(reached - report.memory_budget)} above it, within its {BUDGET_TOLERANCE:.0%} tolerance"
-        lines.append(f"  memory_budget: {fmt_bytes(report.memory_budget)} ({fits})")
+        of = f", {report.memory_budget / report.unchanged_code_peak:.0%} of that" if report.unchanged_code_peak else ""
+        lines.append(f"  memory_budget: {fmt_bytes(report.memory_budget)}{of} ({fits})")
     lines.extend(f"  planned again: {r}" for r in report.replans)
     if report.left_as_planned:
         lines.append(f"  not planned again: {report.left_as_planned}")

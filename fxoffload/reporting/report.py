@@ -181,8 +181,9 @@ class OffloadReport:
     # Scratch bytes the code's fallback and extern kernels allocate inside their calls, by graph and
     # line, measured on the code's layouts: the replay counts it (the ``PlannedPair``'s, shared).
     code_scratch: dict[str, tuple[tuple[int, int], ...]] = dataclasses.field(default_factory=dict)
-    # The replayed peak of Inductor's code for this graph without offloading, where ``verify_peak``
-    # lowered it to judge the plan and kept the plan: what ``backend="inductor"`` would peak at.
+    # The replayed peak of Inductor's code for this graph without offloading, where it was lowered
+    # (for a fractional memory_budget, or by ``verify_peak`` to judge a plan it kept): what
+    # ``backend="inductor"`` would peak at.
     unchanged_code_peak: int | None = None
 
     @property
@@ -211,6 +212,7 @@ class OffloadReport:
         if costs is not None:
             fields.setdefault("predicted_compute_ms", (costs.fw_starts[-1] + costs.bw_starts[-1]) * 1e3)
             fields.setdefault("predicted_op_ms", costs.rates.op_time * len(plan.offloaded) * 1e3)
+            fields.setdefault("unchanged_code_peak", costs.code_peak)
         return cls(
             graph_id, plan.policy, rows, plan.note, fw.code, bw.code,
             len(fw.graph.nodes), len(bw.graph.nodes),

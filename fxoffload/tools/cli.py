@@ -111,8 +111,8 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"smaller saved tensors stay on the device, e.g. 1MiB (default: per built-in example, "
         f"{examples}; 1 MiB, the backend's, for your own model)")
     add("--budget", type=_budget, default=None, metavar="SIZE|FRACTION",
-        help="memory budget for the predicted peak: a size (12GiB), or a fraction (0.6, 60%%) of the peak "
-        "(default: none)")
+        help="memory budget for the peak: a size (12GiB), or a fraction (0.6, 60%%) of the peak of "
+        "Inductor's code without offloading (default: none)")
     add("--strict", action="store_true", help="fail when --budget cannot be reached (default: warn)")
     add("--bandwidth", type=_rate, default=None, metavar="BYTES_PER_S",
         help="host link bytes/s each way, e.g. 25GB/s (default: measured on a GPU, fixed on CPU)")
