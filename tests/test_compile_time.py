@@ -19,6 +19,7 @@ import fxoffload
 from fxoffload import _compat
 from fxoffload.analysis.memory import MemoryPoint, MemoryTimeline
 from fxoffload.compiler import compile as compile_module
+from fxoffload.compiler import verify as verify_module
 from fxoffload.compiler.compile import GraphCompiler, copy_graph_module
 from fxoffload.compiler.pair import PairRegister
 from fxoffload.compiler.partitioner import OffloadPartitioner
@@ -59,7 +60,7 @@ def judged_on_code(monkeypatch):
     """The FX model never stands in for the unchanged code (``checked_model_floor``): on ``_Probe``
     it agrees with the plan's code and puts the unchanged code 1.4% above it, enough to settle
     ``verify_peak`` alone; these tests are about the code lowered when it does not."""
-    monkeypatch.setattr(compile_module, "checked_model_floor", lambda *args: None)
+    monkeypatch.setattr(verify_module, "checked_model_floor", lambda *args: None)
 
 
 def _one_step(backend, name="mlp"):
@@ -224,7 +225,7 @@ def test_verify_peak_takes_the_model_at_its_word_where_it_agrees_with_the_plans_
     inductor = _probe_step(fxoffload.backend(offload_cpu=True, policy="none"), _DeepProbe)
     assert inductor.compiled_memory().peak_bytes > plan_peak
 
-    monkeypatch.setattr(compile_module, "checked_model_floor", lambda *args: None)
+    monkeypatch.setattr(verify_module, "checked_model_floor", lambda *args: None)
     counted.clear()
     torch._dynamo.reset()
     judged = _probe_step(fxoffload.backend(offload_cpu=True, policy="all", min_bytes=0), _DeepProbe)

@@ -219,7 +219,9 @@ def test_a_failing_second_partition_falls_back_to_offloads(inner, caplog):
     with pytest.MonkeyPatch.context() as mp, caplog.at_level("WARNING", logger="fxoffload"):
         mp.setattr(_compat, "call_partitioner", again_fails)
         got = _run(model, x, backend)
-    assert calls[:2] == [False, True], calls  # each plan (compile attempt): its partition, then again
+    # Under Inductor the graph's code without offloading is lowered first (the budget's fraction).
+    first = int(inner == "inductor" and _compat.can_lower_backward_at_compile())
+    assert calls[first : first + 2] == [False, True], calls  # each plan (compile attempt): its partition, then again
     (report,) = backend.reports
     assert not report.recomputed and report.offloaded, report.table()
     assert report.predicted_recompute_ms == 0
