@@ -17,6 +17,8 @@ import torch.nn.functional as F
 
 from fxoffload.testing.models import GPT, PRESETS, Seq2Seq, gpt_batch, seq2seq_batch
 
+from .unet import DiffusionUNet
+
 
 class WorkloadUnavailable(RuntimeError):
     """The workload cannot be built here (a missing optional package); the message says why."""
@@ -149,6 +151,12 @@ DIT_PRESETS = {
     "video-16k": dict(dim=1536, heads=24, tokens=16384, batch=1, blocks=4, bf16=True),
     "video-32k": dict(dim=3072, heads=24, tokens=32768, batch=1, blocks=2, bf16=True),
 }
+# A diffusion UNet (``bench.unet``): "tiny" is the small UNet of the CPU side by sides in
+# docs/results.md; "sd-64" has Stable Diffusion's first widths on 64x64 images (not yet run on a GPU).
+UNET_PRESETS = {
+    "tiny": dict(channels=(8, 16, 32), tdim=32, groups=4, image=16, batch=2),
+    "sd-64": dict(channels=(320, 640, 1280), tdim=320, groups=32, image=64, batch=8),
+}
 
 WORKLOADS: dict[str, tuple[str, ...]] = {
     "gpt": tuple(PRESETS),
@@ -158,6 +166,7 @@ WORKLOADS: dict[str, tuple[str, ...]] = {
     "seq2seq": tuple(SEQ2SEQ_PRESETS),
     "llama": tuple(LLAMA_PRESETS),
     "dit": tuple(DIT_PRESETS),
+    "unet": tuple(UNET_PRESETS),
 }
 
 
@@ -188,6 +197,8 @@ def build(
         return _llama(preset, device, batch)
     if name == "dit":
         return _dit(preset, device, batch)
+    if name == "unet":
+        return _unet(preset, device, batch)
     return _seq2seq(preset, device, batch)
 
 
@@ -371,4 +382,18 @@ def _dit(preset: str, device, batch: int | None) -> Workload:
         f"video diffusion transformer blocks: {kw['blocks']} x (dim {kw['dim']}, {kw['heads']} heads, "
         f"non-causal attention, adaLN), {kw['tokens']} tokens, batch {batch}, "
         f"{'bf16' if kw['bf16'] else 'fp32'} weights",
+    )  # fmt: skip
+
+
+def _unet(preset: str, device, batch: int | None) -> Workload:
+    kw = UNET_PRESETS[preset]
+    batch = batch or kw["batch"]
+    model = DiffusionUNet(kw["channels"], kw["tdim"], kw["groups"])
+    shape = (batch, 3, kw["image"], kw["image"])
+    g = torch.Generator().manual_seed(1)
+    x0, noise = torch.randn(shape, generator=g), torch.randn(shape, generator=g)
+    t = torch.randint(0, 1000, (batch,), generator=g)
+    return Workload(
+        "unet", preset, model, (x0.to(device), t.to(device), noise.to(device)), lambda m: list(m.blocks), batch,
+        "samples", f"diffusion UNet: channels {kw['channels']}, {kw['image']}x{kw['image']} images, batch {batch}",
     )  # fmt: skip

@@ -34,6 +34,8 @@ class Trial(Generic[T]):
 
     value: T
     peak: int | None
+    # The target it was planned for (None: the budget); a first attempt may say what it aimed at
+    # instead (a fraction of the code's peak is aimed at as that fraction of the FX model's).
     target: int | None = None
     # A lower target cannot lower this peak (the plan is the fit's smallest already, or nothing more
     # can be recomputed): the loop stops after it.
