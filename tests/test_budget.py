@@ -309,3 +309,67 @@ def test_planned_again_the_target_moves_from_what_the_first_plan_aimed_at():
     best, trials = refine(None, attempt, limit=1, tolerance=0.03)
     assert asked == [None, 495_000 - (630_600 - 590_000)]
     assert best.value == "plan 2" and len(trials) == 2
+
+
+def _costs(model_peak, code_peak):
+    from fxoffload.analysis.cost import DeviceRates
+    from fxoffload.analysis.memory import MemoryPoint, MemoryTimeline
+    from fxoffload.planning.decisions import PlanCosts
+
+    rates = DeviceRates("test", flops=1e12, memory_bandwidth=1e11, d2h=1e9, h2d=1e9, launch=0.0)
+    baseline = MemoryTimeline((MemoryPoint("forward", "x", {"saved": model_peak}),))
+    return PlanCosts(rates, (0.0, 1.0), (0.0, 1.0), baseline, code_peak=code_peak)
+
+
+def test_the_budget_in_bytes_and_what_the_fit_aims_at():
+    """A fraction is of the code's peak where it was replayed, and the fit aims at the same fraction
+    of the model's; bytes are bytes; without the code, both are of the model's peak. A plan made
+    with recomputation (its first pair's costs in ``partition_costs``) aimed at what its first pair's
+    fit aimed at, whatever target its own re-plans moved to (``first_aim``)."""
+    import dataclasses
+
+    from fxoffload.planning.budget import budget_bytes, first_aim, fit_target
+    from fxoffload.planning.decisions import OffloadPlan
+
+    code = _costs(800, 1000)  # the model 20% under the code (a UNet's convolutions' scratch)
+    assert (budget_bytes(0.6, code), fit_target(0.6, code, None)) == (600, 480)
+    assert fit_target(0.6, code, 400) == 400  # planned again for a lower target
+    assert (budget_bytes(512, code), fit_target(512, code, None)) == (512, 512)
+    model = _costs(800, None)
+    assert (budget_bytes(0.6, model), fit_target(0.6, model, None)) == (480, 480)
+    plan = OffloadPlan((), "auto", costs=_costs(900, 1000), partition_costs=code, budget_target=430)
+    assert first_aim(0.6, plan) == 480 and first_aim(None, plan) is None
+    assert first_aim(0.6, dataclasses.replace(plan, partition_costs=None)) == 540
+
+
+def test_a_fraction_lowers_no_code_first_where_there_is_no_pair_to_judge(monkeypatch):
+    """No backward (grad mode off), or sizes Dynamo keeps symbolic (its code cannot be replayed):
+    nothing lowered before the plan, the fraction of the model's peak. With fixed sizes and a
+    backward, the code is lowered once (the rule broken on purpose: always lowered)."""
+    from fxoffload.compiler import compile as compile_module
+
+    lowered = []
+    original = compile_module.GraphCompiler._judged_unchanged
+
+    def counted(self, *args):
+        lowered.append(args[-1])
+        return original(self, *args)
+
+    monkeypatch.setattr(compile_module.GraphCompiler, "_judged_unchanged", counted)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 8))
+
+    def run(grad=True, dynamic=False):
+        torch._dynamo.reset()
+        lowered.clear()
+        backend = fxoffload.backend(offload_cpu=True, min_bytes=0, memory_budget=0.6)
+        with torch.set_grad_enabled(grad), warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the budget's verdict: not what this test is about
+            out = torch.compile(model, backend=backend, dynamic=dynamic)(torch.randn(4, 32))
+            if grad:
+                out.pow(2).mean().backward()
+        return [w for w in lowered if "fraction" in w]
+
+    assert run(grad=False) == [] and run(dynamic=True) == []
+    assert len(run()) == 1
+    monkeypatch.setattr(compile_module, "_fraction_of_code", lambda gm: True)
+    assert len(run(grad=False)) == 1  # broken on purpose: an inference graph lowered for nothing

@@ -7,13 +7,13 @@ import logging
 from collections.abc import Callable, Mapping
 from typing import Any
 
-import torch
 import torch.fx as fx
 
 from ..options import OffloadOptions
 from ..planning.measured import learns_without_copies
 from ..reporting.report import OffloadReport
 from .compile import GraphCompiler, copy_graph_module
+from .dynamo_graph import static_shapes
 from .pair import PairRegister
 from .watch import CallWatch
 
@@ -77,7 +77,7 @@ class OffloadBackend:
         # Kept to plan again at run time (``CallWatch``): for what code before the graph holds there,
         # for the times its copies took.
         pristine = None
-        if (opts.memory_budget is not None or opts.base_policy == "auto") and _static_shapes(gm):
+        if (opts.memory_budget is not None or opts.base_policy == "auto") and static_shapes(gm):
             try:
                 pristine = copy_graph_module(gm)
             except Exception as e:  # then it is said, not planned again
@@ -91,21 +91,6 @@ class OffloadBackend:
         watch = CallWatch(self._compiler, pair, opts, pristine, self.outside_seen, self._ticks)
         self._watches.append(watch)
         return watch.wrap(compiled)
-
-
-def _static_shapes(gm: fx.GraphModule) -> bool:
-    """Every input of Dynamo's graph a tensor of fixed sizes: it can be compiled again from its
-    arguments at any call without fixing a size Dynamo left dynamic."""
-    try:
-        for node in gm.graph.find_nodes(op="placeholder"):
-            val = node.meta.get("example_value", node.meta.get("val"))
-            if not isinstance(val, torch.Tensor):
-                return False
-            if not all(isinstance(n, int) for n in (*val.shape, *val.stride(), val.storage_offset())):
-                return False
-    except Exception:  # a layout without strides (sparse, nested): not compiled again
-        return False
-    return True
 
 
 def backend(**options: Any) -> OffloadBackend:

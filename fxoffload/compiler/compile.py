@@ -19,12 +19,13 @@ from ..analysis.code_memory import returned_strides
 from ..analysis.outside import OutsideMemory
 from ..ir import OFFLOAD, RELOAD, TRANSFER_OPS, WAIT
 from ..options import OffloadOptions
-from ..planning.budget import BUDGET_TOLERANCE, budget_verdict, decisions_hint
+from ..planning.budget import BUDGET_TOLERANCE, budget_verdict, decisions_hint, first_aim
 from ..planning.measured import Measured
 from ..reasons import Reason, ReasonCode
 from ..reporting.report import CompileSpent
 from ..sizes import fmt_bytes
 from .costs import code_scratch, read_outside
+from .dynamo_graph import may_have_a_backward, may_return_only_scalars, static_shapes
 from .lowering import host_placeholders, lowering_config, on_roomy_stack
 from .pair import PairRegister, PlannedPair, new_graph_id
 from .partitioner import OffloadPartitioner, PlanChangesNothing, PlanCompiledBefore
@@ -137,7 +138,7 @@ class GraphCompiler:
             compiled = self._inductor(gm, example_inputs, partitioner, patches)
             return compiled, self._keep(partitioner.pair)
         pristine = pristine if pristine is not None else copy_graph_module(gm)  # compile_fx may change gm
-        if isinstance(opts.memory_budget, float) and _compat.can_lower_backward_at_compile():
+        if isinstance(opts.memory_budget, float) and _fraction_of_code(gm):
             # A fraction of the peak of the code that would run without offloading: lowered first.
             graph_id = partitioner.graph_id = graph_id if graph_id is not None else new_graph_id()
             what = "the code without offloading, for memory_budget's fraction, not built"
@@ -284,7 +285,7 @@ class GraphCompiler:
             if pair is None or timeline is None or not timeline.points or pair.memory_budget is None:
                 return Trial((compiled, pair if lowered else None), None, target, said=said)
             plan = pair.plan
-            aimed = target if target is not None else plan.budget_target  # the first: a fraction of the model's
+            aimed = target if target is not None else first_aim(opts.memory_budget, plan)
             lowest_reachable = fit_is_lowest(pair, timeline, aimed if aimed is not None else pair.memory_budget)
             return Trial(
                 (compiled, pair), timeline.peak_bytes, aimed, lowest_reachable, said, pair.memory_budget,
@@ -449,16 +450,12 @@ def check_budget(pair: PlannedPair, strict: bool = False) -> None:
     )  # fmt: skip
 
 
-def may_return_only_scalars(gm: fx.GraphModule) -> bool:
-    """False when Dynamo's graph returns something other than 0-dim tensors (Dynamo's example values):
-    then no pair of it returns a loss alone, and verify_peak need not lower its backward at compile
-    time. True where it cannot tell."""
-    outputs = gm.graph.output_node().args[0]
-    for o in outputs if isinstance(outputs, (tuple, list)) else (outputs,):
-        val = o.meta.get("example_value", o.meta.get("val")) if isinstance(o, fx.Node) else o
-        if isinstance(val, torch.Tensor) and val.dim() != 0:
-            return False
-    return True
+def _fraction_of_code(gm: fx.GraphModule) -> bool:
+    """Whether a fractional memory_budget is taken of the peak of ``gm``'s code without offloading:
+    where both graphs can be lowered at compile time, and their code replayed (fixed sizes), and
+    there may be a backward (else there is no pair, nor budget to judge)."""
+    return _compat.can_lower_backward_at_compile() and static_shapes(gm) and may_have_a_backward(gm)
+
 
 
 def copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:

@@ -222,7 +222,7 @@ def _alone(
     why = Reason(
         ReasonCode.RECOMPUTE_CHEAPER,
         f"{_named(activations)} recomputes {seconds * 1e3:.3g} ms a step, and the plan that meets "
-        f"memory_budget {fmt_bytes(budget)} for the least time (recomputation, stall and op calls) offloads "
+        f"memory_budget's target {fmt_bytes(budget)} on the memory model for the least time (recomputation, stall and op calls) offloads "
         "nothing of fxoffload's choosing",
     )
     mine = [t for t in lifetimes.saved if user_choice(t, options) is None and not ineligible_reason(t, options)]

@@ -27,7 +27,7 @@ log = logging.getLogger(__name__)
 
 __all__ = [
     "BUDGET_TOLERANCE", "BudgetFit", "budget_bytes", "budget_verdict", "decisions_hint", "fit_budget", "fit_target",
-    "min_bytes_hint", "off_device", "planned_memory", "times_said", "unreachable_budget",
+    "first_aim", "min_bytes_hint", "off_device", "planned_memory", "times_said", "unreachable_budget",
 ]
 
 # A memory_budget is met when the peak is at most this much above it: the tolerance of a
@@ -55,6 +55,16 @@ def fit_target(budget: int | float, costs: PlanCosts, budget_target: int | None)
     if isinstance(budget, float) and costs.code_peak is not None and costs.baseline is not None:
         return int(budget * costs.baseline.peak_bytes)
     return budget_bytes(budget, costs)
+
+
+def first_aim(budget: int | float | None, plan: OffloadPlan) -> int | None:
+    """What a plan made for no lower target aimed at (``fit_target`` on the first pair's costs),
+    before any correction its recomputation's own re-plans made (``compiler.offload_pass``): the
+    target ``compiler.refine`` moves by what the plan's code missed. None: no budget."""
+    costs = plan.partition_costs or plan.costs
+    if budget is None or costs is None or costs.baseline is None:
+        return None
+    return fit_target(budget, costs, None)
 
 
 def estimated_interval(t: SavedTensor, fw_points: int) -> tuple[int, int]:

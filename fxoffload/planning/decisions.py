@@ -65,8 +65,10 @@ class OffloadPlan:
     note: str = ""  # why the whole graph was left unchanged, if it was
     stall: float = 0.0  # predicted seconds the compute stream waits for copies
     memory_budget: int | None = None  # the user's memory_budget in bytes, when one was asked for
-    # The peak the budget fit aimed at: ``memory_budget``, or a lower target when a plan is made
-    # again because the last one missed the budget (``compiler.refine``).
+    # The peak the budget fit aimed at on the FX model: ``memory_budget``, a lower target when a plan
+    # is made again because the last one missed the budget (``compiler.refine``), or, for a fraction
+    # of the code's peak, the same fraction of the model's (``budget.fit_target``; above the budget
+    # where the model over-counts).
     budget_target: int | None = None
     costs: PlanCosts | None = None  # what the cost model predicted, when it was used
     wait_at_once: frozenset[str] = frozenset()  # offloads whose copies are not hidden (budget)
