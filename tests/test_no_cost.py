@@ -165,6 +165,10 @@ def test_memory_budget_plan_whose_code_peaks_higher_is_compiled_unchanged():
     (report,) = backend.reports
     assert not report.offloaded and "(verify_peak)" in report.note and report.memory_budget is not None
     assert measured == _baseline("mlp", "inductor")
+    # The code that runs is the code without offloading; the budget is 80% of its peak.
+    assert report.unchanged_code_peak == report.compiled_memory().peak_bytes
+    assert report.memory_budget == int(0.8 * report.unchanged_code_peak)
+    assert "80% of that (NOT met)" in report.summary(), report.summary()
     (said,) = [str(w.message) for w in caught if "is not met by the code" in str(w.message)]
     assert "without offloading: the budget's plan was dropped, Inductor's code with the plan peaks at" in said
 

@@ -149,7 +149,7 @@ def with_peak_not_lowered(unchanged: PlannedPair, planned: PlannedPair, peak: Me
     )  # fmt: skip
     report = dataclasses.replace(
         unchanged.report, graph_id=planned.graph_id, policy=plan.policy, note=why, saved=saved_rows(plan),
-        memory_budget=plan.memory_budget, replans=planned.report.replans,
+        memory_budget=plan.memory_budget, replans=planned.report.replans, unchanged_code_peak=base_peak,
     )  # fmt: skip
     return dataclasses.replace(unchanged, graph_id=planned.graph_id, plan=plan, report=report)
 

@@ -182,7 +182,7 @@ class OffloadReport:
     # line, measured on the code's layouts: the replay counts it (the ``PlannedPair``'s, shared).
     code_scratch: dict[str, tuple[tuple[int, int], ...]] = dataclasses.field(default_factory=dict)
     # The replayed peak of Inductor's code for this graph without offloading, where it was lowered
-    # (for a fractional memory_budget, or by ``verify_peak`` to judge a plan it kept): what
+    # (for a fractional memory_budget, or by ``verify_peak`` to judge a plan): what
     # ``backend="inductor"`` would peak at.
     unchanged_code_peak: int | None = None
 
