@@ -8,7 +8,7 @@ import dataclasses
 import logging
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.fx as fx
@@ -40,6 +40,7 @@ __all__ = ["GraphCompiler", "check_budget", "copy_graph_module"]
 _TRANSFERS = _compat.TransferOps(TRANSFER_OPS, OFFLOAD, RELOAD, WAIT)
 
 Compiled = Callable[..., Any]
+T = TypeVar("T")
 
 
 class GraphCompiler:
@@ -197,10 +198,10 @@ class GraphCompiler:
     def _code_peak(self, opts: OffloadOptions, outside: OutsideMemory | None, graph_id: int | None) -> int | None:
         """For a fractional memory_budget, the replayed peak of graph ``graph_id``'s code without
         offloading, where it was lowered with ``outside`` held (``compile``): what it is a fraction of."""
-        cached = self._unchanged_code.get(graph_id) if graph_id is not None else None
-        if not isinstance(opts.memory_budget, float) or cached is None or cached[0] != outside:
+        unchanged = _known(self._unchanged_code, graph_id, outside)
+        if not isinstance(opts.memory_budget, float) or unchanged is None:
             return None
-        code = cached[1].code_memory()
+        code = unchanged.code_memory()
         return code.peak_bytes if code is not None and code.points else None
 
     def _unchanged_partitioner(
@@ -343,11 +344,11 @@ class GraphCompiler:
         if timeline is None or not needs_unchanged_code(pair, timeline, opts):
             return compiled, pair
         mine = autos_own_picks(pair.plan, opts.offload_modules)
-        forward = self._unchanged_forward_peak.get(pair.graph_id)
-        if forward is not None and forward[0] == pair.outside and plan_kept(timeline.peak_bytes, forward[1], mine):
+        forward = _known(self._unchanged_forward_peak, pair.graph_id, pair.outside)
+        if forward is not None and plan_kept(timeline.peak_bytes, forward, mine):
             log.debug(
                 "fxoffload: graph %d: Inductor's code peaks at %s, below its forward without offloading (%s)",
-                pair.graph_id, fmt_bytes(timeline.peak_bytes), fmt_bytes(forward[1]),
+                pair.graph_id, fmt_bytes(timeline.peak_bytes), fmt_bytes(forward),
             )  # fmt: skip
             return compiled, pair
         what = "verify_peak: the code without offloading, not built"
@@ -382,8 +383,8 @@ class GraphCompiler:
         timeline = pair.code_memory() if pair is not None else None
         if unchanged is None or timeline is None or not needs_unchanged_code(pair, timeline, opts):
             return
-        known = self._unchanged_forward_peak.get(pair.graph_id) or self._unchanged_code.get(pair.graph_id)
-        if known is not None and known[0] == pair.outside:  # that forward, or the whole pair, lowered before
+        lowered = (self._unchanged_forward_peak, self._unchanged_code)  # that forward, or the whole pair
+        if any(_known(table, pair.graph_id, pair.outside) is not None for table in lowered):
             return
         # Not where the FX model's forward, which Inductor's fusion mostly lowers, peaks no higher than
         # the plan's code (the MLP's, at the backward's end): that code would not settle it.
@@ -419,9 +420,9 @@ class GraphCompiler:
         built: a plan swapped for it is compiled again as Inductor does), once per graph and what code
         before it holds (``outside``): a plan made again from measured times is judged against the same
         one. None where it cannot be had."""
-        cached = self._unchanged_code.get(graph_id)
-        if cached is not None and cached[0] == outside:
-            return cached[1]
+        cached = _known(self._unchanged_code, graph_id, outside)
+        if cached is not None:
+            return cached
         unchanged = self._unchanged_partitioner(opts, outside, graph_id)
         try:
             attempt_quietly(
@@ -448,6 +449,15 @@ def check_budget(pair: PlannedPair, strict: bool = False) -> None:
         pair.graph_id, pair.memory_budget, pair.code_memory(), predicted, pair.report.replans, strict, hint,
         dropped=pair.plan.note if swapped else "",
     )  # fmt: skip
+
+
+def _known(
+    table: dict[int, tuple[OutsideMemory | None, T]], graph_id: int | None, outside: OutsideMemory | None
+) -> T | None:
+    """What ``table`` keeps of graph ``graph_id`` lowered with ``outside`` held (None: nothing, or
+    kept for another outside)."""
+    entry = table.get(graph_id) if graph_id is not None else None
+    return entry[1] if entry is not None and entry[0] == outside else None
 
 
 def _fraction_of_code(gm: fx.GraphModule) -> bool:
