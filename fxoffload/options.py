@@ -42,7 +42,7 @@ def parse_bytes(value: Any, name: str) -> int:
                 raise ValueError(
                     f"fxoffload: {name}={value!r} is not a whole number of bytes; use an int, or a size with a "
                     "unit such as '512KiB' or '1.5GiB'"
-                    + (" (a fraction of the predicted peak is a float: 0.6, not '0.6')" if name == "memory_budget" else "")
+                    + (" (a fraction of the peak without offloading is a float: 0.6, not '0.6')" if name == "memory_budget" else "")
                 )
             return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
         if value.strip().startswith("-") and _SIZE.match(value.strip()[1:]):
@@ -195,7 +195,7 @@ class OffloadOptions:
         if self.recompute == "inductor" and self.memory_budget is None:
             raise ValueError(
                 "fxoffload: recompute='inductor' says what recomputes to meet a memory_budget, and none is set; "
-                "give memory_budget too (a fraction of the predicted peak such as 0.5, or bytes such as '12GiB')"
+                "give memory_budget too (a fraction of the peak without offloading such as 0.5, or bytes such as '12GiB')"
             )
         if self.recompute == "inductor" and self.partitioner != "min_cut":
             raise ValueError(
@@ -296,14 +296,14 @@ def parse_budget(value: Any) -> int | float:
             raise ValueError(f"fxoffload: cannot parse memory_budget={value!r}; a percentage such as '60%'") from None
         if not 0.0 < fraction <= 1.0:
             raise ValueError(
-                f"fxoffload: memory_budget={value!r}: a percentage of the predicted peak must be over 0% and at "
+                f"fxoffload: memory_budget={value!r}: a percentage of the peak without offloading must be over 0% and at "
                 "most 100%; use an int or a size string such as '12GiB' for bytes"
             )
         value = fraction
     if isinstance(value, float):
         if not 0.0 < value <= 1.0:
             raise ValueError(
-                f"fxoffload: memory_budget={value!r}: a float is a fraction of the predicted peak and must "
+                f"fxoffload: memory_budget={value!r}: a float is a fraction of the peak without offloading and must "
                 "be in (0, 1]; use an int or a size string such as '12GiB' for bytes"
             )
         return value
@@ -311,7 +311,7 @@ def parse_budget(value: Any) -> int | float:
     if nbytes < 512:
         raise ValueError(
             f"fxoffload: memory_budget={value!r} means {nbytes} B, under the allocator's smallest block (512); "
-            "a fraction of the predicted peak is a float (1.0 for all of it, 0.6) or a percentage ('60%'), "
+            "a fraction of the peak without offloading is a float (1.0 for all of it, 0.6) or a percentage ('60%'), "
             "bytes an int or a size such as '12GiB'"
         )
     return nbytes

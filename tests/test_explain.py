@@ -151,7 +151,7 @@ def test_cli_user_factory(tmp_path):
         (["explain", "--model", "nope"], "expected one of gpt, cnn, seq2seq, mlp or FILE.py:FUNCTION"),
         (["explain", "--model", "missing.py:make"], "no such file 'missing.py'"),
         (["frobnicate"], "invalid choice: 'frobnicate'"),
-        (["explain", "--budget", "1.5"], "a float is a fraction of the predicted peak"),
+        (["explain", "--budget", "1.5"], "a float is a fraction of the peak without offloading"),
         (["explain", "--budget", "lots"], "cannot parse memory_budget='lots'"),
         (["explain", "--bandwidth", "fast"], "cannot parse rate='fast'; a rate is bytes per second"),
         (["explain", "--cpu-link", "2GB/s"], "--cpu-link sets the CPU copy threads' speed; it needs --offload-cpu"),

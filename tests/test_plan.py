@@ -189,3 +189,33 @@ def test_every_reason_code_is_documented():
     section = guide.split("## Reason codes", 1)[1].split("\n## ", 1)[0]
     missing = [c.value for c in ReasonCode if f"`{c.value}`" not in section]
     assert not missing, f"add these codes to the table in docs/user-guide.md: {missing}"
+
+
+def test_a_missed_aim_names_the_budget_and_what_the_fit_aimed_at():
+    """Planned again for a lower target after the code missed (``budget_target``), an unreachable aim is
+    said as the user's memory_budget and the predicted peak aimed at; where the fit aims at the budget
+    itself, the budget alone is named."""
+    from fxoffload.analysis.cost import DeviceRates
+    from fxoffload.analysis.memory import MemoryPoint, MemoryTimeline
+    from fxoffload.planning.decisions import PlanCosts
+
+    mib = 1 << 20
+    rates = DeviceRates("test", flops=1e12, memory_bandwidth=1e11, d2h=1e9, h2d=1e9, launch=0.0)
+    points = tuple(
+        MemoryPoint("forward" if i < 10 else "backward", f"n{i}", {"other": 2 * mib, "saved": 4 * mib if 3 <= i <= 17 else 0})
+        for i in range(20)
+    )  # fmt: skip
+    starts = tuple(i * 1e-3 for i in range(11))
+    costs = PlanCosts(rates, starts, starts, MemoryTimeline(points))
+    lifetimes = GraphLifetimes((saved("t", fw_last_use=3, bw_first_use=7),), 10, 10, ("cuda",))
+    options = OffloadOptions(policy="auto", min_bytes=0, memory_budget="5MiB")
+    with pytest.warns(RuntimeWarning) as said:
+        planned = plan_offloads(lifetimes, options, costs=costs, budget_target=mib)
+    (message,) = [str(w.message) for w in said]
+    assert message.startswith(
+        "fxoffload: memory_budget 5.0 MiB (aiming the predicted peak at 1.0 MiB) cannot be reached: the smallest "
+        "predicted peak is 6.0 MiB (at forward node n3)"
+    ), message
+    assert (planned.memory_budget, planned.budget_target) == (5 * mib, mib)
+    with pytest.warns(RuntimeWarning, match=r"memory_budget 1.0 MiB cannot be reached: the smallest"):
+        plan_offloads(lifetimes, options.replace(memory_budget=mib), costs=costs)

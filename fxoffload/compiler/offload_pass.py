@@ -208,7 +208,8 @@ def _recompute_or_offload(
                 raise
     if budget is not None and best.peak > budget:
         hint = decisions_hint(best.value[2])
-        unreachable_budget(budget, best.peak, planned_memory(best.value[2]).peak, options.strict, hint)
+        at = planned_memory(best.value[2]).peak
+        unreachable_budget(first.memory_budget or budget, best.peak, at, options.strict, hint, budget)
     elif len(trials) > 1:
         log.info("fxoffload: of %d plans tried for memory_budget %s, the chosen one peaks at %s",
                  len(trials), fmt_bytes(budget or 0), fmt_bytes(best.peak or 0))  # fmt: skip

@@ -325,11 +325,15 @@ def _covers(interval: tuple[int, int], point: int) -> bool:
     return interval[0] <= point <= interval[1]
 
 
-def unreachable_budget(budget: int, peak: int, at: MemoryPoint, strict: bool, hint: str = "") -> None:
+def unreachable_budget(
+    budget: int, peak: int, at: MemoryPoint, strict: bool, hint: str = "", aim: int | None = None
+) -> None:
     """Say that ``budget`` cannot be reached, with the smallest predicted ``peak`` (at point ``at``)
-    and ``hint`` (``min_bytes_hint``): a RuntimeWarning, or a ValueError with ``strict=True``."""
+    and ``hint`` (``min_bytes_hint``): a RuntimeWarning, or a ValueError with ``strict=True``.
+    ``aim``: the predicted peak the fit aimed at where it is not the budget (``fit_target``)."""
+    aimed = f" (aiming the predicted peak at {fmt_bytes(aim)})" if aim is not None and aim != budget else ""
     message = (
-        f"fxoffload: memory_budget {fmt_bytes(budget)} cannot be reached: the smallest predicted peak "
+        f"fxoffload: memory_budget {fmt_bytes(budget)}{aimed} cannot be reached: the smallest predicted peak "
         f"is {fmt_bytes(peak)} (at {at.phase} node {at.node}){hint}; applying that plan"
     )
     if strict:

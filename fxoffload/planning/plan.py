@@ -124,7 +124,7 @@ def plan_offloads(
         )  # fmt: skip
         extra, fit_peak = fitted.offloads, fitted.peak
         if fitted.peak > aim:
-            _say_budget_missed(fitted, aim, lifetimes.saved, options, reasons)
+            _say_budget_missed(fitted, budget, aim, lifetimes.saved, options, reasons)
         _say_budget_choices(fitted, budget, asked, recompute or {}, recomputed, reasons)
         picks.chosen.extend([*fitted.hidden, *extra])
     _say_recompute_sources(recomputed, reasons)
@@ -259,10 +259,11 @@ def auto_offload_bytes(plan: OffloadPlan, costs: PlanCosts, options: OffloadOpti
 
 
 def _say_budget_missed(
-    fitted, target: int, saved: Sequence[SavedTensor], options: OffloadOptions, reasons: dict[str, Reason]
+    fitted, budget: int, aim: int, saved: Sequence[SavedTensor], options: OffloadOptions, reasons: dict[str, Reason]
 ) -> None:
-    """The fit missed ``target``: what it left untaken says why (auto's reason stays, its code with it),
-    and the budget is said unreachable, naming what ``min_bytes`` kept from it (``min_bytes_hint``)."""
+    """The fit missed ``aim`` (its target for ``budget``): what it left untaken says why (auto's reason
+    stays, its code with it), and the budget is said unreachable, naming what ``min_bytes`` kept from it
+    (``min_bytes_hint``)."""
     at = fitted.lowest
     for name in fitted.untaken & reasons.keys():
         reasons[name] = Reason(
@@ -271,7 +272,7 @@ def _say_budget_missed(
             f"misses ({at.phase} node {at.node})",
         )
     hint = min_bytes_hint((t.nbytes, reasons[t.name]) for t in saved if t.name in reasons)
-    unreachable_budget(target, fitted.peak, at, options.strict, hint)
+    unreachable_budget(budget, fitted.peak, at, options.strict, hint, aim)
 
 
 def _say_budget_choices(
