@@ -1,9 +1,10 @@
 """A diffusion UNet trained on the noise-prediction loss: the convolution-heavy workload of people
 training image and video diffusion models (GroupNorm, SiLU, strided convolutions, nearest
 upsampling, ``cat`` skips, a timestep embedding added in every residual block). Inductor runs its
-convolutions channels-last; oneDNN and cuDNN hold scratch inside their calls, which the FX graph's
-memory model does not see and the replay of Inductor's code measures (``docs/results.md``, the
-nineteenth and twentieth sessions)."""
+convolutions channels-last; oneDNN and cuDNN hold scratch inside their calls, and the forward saves
+channels-last copies of the weights: the replay of Inductor's code measures both, the FX graph's
+memory model counts them from that code (``analysis.memory.CodeFacts``; ``docs/results.md``, the
+nineteenth to twenty-first sessions)."""
 
 from __future__ import annotations
 

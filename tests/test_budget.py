@@ -260,9 +260,11 @@ def test_a_plan_again_that_takes_nothing_more_is_not_lowered_again(caplog):
 def test_a_fraction_is_of_the_peak_of_inductors_code_without_offloading():
     """``memory_budget=0.9`` is 90% of what Inductor's code peaks at without offloading (that code
     lowered first, for its code alone, and replayed), not of the FX model's peak: on convolutions
-    with GroupNorms the model counts no convolution scratch and is 18% under the code, so 90% of it
-    asked for less than the user meant and was "NOT met" by a plan that is within 90% of Inductor's
-    peak. Measured, the plan's step peaks where its code replays."""
+    with GroupNorms the model alone counts neither the convolutions' scratch nor the channels-last
+    copies of their weights the forward saves and is 18% under the code, so 90% of it asked for less
+    than the user meant and was "NOT met" by a plan that is within 90% of Inductor's peak. What that
+    code showed is in the model of the plan (``memory.CodeFacts``): then within 1% of it. Measured,
+    the plan's step peaks where its code replays."""
     from .conftest import ConvStack
 
     torch._dynamo.reset()
@@ -280,7 +282,7 @@ def test_a_fraction_is_of_the_peak_of_inductors_code_without_offloading():
     assert report.unchanged_code_peak == unchanged
     assert abs(plain_measured - (unchanged - report.start_bytes)) <= 0.01 * plain_measured
     assert report.memory_budget == int(0.9 * unchanged)
-    assert int(0.9 * report.predicted_peak_before) < report.compiled_memory().peak_bytes  # missed, by the model
+    assert abs(report.predicted_peak_before / unchanged - 1) < 0.01, (report.predicted_peak_before, unchanged)
     assert report.compiled_memory().peak_bytes <= report.memory_budget, report.summary()
     assert "90% of that (met)" in report.summary(), report.summary()
     assert not [w for w in caught if "not met" in str(w.message)]

@@ -379,3 +379,85 @@ def test_a_convolutions_scratch_is_measured_on_the_layouts_inductor_runs(monkeyp
     monkeypatch.setattr(pair, "code_scratch", lambda code, costs: ())
     measured_unscratched, predicted = replayed()
     assert measured_unscratched == measured and predicted < 0.95 * measured, (predicted, measured)
+
+
+def test_the_fx_model_counts_what_the_code_without_offloading_showed(monkeypatch):
+    """Where a graph's code without offloading was lowered before its plan (a fractional budget), what
+    it showed that the FX graphs do not is in the FX model of the plan (``memory.CodeFacts``): its
+    calls' scratch on the code's layouts, at the nodes that run them (each call's node found from
+    Inductor's "Source Nodes" comment; in the forward, the names the nodes came from), and the
+    channels-last copies of the convolutions' weights its forward saves. The ConvStack's model is
+    then within 1% of the code's replay (308760 against 308764 bytes, torch 2.13). Not carried
+    (broken on purpose), it is 10% or more under it."""
+    from fxoffload.analysis.graph import op_name
+    from fxoffload.analysis.memory import CodeFacts, code_scratch_nodes
+    from fxoffload.compiler.pair import PlannedPair
+
+    from .conftest import ConvStack
+
+    def planned():
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        backend = fxoffload.backend(offload_cpu=True, memory_budget=0.9, min_bytes=0)
+        torch.compile(ConvStack(), backend=backend)(torch.randn(2, 3, 16, 16)).backward()
+        ((_, unchanged),) = backend._compiler._unchanged_code.values()
+        (pair,) = backend._register.pairs()
+        return unchanged, pair, (pair.plan.partition_costs or pair.plan.costs)
+
+    unchanged, pair, costs = planned()
+    facts = unchanged.code_facts()
+    assert costs.code == facts
+    assert {(phase, op) for phase, op, _, _ in facts.calls} == {("forward", "convolution"), ("backward", "convolution_backward")}
+    on_nodes = code_scratch_nodes(facts.calls, pair.fw, pair.bw)
+    assert len(on_nodes) == len(facts.calls), (facts.calls, on_nodes)  # every call placed
+    assert {op_name(n) for n in on_nodes} == {"convolution", "convolution_backward"}
+    transient = {(p.phase, p.node): p.live["transient"] for p in pair.memory_before.points}
+    for node, nbytes in on_nodes.items():
+        phase = "forward" if node.graph is pair.fw.graph else "backward"
+        assert transient[phase, node.name] >= nbytes, (node, nbytes)
+    # The 3x3 convolutions' weights and the image, copied channels-last and saved.
+    shapes = {n.name: tuple(n.meta["val"].shape) for n in pair.fw.graph.find_nodes(op="placeholder")}
+    copied = sorted(shapes[name] for name in facts.copied_inputs)
+    assert copied == [(2, 3, 16, 16), (16, 3, 3, 3), (16, 16, 3, 3), (32, 16, 3, 3)], copied
+    code_peak = unchanged.code_memory().peak_bytes
+    assert abs(pair.memory_before.peak_bytes / code_peak - 1) < 0.01, (pair.memory_before.peak_bytes, code_peak)
+    monkeypatch.setattr(PlannedPair, "code_facts", lambda self: CodeFacts())
+    _, without, costs = planned()
+    assert costs.code == CodeFacts()
+    assert without.memory_before.peak_bytes < 0.9 * code_peak, (without.memory_before.peak_bytes, code_peak)
+
+
+def test_a_calls_scratch_goes_to_the_one_source_node_that_runs_its_op():
+    """``memory.code_scratch_nodes``: a call's node is the one of its source nodes (as Inductor names
+    them: the node a forward node came from, else its own name) that runs the call's op; a call whose
+    names find none, or two, is left out rather than put on a guess."""
+    import types
+
+    import torch.fx as fx
+
+    from fxoffload.analysis.memory import code_scratch_nodes
+
+    def graph(*nodes):
+        g = fx.Graph()
+        x = g.placeholder("x")
+        made = {}
+        for name, target, origin in nodes:
+            n = made[name] = g.call_function(target, (x,))
+            n.name = name
+            if origin:
+                n.meta["from_node"] = [types.SimpleNamespace(name=origin)]
+        g.output(tuple(made.values()))
+        return fx.GraphModule(torch.nn.Module(), g), made
+
+    aten = torch.ops.aten
+    fw, f = graph(("convolution", aten.convolution.default, "conv2d"), ("relu", aten.relu.default, "conv2d"),
+                  ("mm", aten.mm.default, "linear"), ("mm_1", aten.mm.default, "linear"))  # fmt: skip
+    bw, b = graph(("convolution_backward", aten.convolution_backward.default, None), ("mul", aten.mul.Tensor, None))
+    calls = (
+        ("forward", "convolution", ("conv2d",), 100),  # the node conv2d became, not its relu
+        ("forward", "mm", ("linear",), 7),  # two mm nodes came from linear: no guess
+        ("backward", "convolution_backward", ("mul", "convolution_backward"), 300),
+        ("backward", "convolution_backward", ("convolution",), 5),  # a forward name, in the backward
+        ("forward", "convolution", ("convolution",), 9),  # its own name is not what Inductor says
+    )
+    assert code_scratch_nodes(calls, fw, bw) == {f["convolution"]: 100, b["convolution_backward"]: 300}

@@ -46,12 +46,10 @@ __all__ = [
     "real_tensors",
     "inductor_mode_options",
     "is_backward_node",
+    "kernel_source_name",
     "must_save",
     "size_hint",
-    "storage_expired",
-    "free_storage_weak_ref",
-    "storage_use_count",
-    "storage_weak_ref",
+    "storage_expired", "free_storage_weak_ref", "storage_use_count", "storage_weak_ref",
     "tag_must_recompute",
 ]
 
@@ -138,6 +136,13 @@ def is_backward_node(node: fx.Node) -> bool:
     """A node of a joint graph that AOTAutograd traced for the backward (its ``partitioner_tag``,
     torch 2.11 and 2.13), although it may read forward values only (a transpose of an activation)."""
     return node.meta.get("partitioner_tag") == "is_backward"
+
+
+def kernel_source_name(node: fx.Node) -> str:
+    """The name Inductor's "Source Nodes" comment gives ``node`` (``_inductor.utils.get_kernel_metadata``,
+    torch 2.11 and 2.13): that of the first node it came from (``from_node``), else its own."""
+    origin = node.meta.get("from_node")
+    return getattr(origin[0], "name", node.name) if origin else node.name
 
 
 def must_save(node: fx.Node) -> bool:

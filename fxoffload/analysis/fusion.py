@@ -281,5 +281,6 @@ def extern_scratch(temporaries: Mapping[fx.Node, int]) -> dict[fx.Node, int]:
     EPYC; none in fp32). Other ops are left out: measured on the FX graph's layouts, their scratch
     may not be what Inductor's layouts need (a channels-last ``convolution_backward`` measured 1 MiB
     alone, while the step stayed within 19 KB without it). The replay of the code itself measures
-    every call on the code's own layouts (``measure.standalone.call_temporaries``)."""
+    every call on the code's own layouts (``measure.standalone.call_temporaries``), and the model
+    takes those figures where that code was lowered (``memory.CodeFacts``)."""
     return {n: b for n, b in temporaries.items() if _name(n) in _MATMULS}

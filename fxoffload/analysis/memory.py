@@ -21,7 +21,8 @@ Rules (sizes from fake values, symbolic sizes at their hints):
 - Under Inductor (``fuses``), the graphs as Inductor compiles them (``fusion``): pointwise ops it
   inlines into other kernels have no buffer and read where those kernels run, a kernel writes in
   place of a buffer it reads last, kernels fused side by side run together, and of the measured
-  scratch only the extern matmuls' counts.
+  scratch only the extern matmuls' counts; with what that code showed (``CodeFacts``), its calls'
+  scratch at the nodes that run them and its saved copies of placeholders.
 
 A plan is data to this model: ``with_plan(baseline, off)`` is the timeline of the pair once the
 plan's tensors are off the device over the points ``off`` gives (``planning.off_device``). The planner's
@@ -42,11 +43,11 @@ from collections.abc import Iterable, Mapping, Sequence
 import torch
 import torch.fx as fx
 
-from .._compat import donates_saved_buffers
+from .._compat import donates_saved_buffers, kernel_source_name
 from ..ir import OFFLOAD, WAIT, is_transfer
 from ..sizes import tensor_bytes
 from .fusion import Fusion, extern_scratch, inductor_fusion
-from .graph import holds_host_copy, last_reads, static_inputs, storage_owners, storage_root
+from .graph import holds_host_copy, last_reads, op_name, static_inputs, storage_owners, storage_root
 
 CATEGORIES = ("parameters", "inputs", "saved", "transient", "gradients", "outside")
 
@@ -162,6 +163,7 @@ def simulate(
     outside: int = 0,
     outside_backward: int = 0,
     fuses: bool = False,
+    code: CodeFacts | None = None,
 ) -> MemoryTimeline:
     """The device-memory timeline of one training step through ``fw`` then ``bw``.
 
@@ -172,18 +174,55 @@ def simulate(
     gradients of later calls of the same pair: ``OutsideMemory.outside_backward``). ``fuses``: the
     graphs run as Inductor compiles them: the nodes it inlines into other kernels without a buffer,
     what they read alive until those kernels run, outputs written in place of an input read last
-    there, and of ``temporaries`` only the extern matmuls' (``fusion``)."""
+    there, and of ``temporaries`` only the extern matmuls' (``fusion``). ``code``: what Inductor's code
+    for the pair showed (``CodeFacts``), counted where the graphs run as it compiles them: its calls'
+    scratch in place of ``temporaries`` at the nodes that run them, its copies of saved inputs."""
     scratch = temporaries or {}
-    if fuses:  # Inductor's code allocates the extern matmuls' scratch; its own kernels take none
-        scratch = extern_scratch(scratch)
+    code = code if fuses and code is not None else CodeFacts()
+    if fuses:  # Inductor's code allocates the extern kernels' scratch; its own kernels take none
+        scratch = {**extern_scratch(scratch), **code_scratch_nodes(code.calls, fw, bw)}
     live = dict.fromkeys(CATEGORIES, 0)
     live["outside"] = outside
     points: list[MemoryPoint] = []
     fusions = (inductor_fusion(fw), inductor_fusion(bw)) if fuses else (None, None)
-    saved = _forward(fw, num_fwd_outputs, static_input_indices, scratch, live, points, fusions[0])
+    copied = code.copied_inputs
+    saved = _forward(fw, num_fwd_outputs, static_input_indices, scratch, live, points, fusions[0], copied)
     live["outside"] += outside_backward
     _backward(bw, saved, scratch, live, points, fusions[1])
     return MemoryTimeline(tuple(points))
+
+
+@dataclasses.dataclass(frozen=True)
+class CodeFacts:
+    """What Inductor's code for a graph pair showed that its FX graphs do not, for the FX model of
+    any plan of the same graph (``compiler.pair.PlannedPair.code_facts``): the scratch of its calls,
+    measured on the code's layouts, as (phase, op, source nodes, bytes) (``code_scratch_nodes``), and
+    the forward's placeholders that it saves for the backward as copies of its own, by name (a
+    convolution's weight or input laid out channels-last: saved bytes the FX graph counts as the
+    placeholder's, there anyway)."""
+
+    calls: tuple[tuple[str, str, tuple[str, ...], int], ...] = ()
+    copied_inputs: tuple[str, ...] = ()
+
+
+def code_scratch_nodes(
+    calls: Sequence[tuple[str, str, tuple[str, ...], int]], fw: fx.GraphModule, bw: fx.GraphModule
+) -> dict[fx.Node, int]:
+    """The scratch of the calls of Inductor's code for this pair, on the FX nodes that run them:
+    ``calls`` is (phase, op, source nodes, bytes) (``CodeFacts.calls``), and a
+    call's node is the one node named by its source nodes (as Inductor names them:
+    ``_compat.kernel_source_name``) that runs its op. A call without one such node here (a node
+    Inductor's passes made, another partition) is left out."""
+    nodes: dict[tuple[str, str], list[fx.Node]] = {}
+    for phase, graph in (("forward", fw), ("backward", bw)):
+        for n in graph.graph.nodes:
+            nodes.setdefault((phase, kernel_source_name(n)), []).append(n)
+    out: dict[fx.Node, int] = {}
+    for phase, op, sources, nbytes in calls:
+        found = [n for s in sources for n in nodes.get((phase, s), ()) if op_name(n) == op]
+        if len(found) == 1:
+            out[found[0]] = max(out.get(found[0], 0), nbytes)
+    return out
 
 
 def _forward(
@@ -194,9 +233,12 @@ def _forward(
     live: dict[str, int],
     points: list[MemoryPoint],
     fusion: Fusion | None,
+    copied_inputs: Sequence[str] = (),
 ) -> tuple[dict[str, fx.Node], set[str]]:
     """Walk the forward, appending its points; returns the storage owner of each saved output that
-    the forward made (by name), and the names of the saved outputs that outlive the step anyway."""
+    the forward made (by name), and the names of the saved outputs that outlive the step anyway.
+    ``copied_inputs``: placeholders saved as a copy the code makes (``CodeFacts``), saved bytes
+    from the forward's start (Inductor lays them out in its first kernels) until their backward reads."""
     nodes = list(fusion.order if fusion is not None and fusion.order else fw.graph.nodes)
     owners = storage_owners(nodes)
     last = last_reads(nodes, owners, fusion.runs_at if fusion is not None else None)
@@ -206,6 +248,7 @@ def _forward(
     user_owners = {owners[o] for o in outputs[:num_fwd_outputs] if o in owners}
     category: dict[fx.Node, str] = {}
     frees: dict[int, list[fx.Node]] = {}
+    copies: set[fx.Node] = set()
     born = _born(nodes)
     inlined = fusion.inlined if fusion is not None else frozenset()
     for i, n in enumerate(nodes):
@@ -216,6 +259,9 @@ def _forward(
                 continue
             if m.op == "placeholder":
                 category[m] = "parameters" if m in static else "inputs"
+                if m.name in copied_inputs and m in saved_owners:
+                    copies.add(m)
+                    live["saved"] += _bytes(m)
             else:
                 category[m] = "saved" if m in saved_owners else "transient"
                 if m not in saved_owners and m not in user_owners:
@@ -233,8 +279,9 @@ def _forward(
         if owner in category and category[owner] == "transient":
             live["transient"] -= _bytes(owner)
     saved_owner_of = {
-        o.name: owners[o] for o in outputs[num_fwd_outputs:] if o in owners and category.get(owners[o]) == "saved"
-    }
+        o.name: owners[o] for o in outputs[num_fwd_outputs:]
+        if o in owners and (category.get(owners[o]) == "saved" or owners[o] in copies)
+    }  # fmt: skip
     persistent = {o.name for o in outputs[num_fwd_outputs:] if isinstance(o, fx.Node)} - set(saved_owner_of)
     return saved_owner_of, persistent
 

@@ -213,6 +213,19 @@ def statements(code: str) -> list[Statement]:
     return out
 
 
+def call_sources(code: str) -> dict[int, tuple[str, tuple[str, ...]]]:
+    """By line of ``call``: the op a fallback or extern kernel call there runs (``op_name`` without its
+    namespace: ``convolution_backward``) and the FX nodes Inductor's "Topologically Sorted Source Nodes"
+    comment above it names (``[mul_47, convolution_backward]``): what ties a call's measured scratch
+    to the FX node that runs it (``memory.code_scratch_nodes``)."""
+    out = {}
+    for line, text, source in statements(code):
+        op = op_name(text)
+        if op is not None and "::" in op and source:
+            out[line] = (op.split("::", 1)[1], tuple(s.strip() for s in source.split(",")))
+    return out
+
+
 def returned_values(stmts: Sequence[Statement]) -> list[str]:
     """The values of the last ``return``, as text (``buf3``, ``reinterpret_tensor(buf2, ...)``, ``None``)."""
     for _, stmt, _ in reversed(stmts):
@@ -220,6 +233,15 @@ def returned_values(stmts: Sequence[Statement]) -> list[str]:
             m = _RETURN.match(stmt)
             return [a for a in split_args(m.group(1)) if a] if m else []
     return []
+
+
+def returns_own_buffer(code: str) -> list[bool]:
+    """For each value ``call`` returns: whether it is a buffer the code made (not one of its arguments
+    or a view of one, nor a constant): where the graph returns an input, a copy Inductor laid out
+    as it wanted (a convolution's weight, channels-last, saved for the backward)."""
+    stmts = statements(code)
+    args = set(arg_names(stmts))
+    return [name is not None and name not in args for name in returned_names(stmts)]
 
 
 def returned_names(stmts: Sequence[Statement]) -> list[str | None]:

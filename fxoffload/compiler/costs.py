@@ -15,7 +15,7 @@ from .. import _compat
 from ..analysis import cost
 from ..analysis.code_memory import extern_calls
 from ..analysis.lifetimes import GraphLifetimes
-from ..analysis.memory import kept_saved_bytes, simulate
+from ..analysis.memory import CodeFacts, kept_saved_bytes, simulate
 from ..analysis.outside import OutsideMemory, graph_device, read_outside_memory
 from ..measure.link import measure_link
 from ..measure.op_time import measure_op_time
@@ -38,13 +38,16 @@ def plan_costs(
     static: Sequence[int] = (),
     outside: OutsideMemory | None = None,
     probe: Callable[[torch.device], tuple[float, float] | None] = measure_link,
+    code: CodeFacts | None = None,
 ) -> PlanCosts:
     """The cost model's view of a graph pair: device rates (the host link measured once per device
     where a plan needs it, and on a CPU the transfer ops' own time, ``measure_op_time``), predicted
     node start times (ops timed on the device with ``calibrate``),
     the ops' measured temporaries and the predicted memory before any change (``baseline``), with
     what code before the pair holds (``outside``, for what this pair keeps) included. ``probe``
-    measures a device's host link (None where it cannot: the model's default figure then)."""
+    measures a device's host link (None where it cannot: the model's default figure then).
+    ``code``: what Inductor's code for the pair without offloading showed, where it was lowered
+    (``PlanCosts.code``)."""
     device = cost_device(lifetimes)
     link_option = options.bandwidth or (options.cpu_link_bandwidth if device.type == "cpu" else None)
     overrides = dict(link_option or ()) | dict(options.compute_rates or ())
@@ -72,7 +75,7 @@ def plan_costs(
     kept = kept_saved_bytes(fw, num_fwd_outputs, static)
     held, later = (outside.outside(kept), outside.outside_backward(kept)) if outside is not None else (0, 0)
     # Under Inductor, the graphs as it compiles them: fused, written in place (``analysis.fusion``).
-    baseline = simulate(fw, bw, num_fwd_outputs, static, temporaries, held, later, options.fuses)
+    baseline = simulate(fw, bw, num_fwd_outputs, static, temporaries, held, later, options.fuses, code)
     return PlanCosts(
         rates,
         tuple(cost.node_start_times(fw, rates, fw_times)),
@@ -80,6 +83,7 @@ def plan_costs(
         baseline,
         calibrated=len(fw_times or ()) + len(bw_times or ()),
         temporaries=temporaries,
+        code=code,
         outside=held,
         calls=outside.calls if outside is not None else (),
         kept=kept,

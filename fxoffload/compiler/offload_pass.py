@@ -11,6 +11,7 @@ from typing import Any
 import torch.fx as fx
 
 from ..analysis.lifetimes import GraphLifetimes, analyze_saved_tensors
+from ..analysis.memory import CodeFacts
 from ..analysis.outside import OutsideMemory
 from ..analysis.recompute import RecomputeOption, recompute_options, recompute_sources
 from ..options import OffloadOptions
@@ -47,9 +48,9 @@ def offload_pass(
     graph_id: int = -1,
     measured: Measured | None = None,
     code_peak: int | None = None,
+    code: CodeFacts | None = None,
 ) -> tuple[fx.GraphModule, fx.GraphModule, OffloadPlan]:
-    """The fxoffload pass on a partitioned pair: analyse, plan, rewrite. Returns the rewritten pair
-    and the plan.
+    """The fxoffload pass on a partitioned pair: analyse, plan, rewrite; returns the rewritten pair, plan.
 
     ``repartition(names)`` runs torch's partitioner again with the forward nodes ``names`` tagged
     for recomputation; without it (a pair with no joint graph behind it) nothing is recomputed.
@@ -58,8 +59,8 @@ def offload_pass(
     compiler plans again after a miss. ``graph_id`` names the copies; ``measured``: what the device
     measured of this graph's copies under an earlier plan, which corrects the cost model (the tensors
     whose copies stalled are judged again on it; the last plan made from measurements keeps them, and
-    the last re-plan of ``auto`` offloads only what hid). ``code_peak``: the peak of Inductor's code
-    for the pair without offloading, replayed (``PlanCosts.code_peak``), where it was lowered.
+    the last re-plan of ``auto`` offloads only what hid). ``code_peak``, ``code``: the peak of Inductor's
+    code for the pair without offloading, replayed, and what it showed (``PlanCosts``), where it was lowered.
     The pair is rewritten in place unless the plan recomputes something: then the returned pair is
     the new partition. The predicted memory before any change is ``(plan.partition_costs or
     plan.costs).baseline``; ``plan.costs.baseline`` is that of the pair the plan was made for.
@@ -71,7 +72,7 @@ def offload_pass(
     # 2. Costs: compute time of every node and the host link, on the graph's device; what could be
     #    recomputed instead, and for how much (for a memory_budget, or when a policy function may
     #    ask for it: then at any size, the planner applies min_bytes to its own choices only).
-    context = _Context(options, num_fwd_outputs, static, outside, host_bytes_available, code_peak)
+    context = _Context(options, num_fwd_outputs, static, outside, host_bytes_available, code_peak, code)
     costs = context.costs(fw, bw, lifetimes)
     keep: dict[str, Reason] = {}
     if measured is not None:
@@ -124,10 +125,13 @@ class _Context:
     outside: OutsideMemory | None
     host_bytes_available: int | None
     code_peak: int | None = None  # of the joint graph, whatever the partition: ``PlanCosts.code_peak``
+    code: CodeFacts | None = None  # ``PlanCosts.code``
 
     def costs(self, fw: fx.GraphModule, bw: fx.GraphModule, lifetimes: GraphLifetimes) -> PlanCosts:
         """The cost model of one partition of the pair (``compiler.costs.plan_costs``)."""
-        found = plan_costs(fw, bw, lifetimes, self.options, self.num_fwd_outputs, self.static, self.outside)
+        found = plan_costs(
+            fw, bw, lifetimes, self.options, self.num_fwd_outputs, self.static, self.outside, code=self.code
+        )
         return dataclasses.replace(found, code_peak=self.code_peak)
 
 

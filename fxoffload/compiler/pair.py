@@ -16,8 +16,8 @@ from typing import Any
 
 import torch.fx as fx
 
-from ..analysis.memory import MemoryPoint, MemoryTimeline, with_held
-from ..analysis.output_code import read_offloads, transfers
+from ..analysis.memory import CodeFacts, MemoryPoint, MemoryTimeline, with_held
+from ..analysis.output_code import call_sources, read_offloads, returns_own_buffer, transfers
 from ..analysis.outside import OutsideMemory
 from ..ir import transfer_name
 from ..planning.decisions import OffloadPlan
@@ -96,6 +96,24 @@ class PlannedPair:
         calls allocate measured on its layouts (``costs.code_scratch``)."""
         self.output_code[kind] = code
         self.code_scratch[kind] = code_scratch(code, self.plan.costs)
+
+    def code_facts(self) -> CodeFacts:
+        """What ``output_code`` showed that the FX graphs do not (``memory.CodeFacts``), for the memory
+        model of any plan of the same graph: (phase, op, source nodes, bytes) of each call with
+        measured scratch (``code_scratch``; ``output_code.call_sources``), and the forward's
+        placeholders saved for the backward whose place among the forward's returns holds a buffer
+        the code made (``output_code.returns_own_buffer``)."""
+        calls = []
+        for phase, lines in sorted(self.code_scratch.items()):
+            sources = call_sources(self.output_code.get(phase, ""))
+            calls.extend((phase, *sources[line], nbytes) for line, nbytes in lines if line in sources)
+        outputs = list(self.fw.graph.output_node().args[0])
+        own = returns_own_buffer(self.output_code.get("forward", ""))
+        copied = sorted(
+            o.name for o, made in zip(outputs[self.num_fwd_outputs :], own[self.num_fwd_outputs :])
+            if made and isinstance(o, fx.Node) and o.op == "placeholder"
+        ) if len(own) == len(outputs) else []  # fmt: skip
+        return CodeFacts(tuple(calls), tuple(copied))
 
     def code_memory(self) -> MemoryTimeline | None:
         """The replay of the code Inductor generated for the pair, the copies switched off at run time

@@ -14,7 +14,7 @@ import torch.fx as fx
 
 from .. import _compat
 from ..analysis.blocks import NoRepeatedBlocks, block_tags
-from ..analysis.memory import kept_saved_bytes, param_grad_bytes, simulate
+from ..analysis.memory import CodeFacts, kept_saved_bytes, param_grad_bytes, simulate
 from ..analysis.outside import OutsideMemory
 from ..options import OffloadOptions
 from ..planning.measured import Measured
@@ -96,6 +96,9 @@ class OffloadPartitioner(_compat.CustomPartitionerFn):
         # The peak of Inductor's code for this graph without offloading, replayed, where it was lowered
         # before the plan: a fractional memory_budget is a fraction of it (``PlanCosts.code_peak``).
         self.code_peak: int | None = None
+        # What that code showed that the FX graphs do not (``PlannedPair.code_facts``): in the memory
+        # model of every plan of this graph (``PlanCosts.code``).
+        self.code: CodeFacts | None = None
 
     def record_output_code(self, kind: str, code: str) -> None:
         """Inductor's wrapper code for the graphs of this pair (``PlannedPair.output_code``)."""
@@ -116,7 +119,7 @@ class OffloadPartitioner(_compat.CustomPartitionerFn):
     def uuid(self) -> Any:
         # Cache key part for Inductor; AOTAutograd's cache is off while we compile (see _compat).
         return (
-            "fxoffload", repr(self.options), self.budget_target, self.code_peak, self.disabled_reason,
+            "fxoffload", repr(self.options), self.budget_target, self.code_peak, self.code, self.disabled_reason,
             self.measured is not None,
         )  # fmt: skip
 
@@ -168,6 +171,7 @@ class OffloadPartitioner(_compat.CustomPartitionerFn):
             fw, bw, num_fwd_outputs, static, self.options, host_bytes_available=host_left,
             disabled_reason=self.disabled_reason, repartition=partition, outside=self.outside,
             budget_target=self.budget_target, graph_id=graph_id, measured=self.measured, code_peak=self.code_peak,
+            code=self.code,
         )  # fmt: skip
         pass_s = time.perf_counter() - start - repartition_s[0]
         # 4. The memory model of the rewritten pair, and the pair with its report.
@@ -176,10 +180,9 @@ class OffloadPartitioner(_compat.CustomPartitionerFn):
         memory_before = (plan.partition_costs or plan.costs).baseline  # before any change
         memory_after = memory_before
         if plan.changes_graphs:
-            outside = self.outside
-            held, later = (outside.outside(kept), outside.outside_backward(kept)) if outside is not None else (0, 0)
-            temporaries = plan.costs.temporaries if plan.costs is not None else {}
-            memory_after = simulate(fw, bw, num_fwd_outputs, static, temporaries, held, later, self.options.fuses)
+            held, later = (self.outside.outside(kept), self.outside.outside_backward(kept)) if self.outside else (0, 0)
+            temporaries, code = (plan.costs.temporaries, plan.costs.code) if plan.costs is not None else ({}, None)
+            memory_after = simulate(fw, bw, num_fwd_outputs, static, temporaries, held, later, self.options.fuses, code)
         timings = PassTimings(pass_s, repartition_s[0], time.perf_counter() - start, *nodes_in)
         output_code: dict[str, str] = {}
         code_scratch: dict[str, tuple[tuple[int, int], ...]] = {}

@@ -48,7 +48,7 @@ def budget_bytes(budget: int | float, costs: PlanCosts) -> int:
 def fit_target(budget: int | float, costs: PlanCosts, budget_target: int | None) -> int:
     """The peak the budget fit aims at on the FX model: ``budget_target`` (planned again after a
     miss), else, for a fraction of the code's peak, the same fraction of the model's (the model's
-    bytes for the code's: the UNet's model is 16% under its code, counting no convolution scratch),
+    bytes for the code's: where the code showed what the model alone misses, ``memory.CodeFacts``),
     else the budget. ``compiler.refine`` moves it by what the code then peaks at."""
     if budget_target is not None:
         return budget_target

@@ -9,7 +9,7 @@ import torch.fx as fx
 
 from ..analysis.cost import DeviceRates
 from ..analysis.lifetimes import SavedTensor
-from ..analysis.memory import CallOutside, MemoryTimeline
+from ..analysis.memory import CallOutside, CodeFacts, MemoryTimeline
 from ..analysis.recompute import RecomputeOption
 from ..reasons import Action, Reason, ReasonCode
 from ..sizes import host_bytes
@@ -42,6 +42,10 @@ class PlanCosts:
     # Scratch bytes ops allocate while they run (``measure.standalone.op_temporaries``), by node of
     # this pair; the memory model adds them at the node's point. Empty where they were not measured.
     temporaries: Mapping[fx.Node, int] = dataclasses.field(default_factory=dict, compare=False, repr=False)
+    # What Inductor's code for this graph without offloading showed that the FX graphs do not (its
+    # calls' scratch, its copies of saved inputs: ``memory.CodeFacts``), where it was lowered before
+    # the plan; in ``baseline`` and in every memory model of the pair's plans. None: not lowered.
+    code: CodeFacts | None = None
     outside: int = 0  # device bytes code before the pair holds through it (``analysis.outside``), in ``baseline``
     # The calls of this pair it is planned for (``OutsideMemory.calls``), where earlier calls of
     # the same pair keep what it keeps (``kept``, before any change): ``memory.with_plan``.
