@@ -461,3 +461,38 @@ def test_a_calls_scratch_goes_to_the_one_source_node_that_runs_its_op():
         ("forward", "convolution", ("convolution",), 9),  # its own name is not what Inductor says
     )
     assert code_scratch_nodes(calls, fw, bw) == {f["convolution"]: 100, b["convolution_backward"]: 300}
+
+
+def test_the_inputs_inductors_code_saves_as_channels_last_copies_are_predicted_for_a_partition_not_lowered():
+    """``memory.layout_copies``: the forward's saved placeholders Inductor's layout optimization lays
+    out channels-last are saved as copies of its own, and the model predicts which for a partition
+    whose code it has not seen. Under bf16 autocast a partition that recomputes the convolutions'
+    bf16 weight casts in the backward saves the fp32 weights instead, and Inductor's forward returns
+    channels-last copies of them: the rule names the same placeholders the code returns copies of
+    (``PlannedPair.code_facts``), in fp32 as without autocast. (Unseen, a budget's fit took that
+    recomputation for a saving: on a small UNet at 80% it doubled the weights' saved bytes and the
+    code missed the budget by 19%.)"""
+    from fxoffload.analysis.memory import layout_copies
+
+    from .conftest import ConvStack
+
+    def pair_of(amp, policy):
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        backend = fxoffload.backend(offload_cpu=True, policy=policy, min_bytes=0)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
+            loss = torch.compile(ConvStack(), backend=backend)(torch.randn(2, 3, 16, 16))
+        loss.float().backward()
+        (pair,) = backend._register.pairs()
+        return pair
+
+    def weight_casts(t):
+        return "recompute" if t.producer == "prims.convert_element_type" and len(t.shape) == 4 and t.shape[-1] == 3 else None
+
+    for amp, policy in ((True, weight_casts), (False, "none")):
+        pair = pair_of(amp, policy)
+        assert amp == bool(pair.plan.recomputed), pair.report.table()
+        shapes = {n.name: tuple(n.meta["val"].shape) for n in pair.fw.graph.find_nodes(op="placeholder")}
+        copied = pair.code_facts().copied_inputs
+        assert sorted(shapes[n] for n in copied if shapes[n][-1] == 3) == [(16, 3, 3, 3), (16, 16, 3, 3), (32, 16, 3, 3)]
+        assert sorted(layout_copies(pair.fw, pair.num_fwd_outputs)) == sorted(copied), amp

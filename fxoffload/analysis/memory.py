@@ -22,7 +22,8 @@ Rules (sizes from fake values, symbolic sizes at their hints):
   inlines into other kernels have no buffer and read where those kernels run, a kernel writes in
   place of a buffer it reads last, kernels fused side by side run together, and of the measured
   scratch only the extern matmuls' counts; with what that code showed (``CodeFacts``), its calls'
-  scratch at the nodes that run them and its saved copies of placeholders.
+  scratch at the nodes that run them and its saved copies of placeholders, which its layout
+  optimization predicts too (``layout_copies``).
 
 A plan is data to this model: ``with_plan(baseline, off)`` is the timeline of the pair once the
 plan's tensors are off the device over the points ``off`` gives (``planning.off_device``). The planner's
@@ -43,7 +44,7 @@ from collections.abc import Iterable, Mapping, Sequence
 import torch
 import torch.fx as fx
 
-from .._compat import donates_saved_buffers, kernel_source_name
+from .._compat import donates_saved_buffers, inductor_channels_last_nodes, kernel_source_name
 from ..ir import OFFLOAD, WAIT, is_transfer
 from ..sizes import tensor_bytes
 from .fusion import Fusion, extern_scratch, inductor_fusion
@@ -185,7 +186,7 @@ def simulate(
     live["outside"] = outside
     points: list[MemoryPoint] = []
     fusions = (inductor_fusion(fw), inductor_fusion(bw)) if fuses else (None, None)
-    copied = code.copied_inputs
+    copied = (*code.copied_inputs, *layout_copies(fw, num_fwd_outputs)) if fuses else ()
     saved = _forward(fw, num_fwd_outputs, static_input_indices, scratch, live, points, fusions[0], copied)
     live["outside"] += outside_backward
     _backward(bw, saved, scratch, live, points, fusions[1])
@@ -203,6 +204,27 @@ class CodeFacts:
 
     calls: tuple[tuple[str, str, tuple[str, ...], int], ...] = ()
     copied_inputs: tuple[str, ...] = ()
+
+
+def layout_copies(fw: fx.GraphModule, num_fwd_outputs: int) -> tuple[str, ...]:
+    """The forward's placeholders saved for the backward that Inductor's code saves as copies of its
+    own: those its layout optimization lays out channels-last (``_compat.inductor_channels_last_nodes``)
+    that are not channels-last already (a convolution's weight, the image it reads; a 1x1 kernel's
+    weight is both). What ``CodeFacts.copied_inputs`` reads from the code, for a partition not yet
+    lowered: one that recomputes a weight's bf16 cast in the backward saves the weight, copied."""
+    saved = [o for o in fw.graph.output_node().args[0][num_fwd_outputs:] if isinstance(o, fx.Node) and o.op == "placeholder"]
+    preferred = inductor_channels_last_nodes(fw) if saved else None
+    copies = []
+    for o in saved:
+        value = o.meta.get("val")
+        if not preferred or o not in preferred or not isinstance(value, torch.Tensor) or value.dim() not in (4, 5):
+            continue
+        try:
+            if not value.is_contiguous(memory_format=torch.channels_last if value.dim() == 4 else torch.channels_last_3d):
+                copies.append(o.name)
+        except Exception:  # a symbolic layout it cannot decide: no copy counted
+            continue
+    return tuple(copies)
 
 
 def code_scratch_nodes(
