@@ -200,8 +200,8 @@ class GraphCompiler:
     ) -> None:
         """What graph ``graph_id``'s code without offloading, where it was lowered with ``outside`` held
         (``compile``, ``verify_peak``), tells its plans: what it showed that the FX graphs do not, which
-        the memory model counts (``PlanCosts.code``), and, for a fractional
-        memory_budget, its replayed peak, what the budget is a fraction of (``PlanCosts.code_peak``)."""
+        the memory model counts (``PlanCosts.code``), and, for a fractional memory_budget, its replayed
+        peak, what the budget is a fraction of (``PlanCosts.code_peak``)."""
         unchanged = _known(self._unchanged_code, graph_id, outside)
         if unchanged is None or made.options.policy == "none":
             return
