@@ -212,15 +212,17 @@ def layout_copies(fw: fx.GraphModule, num_fwd_outputs: int) -> tuple[str, ...]:
     that are not channels-last already (a convolution's weight, the image it reads; a 1x1 kernel's
     weight is both). What ``CodeFacts.copied_inputs`` reads from the code, for a partition not yet
     lowered: one that recomputes a weight's bf16 cast in the backward saves the weight, copied."""
-    saved = [o for o in fw.graph.output_node().args[0][num_fwd_outputs:] if isinstance(o, fx.Node) and o.op == "placeholder"]
-    preferred = inductor_channels_last_nodes(fw) if saved else None
+    outputs = fw.graph.output_node().args[0][num_fwd_outputs:]
+    saved = [o for o in outputs if isinstance(o, fx.Node) and o.op == "placeholder"]
+    preferred = (inductor_channels_last_nodes(fw) if saved else None) or set()
     copies = []
-    for o in saved:
+    for o in (o for o in saved if o in preferred):
         value = o.meta.get("val")
-        if not preferred or o not in preferred or not isinstance(value, torch.Tensor) or value.dim() not in (4, 5):
+        if not isinstance(value, torch.Tensor) or value.dim() not in (4, 5):
             continue
+        layout = torch.channels_last if value.dim() == 4 else torch.channels_last_3d
         try:
-            if not value.is_contiguous(memory_format=torch.channels_last if value.dim() == 4 else torch.channels_last_3d):
+            if not value.is_contiguous(memory_format=layout):
                 copies.append(o.name)
         except Exception:  # a symbolic layout it cannot decide: no copy counted
             continue
