@@ -15,9 +15,9 @@ $(STAMP): pyproject.toml constraints.txt
 demo: $(STAMP)
 	$(PY) -m fxoffload.tools.demo
 
-# Two workers (pytest-xdist, the `test` extra): a cold-cache run on two cores took 14 min 43 s and
-# 15 min 20 s with the suite's C++ kernels built scalar (tests/conftest.py), 16-19 min before: at the
-# 15 min we aim for, not under it with a margin (docs/results.md, "Test runs").
+# Two workers (pytest-xdist, the `test` extra): a cold-cache run on two cores takes 11.5-13.5 min
+# with the suite's C++ kernels built scalar (tests/conftest.py; 16-19 min before), under the 15 min
+# we aim for with little margin (docs/results.md, "Test runs" and each session's runs).
 test: $(STAMP)
 	$(PY) -m pytest -q -n 2
 
