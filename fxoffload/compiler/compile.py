@@ -144,7 +144,7 @@ class GraphCompiler:
             graph_id = partitioner.graph_id = graph_id if graph_id is not None else new_graph_id()
             what = "the code without offloading, for memory_budget's fraction, not built"
             self._judged_unchanged(pristine, example_inputs, opts, patches, outside, graph_id, what)
-            self._from_unchanged(partitioner, opts, outside, graph_id)
+            self._from_unchanged(partitioner)
         best = self._to_budget(gm, pristine, example_inputs, opts, patches, partitioner, checked)
         compiled, pair = best.value
         if pair is not None and checked and compiled is not None:
@@ -192,21 +192,19 @@ class GraphCompiler:
         late = None if judged_here or opts.memory_budget is None else (lambda pair: check_budget(pair, opts.strict))
         measured = self._measured if opts.policy != "none" else None
         made = OffloadPartitioner(self.register, opts, outside, graph_id, target, late, measured)
-        self._from_unchanged(made, opts, outside, graph_id)
+        self._from_unchanged(made)
         return made
 
-    def _from_unchanged(
-        self, made: OffloadPartitioner, opts: OffloadOptions, outside: OutsideMemory | None, graph_id: int | None
-    ) -> None:
-        """What graph ``graph_id``'s code without offloading, where it was lowered with ``outside`` held
-        (``compile``, ``verify_peak``), tells its plans: what it showed that the FX graphs do not, which
-        the memory model counts (``PlanCosts.code``), and, for a fractional memory_budget, its replayed
-        peak, what the budget is a fraction of (``PlanCosts.code_peak``)."""
-        unchanged = _known(self._unchanged_code, graph_id, outside)
+    def _from_unchanged(self, made: OffloadPartitioner) -> None:
+        """What the code of ``made``'s graph without offloading, where it was lowered with ``made.outside``
+        held (``compile``, ``verify_peak``), tells its plans: what it showed that the FX graphs do not,
+        which the memory model counts (``PlanCosts.code``), and, for a fractional memory_budget, its
+        replayed peak, what the budget is a fraction of (``PlanCosts.code_peak``)."""
+        unchanged = _known(self._unchanged_code, made.graph_id, made.outside)
         if unchanged is None or made.options.policy == "none":
             return
         made.code = unchanged.code_facts()
-        code = unchanged.code_memory() if isinstance(opts.memory_budget, float) else None
+        code = unchanged.code_memory() if isinstance(made.options.memory_budget, float) else None
         made.code_peak = code.peak_bytes if code is not None and code.points else None
 
     def _unchanged_partitioner(
