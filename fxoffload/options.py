@@ -16,7 +16,7 @@ MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagrap
 # (``rewrite.transfers``) and random ops kept saved under torch's recomputation (``rewrite.random_ops``).
 BROKEN_RULES = (
     "no_wait_before_use", "source_released_at_issue", "reload_before_written", "no_order_edges", "random_ops_saved",
-    "order_edges_on_pointwise", "host_copy_in_compilers_layout",
+    "order_edges_on_pointwise", "host_copy_in_compilers_layout", "fallback_results_held",
 )  # fmt: skip
 
 _UNITS = {

@@ -25,7 +25,7 @@ from torch._inductor.custom_graph_pass import CustomPartitionerFn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from .donated import backward_lowered_at_compile, can_lower_backward_at_compile, donates_saved_buffers, lowering_backward
-from .lowering import register_fallbacks
+from .lowering import inductor_runs_as_fallback, register_fallbacks
 from .scheduler_runs import TransferOps, joining_runs
 
 __all__ = [
@@ -44,7 +44,7 @@ __all__ = [
     "raised_from",
     "register_fallbacks",
     "real_tensors",
-    "inductor_mode_options",
+    "inductor_mode_options", "inductor_runs_as_fallback",
     "is_backward_node",
     "kernel_source_name",
     "must_save",

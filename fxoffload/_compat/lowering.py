@@ -11,10 +11,12 @@ import functools
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+import torch
+
 if TYPE_CHECKING:
     from .scheduler_runs import TransferOps
 
-__all__ = ["register_fallbacks"]
+__all__ = ["inductor_runs_as_fallback", "register_fallbacks"]
 
 
 def register_fallbacks(ops: TransferOps) -> None:
@@ -33,6 +35,17 @@ def register_fallbacks(ops: TransferOps) -> None:
             make_fallback(op, layout_constraint=tag_to_layout_constraint(get_layout_constraint_tag(op, with_default=True)))
     if not getattr(lowerings[ops.offload], "one_source", False):
         lowerings[ops.offload] = _one_source(lowerings[ops.offload])
+
+
+def inductor_runs_as_fallback(op: object) -> bool:
+    """Whether Inductor runs ``op`` as a call of the op itself (a fallback: ``aten.convolution_backward``,
+    the attention kernels, a custom op) rather than lowering or decomposing it into its own kernels."""
+    from torch._inductor.decomposition import select_decomp_table
+    from torch._inductor.lowering import fallbacks, lowerings
+
+    if not isinstance(op, torch._ops.OpOverload):
+        return False
+    return op in fallbacks or (op not in lowerings and op not in select_decomp_table())
 
 
 def _one_source(lower: Callable[..., Any]) -> Callable[..., Any]:

@@ -35,6 +35,7 @@ from ..planning.decisions import OffloadPlan
 from .edges import Liveness, after_edges, alive_edge, edge_to
 from .host_layout import host_layouts
 from .kernel_runs import between_kernel_runs, materialised, routing_cost
+from .tuples import release_tuples
 
 __all__ = ["BROKEN_RULES", "apply_plan", "hoist_saved_views", "host_placeholder_name", "materialised"]
 
@@ -61,7 +62,8 @@ def apply_plan(
     the copies (``ir.transfer_name``), so that their measured times find their tensors.
     ``kernel_runs``: for Inductor's C++ backend (``kernel_runs.between_kernel_runs``).
     ``fuses``: the graphs are compiled by Inductor, which folds ``add(mm(a, b), c)`` into one
-    ``addmm`` where the mm has no other reader: no copy takes a data edge to such an mm.
+    ``addmm`` where the mm has no other reader: no copy takes a data edge to such an mm; and whose
+    wrapper holds a fallback's results until it reads the last one out (``tuples.release_tuples``).
     """
     chosen = plan.offloaded
     if not chosen:
@@ -98,6 +100,8 @@ def apply_plan(
     output.args = (tuple(outputs),) + tuple(output.args[1:])
     host_layouts(fw, bw, host_placeholder_name, broken_rule, inductor=fuses)
     for gm in (fw, bw):
+        if fuses and broken_rule != "fallback_results_held":
+            release_tuples(gm)
         if kernel_runs:
             between_kernel_runs(gm.graph)
         gm.graph.lint()

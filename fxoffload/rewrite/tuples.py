@@ -1,0 +1,69 @@
+"""The results of a multi-output fallback, released together: a data edge that makes Inductor's
+wrapper drop the tuple such an op returns as soon as its first reader runs.
+
+Inductor runs an op it has no kernel for (``aten.convolution_backward``, the attention kernels) as a
+fallback call that returns a tuple, and reads each result out of it in a line of its own::
+
+    buf41 = torch.ops.aten.convolution_backward.default(buf33, div_15, primals_62, ...)
+    buf42 = buf41[0]                    # the input's gradient: read by the next kernels
+    ...  del buf42                      # its last reader ran: still held by buf41
+    ...  (hundreds of lines)
+    buf43 = buf41[1]                    # the weight's gradient, only returned
+    buf44 = buf41[2]
+    del buf41                           # only now is the input's gradient freed
+
+Inductor's ``reorder_for_peak_memory`` counts each result as freed at its own last read and moves
+the reads of results that are only returned (the weights' gradients) late, so the tuple keeps every
+other result alive until then: on the small diffusion UNet of ``bench.unet``, with its saved
+tensors offloaded, the input gradients held so were a quarter of the backward's peak and the FX
+memory model, which frees each result at its own last read, 10% under the code (measured,
+``docs/results.md``). ``release_tuples`` routes the first-read result of each such call through
+``fxoffload.order`` with every other result as an edge: the wrapper must read them all out before
+that result's first reader, and drops the tuple there. Nothing is computed or copied; the order op
+returns its argument (about 2 us of host time a call).
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.fx as fx
+
+from .._compat import inductor_runs_as_fallback
+from ..ir import ORDER
+
+__all__ = ["release_tuples"]
+
+
+def release_tuples(gm: fx.GraphModule) -> int:
+    """For each call of ``gm`` that Inductor runs as a fallback returning several tensors, read out
+    by ``getitem`` nodes of which at least two are read: the result read first (by graph order)
+    goes to its readers other than the output through ``fxoffload.order(result, [the other
+    results])``. Returns the number of calls so routed; the graph is left to the caller to lint and
+    recompile."""
+    index = {m: i for i, m in enumerate(gm.graph.nodes)}  # the readers' places: moving getitems keeps them
+    routed = 0
+    for n in list(gm.graph.nodes):
+        if n.op != "call_function" or not isinstance(n.meta.get("val"), (tuple, list)):
+            continue
+        items = [u for u in n.users if u.target is operator.getitem]
+        tensors = [g for g in items if isinstance(g.meta.get("val"), torch.Tensor)]
+        if len(tensors) < 2 or len(items) != len(n.users) or not inductor_runs_as_fallback(n.target):
+            continue
+        readers = {g: [u for u in g.users if u.op != "output"] for g in tensors}
+        read = [g for g in tensors if readers[g]]
+        if not read:
+            continue
+        first = min(read, key=lambda g: min(index[u] for u in readers[g]))
+        at = n
+        for g in sorted(items, key=index.__getitem__):  # read out right after the call (they read nothing else)
+            at.append(g)
+            at = g
+        with gm.graph.inserting_after(at):
+            edge = gm.graph.call_function(ORDER, (first, [g for g in tensors if g is not first]))
+        edge.meta["val"] = first.meta.get("val")
+        for u in readers[first]:
+            u.replace_input_with(first, edge)
+        routed += 1
+    return routed
