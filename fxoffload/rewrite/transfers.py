@@ -51,7 +51,9 @@ def apply_plan(
     kernel_runs: bool = False,
     fuses: bool = False,
 ) -> None:
-    """Insert one offload/wait pair in ``fw`` and one reload/wait pair in ``bw`` per offloaded tensor.
+    """Insert one offload/wait pair in ``fw`` and one reload/wait pair in ``bw`` per offloaded tensor;
+    in a pair that offloads or recomputes anything, compiled by Inductor, read each fallback's results
+    out together (``tuples.release_tuples``).
 
     With ``prefetch=None`` the copies go where the plan's schedule put them (the forward wait after
     the node by which the copy is predicted done, the reload after the last node that ends before
@@ -65,9 +67,26 @@ def apply_plan(
     ``addmm`` where the mm has no other reader: no copy takes a data edge to such an mm; and whose
     wrapper holds a fallback's results until it reads the last one out (``tuples.release_tuples``).
     """
+    if plan.offloaded:
+        _insert_transfers(fw, bw, plan, prefetch, cpu_link, broken_rule, graph_id, fuses)
+    elif not plan.recomputed:
+        return  # nothing changes: the pair stays as it was given
+    for gm in (fw, bw):
+        if fuses and broken_rule != "fallback_results_held":
+            release_tuples(gm)
+        if kernel_runs:
+            between_kernel_runs(gm.graph)
+        gm.graph.lint()
+        gm.recompile()
+
+
+def _insert_transfers(
+    fw: fx.GraphModule, bw: fx.GraphModule, plan: OffloadPlan, prefetch: int | None, cpu_link: tuple[float, float],
+    broken_rule: str | None, graph_id: int, fuses: bool,
+) -> None:
+    """The copies of ``apply_plan``: one offload/wait pair in ``fw`` and one reload/wait pair in ``bw``
+    per offloaded tensor, and the host copies' layouts."""
     chosen = plan.offloaded
-    if not chosen:
-        return
     fw_nodes = {n.name: n for n in fw.graph.nodes}
     bw_nodes = {n.name: n for n in bw.graph.nodes if n.op == "placeholder"}
     fw_order = list(fw.graph.nodes)
@@ -99,13 +118,6 @@ def apply_plan(
         )  # fmt: skip
     output.args = (tuple(outputs),) + tuple(output.args[1:])
     host_layouts(fw, bw, host_placeholder_name, broken_rule, inductor=fuses)
-    for gm in (fw, bw):
-        if fuses and broken_rule != "fallback_results_held":
-            release_tuples(gm)
-        if kernel_runs:
-            between_kernel_runs(gm.graph)
-        gm.graph.lint()
-        gm.recompile()
 
 
 def hoist_saved_views(fw: fx.GraphModule, num_fwd_outputs: int) -> None:
