@@ -19,14 +19,17 @@ aten = torch.ops.aten
 
 def _convolution_backward_and_var_mean(go, x, w, y):
     gi, gw, gb = aten.convolution_backward.default(go, x, w, [4], [1, 1], [1, 1], [1, 1], False, [0, 0], 1, [True] * 3)
+    gi2, gw2, gb2 = aten.convolution_backward.default(go, x, w, [4], [1, 1], [1, 1], [1, 1], False, [0, 0], 1, [True] * 3)
     var, mean = aten.var_mean.correction(y, [1], correction=0, keepdim=True)
-    return gi.sin(), gw, gb, (y - mean) * var
+    return gi.sin(), gw, gb.double(), (y - mean) * var, gi2 * gw2.sum() + gb2.sum()  # gb returned cast
 
 
 def test_a_fallbacks_first_read_result_waits_for_the_others_to_be_read_out():
     """The convolution backward's input gradient goes to its reader through ``fxoffload.order`` with
-    the weight's and bias's gradients as edges; ``var_mean``, which Inductor lowers into a kernel of
-    its own (no tuple at run time), is left as it was; the graph computes the same values."""
+    the weight's and bias's gradients, which are only returned (as they are or cast), as edges. Left as they were: a call
+    whose results are all read (nothing for Inductor to read out late), and ``var_mean``, which
+    Inductor lowers into a kernel of its own (no tuple at run time). The graph computes the same
+    values."""
     args = (torch.randn(2, 4, 6, 6), torch.randn(2, 3, 6, 6), torch.randn(4, 3, 3, 3), torch.randn(5, 7))
     gm = make_fx(_convolution_backward_and_var_mean)(*args)
     expected = gm(*args)
@@ -39,6 +42,9 @@ def test_a_fallbacks_first_read_result_waits_for_the_others_to_be_read_out():
     assert sorted(g.args[1] for g in others) == [1, 2] and all(g.args[0] is first.args[0] for g in others)
     (sin,) = gm.graph.find_nodes(op="call_function", target=aten.sin.default)
     assert sin.args[0] is edge
+    calls = gm.graph.find_nodes(op="call_function", target=aten.convolution_backward.default)
+    (all_read,) = [c for c in calls if c is not first.args[0]]
+    assert all(u.target is operator.getitem for u in all_read.users)
     var_mean = next(n for n in gm.graph.nodes if n.target is aten.var_mean.correction)
     assert all(u.target is operator.getitem for u in var_mean.users)
     for got, want in zip(gm(*args), expected):

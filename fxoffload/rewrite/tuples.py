@@ -13,14 +13,14 @@ fallback call that returns a tuple, and reads each result out of it in a line of
     del buf41                           # only now is the input's gradient freed
 
 Inductor's ``reorder_for_peak_memory`` counts each result as freed at its own last read and moves
-the reads of results that are only returned (the weights' gradients) late, so the tuple keeps every
-other result alive until then: on the small diffusion UNet of ``bench.unet``, with its saved
-tensors offloaded, the input gradients held so were a quarter of the backward's peak and the FX
-memory model, which frees each result at its own last read, 10% under the code (measured,
-``docs/results.md``). ``release_tuples`` routes the first-read result of each such call through
-``fxoffload.order`` with every other result as an edge: the wrapper must read them all out before
-that result's first reader, and drops the tuple there. Nothing is computed or copied; the order op
-returns its argument (about 2 us of host time a call).
+the reads of results the graph only returns (the weights' gradients, as they are or cast under
+autocast) late, so the tuple keeps every other result alive until then: on the small diffusion UNet
+of ``bench.unet``, with its saved tensors offloaded, the input gradients held so set the step's peak
+(438,036 bytes measured, 391,476 once released) and the FX memory model, which frees each result at
+its own last read, was 10% under the code (``docs/results.md``). ``release_tuples`` routes the
+first-read result of each such call through ``fxoffload.order`` with every other result as an edge:
+the wrapper must read them all out before that result's first reader, and drops the tuple there.
+Nothing is computed or copied; the order op returns its argument (about 2 us of host time a call).
 """
 
 from __future__ import annotations
@@ -37,24 +37,25 @@ __all__ = ["release_tuples"]
 
 
 def release_tuples(gm: fx.GraphModule) -> int:
-    """For each call of ``gm`` that Inductor runs as a fallback returning several tensors, read out
-    by ``getitem`` nodes of which at least two are read: the result read first (by graph order)
-    goes to its readers other than the output through ``fxoffload.order(result, [the other
-    results])``. Returns the number of calls so routed; the graph is left to the caller to lint and
-    recompile."""
-    index = {m: i for i, m in enumerate(gm.graph.nodes)}  # the readers' places: moving getitems keeps them
+    """For each call of ``gm`` that Inductor runs as a fallback returning several tensors, some of
+    which the graph reads on and some it only returns, as they are or cast (a weight's gradient:
+    what Inductor reads out late): the first result the graph reads on goes to its readers other
+    than the output through ``fxoffload.order(result, [the other results])``. Returns the
+    number of calls so routed; the graph is left to the caller to lint and recompile."""
+    nodes = list(gm.graph.nodes)
+    index = {m: i for i, m in enumerate(nodes)}  # the readers' places: moving getitems keeps them
     routed = 0
-    for n in list(gm.graph.nodes):
+    for n in nodes:
         if n.op != "call_function" or not isinstance(n.meta.get("val"), (tuple, list)):
             continue
         items = [u for u in n.users if u.target is operator.getitem]
         tensors = [g for g in items if isinstance(g.meta.get("val"), torch.Tensor)]
         if len(tensors) < 2 or len(items) != len(n.users) or not inductor_runs_as_fallback(n.target):
             continue
-        readers = {g: [u for u in g.users if u.op != "output"] for g in tensors}
-        read = [g for g in tensors if readers[g]]
-        if not read:
+        read = [g for g in tensors if not _returned(g)]
+        if not read or len(read) == len(tensors):  # none late, or all: nothing to release early
             continue
+        readers = {g: [u for u in g.users if u.op != "output"] for g in read}
         first = min(read, key=lambda g: min(index[u] for u in readers[g]))
         at = n
         for g in sorted(items, key=index.__getitem__):  # read out right after the call (they read nothing else)
@@ -67,3 +68,11 @@ def release_tuples(gm: fx.GraphModule) -> int:
             u.replace_input_with(first, edge)
         routed += 1
     return routed
+
+
+_CASTS = (torch.ops.prims.convert_element_type.default, torch.ops.aten._to_copy.default)
+
+
+def _returned(node: fx.Node) -> bool:
+    """The graph only returns ``node``'s value, as it is or cast (a weight's gradient under autocast)."""
+    return all(u.op == "output" or (u.target in _CASTS and all(v.op == "output" for v in u.users)) for u in node.users)
