@@ -26,10 +26,10 @@ def _convolution_backward_and_var_mean(go, x, w, y):
 
 def test_a_fallbacks_first_read_result_waits_for_the_others_to_be_read_out():
     """The convolution backward's input gradient goes to its reader through ``fxoffload.order`` with
-    the weight's and bias's gradients, which are only returned (as they are or cast), as edges. Left as they were: a call
-    whose results are all read (nothing for Inductor to read out late), and ``var_mean``, which
-    Inductor lowers into a kernel of its own (no tuple at run time). The graph computes the same
-    values."""
+    the weight's and bias's gradients, which are only returned (as they are or cast), as edges.
+    Left as they were: a call whose results are all read (nothing for Inductor to read out late),
+    and ``var_mean``, which Inductor lowers into a kernel of its own (no tuple at run time). The
+    graph computes the same values."""
     args = (torch.randn(2, 4, 6, 6), torch.randn(2, 3, 6, 6), torch.randn(4, 3, 3, 3), torch.randn(5, 7))
     gm = make_fx(_convolution_backward_and_var_mean)(*args)
     expected = gm(*args)

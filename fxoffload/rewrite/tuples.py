@@ -75,4 +75,6 @@ _CASTS = (torch.ops.prims.convert_element_type.default, torch.ops.aten._to_copy.
 
 def _returned(node: fx.Node) -> bool:
     """The graph only returns ``node``'s value, as it is or cast (a weight's gradient under autocast)."""
-    return all(u.op == "output" or (u.target in _CASTS and all(v.op == "output" for v in u.users)) for u in node.users)
+    return all(
+        u.op == "output" or (u.target in _CASTS and all(v.op == "output" for v in u.users)) for u in node.users
+    )
