@@ -35,7 +35,7 @@ from ..planning.decisions import OffloadPlan
 from .edges import Liveness, after_edges, alive_edge, edge_to
 from .host_layout import host_layouts
 from .kernel_runs import between_kernel_runs, materialised, routing_cost
-from .tuples import release_tuples
+from .tuples import getitems_after, release_tuples
 
 __all__ = ["BROKEN_RULES", "apply_plan", "hoist_saved_views", "host_placeholder_name", "materialised"]
 
@@ -155,13 +155,7 @@ def hoist_saved_views(fw: fx.GraphModule, num_fwd_outputs: int) -> None:
     # allocates all its results while it runs, so a getitem placed later only made the op's
     # readers look later than they are.
     for n in list(graph.nodes):
-        getitems = [u for u in n.users if u.target is operator.getitem] if n.op == "call_function" else []
-        at = n
-        for g in sorted(getitems, key=lambda g: g.args[1]):
-            if at.next is not g:
-                at.append(g)
-                moved = True
-            at = g
+        moved = getitems_after(n)[1] or moved
     if moved:
         graph.lint()
         fw.recompile()

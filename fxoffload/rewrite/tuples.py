@@ -33,7 +33,7 @@ import torch.fx as fx
 from .._compat import inductor_runs_as_fallback
 from ..ir import ORDER
 
-__all__ = ["release_tuples"]
+__all__ = ["getitems_after", "release_tuples"]
 
 
 def release_tuples(gm: fx.GraphModule) -> int:
@@ -57,10 +57,7 @@ def release_tuples(gm: fx.GraphModule) -> int:
             continue
         readers = {g: [u for u in g.users if u.op != "output"] for g in read}
         first = min(read, key=lambda g: min(index[u] for u in readers[g]))
-        at = n
-        for g in sorted(items, key=index.__getitem__):  # read out right after the call (they read nothing else)
-            at.append(g)
-            at = g
+        at, _ = getitems_after(n)
         with gm.graph.inserting_after(at):
             edge = gm.graph.call_function(ORDER, (first, [g for g in tensors if g is not first]))
         edge.meta["val"] = first.meta.get("val")
@@ -68,6 +65,20 @@ def release_tuples(gm: fx.GraphModule) -> int:
             u.replace_input_with(first, edge)
         routed += 1
     return routed
+
+
+def getitems_after(n: fx.Node) -> tuple[fx.Node, bool]:
+    """Move the getitems of ``n`` (a multi-output op's results) right after it, in the order of
+    their indices (they read nothing else): the op allocates all its results while it runs. Returns
+    the last of them (``n`` where it has none) and whether any moved."""
+    getitems = [u for u in n.users if u.target is operator.getitem] if n.op == "call_function" else []
+    at, moved = n, False
+    for g in sorted(getitems, key=lambda g: g.args[1]):
+        if at.next is not g:
+            at.append(g)
+            moved = True
+        at = g
+    return at, moved
 
 
 _CASTS = (torch.ops.prims.convert_element_type.default, torch.ops.aten._to_copy.default)
