@@ -9,8 +9,9 @@ Each case is a small training model drawn from ``(seed, case)``: a stack of bloc
 chains, LayerNorm/RMSNorm, activations, residual adds, hand-written and SDPA attention, conv2d +
 BatchNorm stems, views/transposes/slices, argsort/gather and max indices, bool masks, in-place buffer
 updates read by the loss, bf16 autocast and bf16/float64 pieces, graph breaks, several outputs). It
-trains two steps (plain SGD in between, the seed fixed before each step; ``LONG_STEPS`` on weights
-held for the option sets whose plans the first steps' measurements make again, ``REPLANNING``) under
+trains two steps (plain SGD in between, the seed fixed before each step, every run's second step
+starting from eager's updated weights; ``LONG_STEPS`` on weights held for the option sets whose
+plans the first steps' measurements make again, ``REPLANNING``) under
 
 - eager,
 - the inner compiler alone (``backend="aot_eager"`` or ``"inductor"``),
@@ -122,7 +123,8 @@ def _keep_every_tensor(tensor: Any) -> str:
 UNPLANNED = {**BASE, "policy": _keep_every_tensor, "verify_peak": False}
 LONG_STEPS = 7
 
-# SGD step between the two steps, so the second step runs on other weights. None over LONG_STEPS: the
+# SGD step between the two steps, so the second step runs on other weights (eager's, in every run:
+# ``train``). None over LONG_STEPS: the
 # later steps compare the code planned again on the same weights (0.05, or 0.014, on each of seven sent
 # some models' losses from 36 to 1e17 and then NaN, where rounding alone set eager, the compiler and
 # fxoffload apart by more than the values themselves).
@@ -724,6 +726,8 @@ class RunResult:
     graphs: int = 0
     replans: int = 0  # plans made again (``report.replans``), summed over graphs
     per_block: int = 0  # graphs whose plan recomputes each repeated block in turn
+    # The parameters after each step's update, by name: eager's are where every run's next step starts.
+    weights: list[dict[str, torch.Tensor]] = dataclasses.field(default_factory=list)
 
 
 def outputs_loss(outs: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -736,13 +740,27 @@ def outputs_loss(outs: Sequence[torch.Tensor]) -> torch.Tensor:
     return loss
 
 
-def train(case: Case, backend: Any = None, steps: int = 2) -> RunResult:
-    """``steps`` SGD steps of the case's model under ``backend`` (None: eager); everything they produce."""
+def train(
+    case: Case, backend: Any = None, steps: int = 2, start: Sequence[Mapping[str, torch.Tensor]] | None = None
+) -> RunResult:
+    """``steps`` SGD steps of the case's model under ``backend`` (None: eager); everything they produce.
+
+    ``start``: eager's ``RunResult.weights``. Each step after the first then starts from the weights
+    eager's update gave, copied into the same parameters (a compiled graph still meets other weight
+    values in place), so a step is judged on its own: a rounding difference in one step's gradients,
+    multiplied by an update that diverges (gradients of 190 against weights of 1, say), is not
+    carried into the next step's values. What a run leaves in its parameters is still compared
+    (``step<k>.weight.*``): a compiled step that writes into a weight is not hidden by the copy."""
     model, batches = build(case, steps)
     torch._dynamo.reset()  # each run compiles afresh: no graph of another backend is reused
     fn = model if backend is None else torch.compile(model, backend=backend)
     tensors: dict[str, torch.Tensor] = {}
+    weights: list[dict[str, torch.Tensor]] = []
     for step, batch in enumerate(batches):
+        if start is not None and step:
+            with torch.no_grad():
+                for name, p in model.named_parameters():
+                    p.copy_(start[step - 1][name])
         inputs = {k: v.clone() for k, v in batch.items()}
         if case.input_grad:
             for k in ("x", "image"):
@@ -771,13 +789,15 @@ def train(case: Case, backend: Any = None, steps: int = 2) -> RunResult:
             if v.grad is not None:
                 tensors[f"step{step}.input_grad.{k}"] = v.grad.detach().clone()
         with torch.no_grad():
-            for p in model.parameters():
+            for name, p in model.named_parameters():
+                tensors[f"step{step}.weight.{name}"] = p.detach().clone()
                 if p.grad is not None:
                     p.sub_((LR if steps <= 2 else 0.0) * p.grad)
                 p.grad = None
+        weights.append({name: p.detach().clone() for name, p in model.named_parameters()})
     for name, b in model.named_buffers():
         tensors[f"buffer.{name}"] = b.detach().clone()
-    result = RunResult(tensors)
+    result = RunResult(tensors, weights=weights)
     for report in getattr(backend, "reports", ()):
         result.graphs += 1
         result.offloaded += len(report.offloaded)
@@ -984,14 +1004,22 @@ def run_case(
     with warnings.catch_warnings():
         # fxoffload warns where a budget is not met on these tiny graphs; that is not a result.
         warnings.simplefilter("ignore")
+        eagers: dict[int, Ref] = {}  # eager's runs, by steps
         references: dict[int, tuple[Ref, Ref]] = {}  # eager's and the compiler's alone, by steps
         # UNPLANNED on the compiler and on aot_eager, by steps and partitioner
         unplanned_runs: dict[tuple[int, str], tuple[Ref, Ref]] = {}
 
+        def start(steps: int) -> list[dict[str, torch.Tensor]] | None:
+            """Where every run's later steps start: eager's weights after each update (``train``)."""
+            if steps not in eagers:
+                eagers[steps] = _attempt(lambda: train(case, steps=steps))
+            eager = eagers[steps]
+            return eager.weights if isinstance(eager, RunResult) else None
+
         def unplanned(steps: int, partitioner: str) -> tuple[Ref, Ref]:
             if (steps, partitioner) not in unplanned_runs:
                 opts = {**UNPLANNED, "partitioner": partitioner}
-                runs = {i: _attempt(lambda i=i: train(case, fxoffload.backend(**opts, inner=i), steps))
+                runs = {i: _attempt(lambda i=i: train(case, fxoffload.backend(**opts, inner=i), steps, start(steps)))
                         for i in dict.fromkeys((inner, "aot_eager"))}  # fmt: skip
                 unplanned_runs[steps, partitioner] = (runs[inner], runs["aot_eager"])
             return unplanned_runs[steps, partitioner]
@@ -1003,15 +1031,15 @@ def run_case(
         for name, factory in factories.items():
             steps = LONG_STEPS if name in REPLANNING else 2
             if steps not in references:
-                references[steps] = (_attempt(lambda: train(case, steps=steps)),
-                                     _attempt(lambda: train(case, inner, steps)))  # fmt: skip
+                weights = start(steps)
+                references[steps] = (eagers[steps], _attempt(lambda: train(case, inner, steps, weights)))
             eager, reference = references[steps]
-            start = time.perf_counter()
-            got = _attempt(lambda f=factory: train(case, f(), steps))
+            began = time.perf_counter()
+            got = _attempt(lambda f=factory: train(case, f(), steps, start(steps)))
             part = option_sets.get(name, {}).get("partitioner", "min_cut")
             status, detail = classify(eager, reference, got, tol, lambda s=steps, p=part: unplanned(s, p),
                                       own_partition=part != "min_cut")  # fmt: skip
-            outcome = Outcome(case, name, status, detail, seconds=time.perf_counter() - start)
+            outcome = Outcome(case, name, status, detail, seconds=time.perf_counter() - began)
             if isinstance(got, RunResult):
                 outcome.offloaded, outcome.recomputed = got.offloaded, got.recomputed
                 outcome.graphs, outcome.replans, outcome.per_block = got.graphs, got.replans, got.per_block

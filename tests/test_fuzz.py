@@ -236,3 +236,46 @@ def test_a_backend_that_changes_saved_tensors_is_a_mismatch():
     (outcome,) = fuzz.run_case(case, "aot_eager", {}, backends={"corrupt": corrupt})
     assert outcome.status == fuzz.MISMATCH, outcome
     assert "grad" in outcome.detail
+
+
+def test_the_second_step_starts_from_the_weights_it_is_given():
+    """Every run's later steps start from eager's updated weights (``fuzz.train``'s ``start``), so a
+    rounding difference that a diverging update multiplies is not judged as the next step's: the
+    weights given are the ones the step runs on, and the step's values are theirs."""
+    case = fuzz.make_case(0, 15)
+    eager = fuzz.train(case)
+    names = {name for name, _ in fuzz.build(case)[0].named_parameters()}
+    assert [set(w) for w in eager.weights] == [names] * 2
+    moved = [{name: w * 1.5 for name, w in eager.weights[0].items()}]
+    got = fuzz.train(case, start=moved)
+    for name, w in moved[0].items():
+        assert torch.equal(got.tensors[f"step1.weight.{name}"], w)
+        assert torch.equal(got.tensors[f"step0.weight.{name}"], eager.tensors[f"step0.weight.{name}"])
+    assert torch.equal(got.tensors["step0.loss"], eager.tensors["step0.loss"])
+    assert not torch.allclose(got.tensors["step1.loss"], eager.tensors["step1.loss"])
+    assert torch.equal(fuzz.train(case, start=eager.weights).tensors["step1.loss"], eager.tensors["step1.loss"])
+
+
+def _writes_into_the_head_bias(gm, example_inputs):
+    """aot_eager, and after each forward the head's bias moved in place: a weight the backward never
+    reads, so no gradient shows it."""
+    compiled = torch._dynamo.lookup_backend("aot_eager")(gm, example_inputs)
+    names = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
+    bias = [i for i, name in enumerate(names) if "head" in name and name.rstrip("_").endswith("bias")]
+
+    def run(*args):
+        out = compiled(*args)
+        for i in bias:
+            args[i].data.add_(1.0)
+        return out
+
+    return run
+
+
+def test_a_backend_that_writes_into_a_weight_is_a_mismatch():
+    """Starting each step from eager's weights does not hide a compiled step that writes into one:
+    what a run leaves in its parameters is compared (``step<k>.weight.*``)."""
+    (outcome,) = fuzz.run_case(fuzz.make_case(0, 15), "aot_eager", {},
+                               backends={"weights": lambda: _writes_into_the_head_bias})  # fmt: skip
+    assert outcome.status == fuzz.MISMATCH, outcome
+    assert "weight.head.bias" in outcome.detail, outcome.detail
