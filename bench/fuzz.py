@@ -37,6 +37,9 @@ buffers is never within it. Outcomes per (case, option set):
   bug), once the same run on aot_eager shows that fxoffload's own path gives eager's answer;
 - ERROR: fxoffload raised where the compiler alone did not.
 
+A verdict on a step after an update of eager's that moved a weight by more than the largest weight
+says so (``diverged``): a diverged model's values are sums in which rounding alone sets compilers apart.
+
 Only the public API is used (``fxoffload.backend``, ``torch.compile``), so this keeps working across
 restructures of the package.
 """
@@ -856,6 +859,26 @@ def rounding_slack(inner: RunResult, eager: RunResult, tol: Tolerance) -> dict[s
     return slack
 
 
+def diverged(eager: RunResult, detail: str) -> str:
+    """Where ``detail`` names a tensor of a step after the first: "" or a note that eager's update
+    before that step moved a weight by more than the largest weight. Every run starts that step
+    from those weights (``train``), but a diverged model's values (1e11 and more) are sums in which
+    rounding alone sets every compiler apart: read such a step's verdict with that in mind."""
+    notes = []
+    for step in sorted({int(k) for k in re.findall(r"\bstep(\d+)\.", detail)} - {0}):
+        if step > len(eager.weights):
+            continue
+        moved = largest = 0.0
+        for name, after in eager.weights[step - 1].items():
+            before = eager.tensors.get(f"step{step - 1}.weight.{name}")
+            if before is not None and before.is_floating_point():
+                moved, largest = max(moved, _finite_max(after - before)), max(largest, _finite_max(before))
+        if moved > largest:
+            notes.append(f"eager's update before step {step} moved a weight by {moved:.3g}, the largest "
+                         f"weight being {largest:.3g}: a diverging model")
+    return "".join(f"; {n}" for n in notes)
+
+
 def first_difference(
     a: RunResult, b: RunResult, tol: Tolerance, slack: Mapping[str, float] | None = None
 ) -> str | None:
@@ -1039,6 +1062,8 @@ def run_case(
             part = option_sets.get(name, {}).get("partitioner", "min_cut")
             status, detail = classify(eager, reference, got, tol, lambda s=steps, p=part: unplanned(s, p),
                                       own_partition=part != "min_cut")  # fmt: skip
+            if status != OK and isinstance(eager, RunResult):
+                detail += diverged(eager, detail)
             outcome = Outcome(case, name, status, detail, seconds=time.perf_counter() - began)
             if isinstance(got, RunResult):
                 outcome.offloaded, outcome.recomputed = got.offloaded, got.recomputed

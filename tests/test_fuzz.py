@@ -279,3 +279,15 @@ def test_a_backend_that_writes_into_a_weight_is_a_mismatch():
                                backends={"weights": lambda: _writes_into_the_head_bias})  # fmt: skip
     assert outcome.status == fuzz.MISMATCH, outcome
     assert "weight.head.bias" in outcome.detail, outcome.detail
+
+
+def test_a_step_after_a_diverging_update_is_named():
+    """A verdict on a step after eager's update moved a weight by more than the largest weight says
+    so (the model diverges, and rounding alone sets compilers apart there); other steps say nothing."""
+    before = {"step0.weight.w": torch.tensor([1.0, -2.0]), "step0.weight.b": torch.zeros(2)}
+    calm = fuzz.RunResult(dict(before), weights=[{"w": torch.tensor([1.5, -2.5]), "b": torch.ones(2)}])
+    wild = fuzz.RunResult(dict(before), weights=[{"w": torch.tensor([1.5, 20.0]), "b": torch.ones(2)}])
+    detail = "step1.grad.w: max abs diff 3 (largest |value| 9)"
+    assert fuzz.diverged(calm, detail) == ""
+    assert fuzz.diverged(wild, detail) == "; eager's update before step 1 moved a weight by 22, the largest weight being 2: a diverging model"
+    assert fuzz.diverged(wild, "step0.grad.w: max abs diff 3 (largest |value| 9)") == ""
