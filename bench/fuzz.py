@@ -161,6 +161,9 @@ class Case:
     dynamic: bool = False
     # Index of a block run under torch.utils.checkpoint (non-reentrant), -1 for none.
     checkpoint: int = -1
+    # Convolutions in the stem. With 2, the second's backward is a fallback whose input gradient the
+    # first's backward reads and whose weight gradients are only returned (``rewrite/tuples.py``).
+    stem_convs: int = 1
 
     @property
     def low_precision(self) -> bool:
@@ -173,6 +176,8 @@ class Case:
         extra = [f"tokens={self.tokens}", f"image={self.image or '-'}", f"loss={self.loss}",
                  f"input_grad={self.input_grad}", f"head={self.head_dtype}", f"schedule={self.schedule}",
                  f"dynamic={self.dynamic}", f"checkpoint={self.checkpoint}"]
+        if self.image:
+            extra.append(f"stem_convs={self.stem_convs}")
         return (f"B={self.batch} T={self.seq} D={self.dim} H={self.heads} [{blocks}] " + " ".join(extra))
 
 
@@ -264,10 +269,13 @@ def make_case(seed: int, index: int) -> Case:
         loss=rng.choice(("ce", "mse", "tuple")),
         input_grad=rng.random() < 0.5,
         head_dtype="bfloat16" if rng.random() < 0.1 else "float32",
-        # Each on its own stream: adding them left the models of earlier cases as they were.
+        # Each on its own stream: adding one left every other draw as it was (``stem_convs`` gave half
+        # of the image cases a second convolution: an image case's repro from before it needs the code
+        # of its day).
         schedule=_stream(seed, index, "schedule").choices(("plain", "accumulate", "retain"), (6, 2, 2))[0],
         dynamic=_stream(seed, index, "dynamic").random() < 0.2,
         checkpoint=_checkpointed(_stream(seed, index, "checkpoint"), blocks),
+        stem_convs=2 if _stream(seed, index, "stem").random() < 0.5 else 1,
     )
 
 
@@ -644,17 +652,21 @@ assert set(BLOCKS) == set(KINDS)
 
 
 class Stem(nn.Module):
-    """conv2d + BatchNorm2d (running statistics: buffers updated in place) [+ max-pool indices]."""
+    """conv2d + BatchNorm2d (running statistics: buffers updated in place) [+ conv2d] [+ max-pool
+    indices]."""
 
     def __init__(self, case: Case, channels: int = 3, width: int = 4):
         super().__init__()
         self.pool = "pool" in case.image
         self.conv = nn.Conv2d(channels, width, 3, padding=1)
         self.bn = nn.BatchNorm2d(width)
+        self.conv2 = nn.Conv2d(width, width, 3, padding=1) if case.stem_convs == 2 else None
         self.fc = nn.Linear(width, case.dim)
 
     def forward(self, image: torch.Tensor) -> torch.Tensor:
         x = F.relu(self.bn(self.conv(image)))
+        if self.conv2 is not None:
+            x = F.relu(self.conv2(x))
         if self.pool:
             x = F.max_pool2d(x, 2)
         return self.fc(x.mean((2, 3)))
