@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml constraints.txt
 demo: $(STAMP)
 	$(PY) -m fxoffload.tools.demo
 
-# Two workers (pytest-xdist, the `test` extra): a cold-cache run on two cores takes 11.5-13.5 min
+# Two workers (pytest-xdist, the `test` extra): a cold-cache run on two cores takes 12-14 min
 # with the suite's C++ kernels built scalar (tests/conftest.py; 16-19 min before), under the 15 min
 # we aim for with little margin (docs/results.md, "Test runs" and each session's runs).
 test: $(STAMP)
