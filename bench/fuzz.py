@@ -127,10 +127,9 @@ UNPLANNED = {**BASE, "policy": _keep_every_tensor, "verify_peak": False}
 LONG_STEPS = 7
 
 # SGD step between the two steps, so the second step runs on other weights (eager's, in every run:
-# ``train``). None over LONG_STEPS: the
-# later steps compare the code planned again on the same weights (0.05, or 0.014, on each of seven sent
-# some models' losses from 36 to 1e17 and then NaN, where rounding alone set eager, the compiler and
-# fxoffload apart by more than the values themselves).
+# ``train``). None over LONG_STEPS: the later steps compare the code planned again on the same weights
+# (0.05, or 0.014, on each of seven sent some models' losses from 36 to 1e17 and then NaN, where
+# rounding alone set eager, the compiler and fxoffload apart by more than the values themselves).
 LR = 0.05
 
 
@@ -1039,16 +1038,13 @@ def run_case(
     with warnings.catch_warnings():
         # fxoffload warns where a budget is not met on these tiny graphs; that is not a result.
         warnings.simplefilter("ignore")
-        eagers: dict[int, Ref] = {}  # eager's runs, by steps
         references: dict[int, tuple[Ref, Ref]] = {}  # eager's and the compiler's alone, by steps
         # UNPLANNED on the compiler and on aot_eager, by steps and partitioner
         unplanned_runs: dict[tuple[int, str], tuple[Ref, Ref]] = {}
 
         def start(steps: int) -> list[dict[str, torch.Tensor]] | None:
             """Where every run's later steps start: eager's weights after each update (``train``)."""
-            if steps not in eagers:
-                eagers[steps] = _attempt(lambda: train(case, steps=steps))
-            eager = eagers[steps]
+            eager = references[steps][0]
             return eager.weights if isinstance(eager, RunResult) else None
 
         def unplanned(steps: int, partitioner: str) -> tuple[Ref, Ref]:
@@ -1066,8 +1062,9 @@ def run_case(
         for name, factory in factories.items():
             steps = LONG_STEPS if name in REPLANNING else 2
             if steps not in references:
-                weights = start(steps)
-                references[steps] = (eagers[steps], _attempt(lambda: train(case, inner, steps, weights)))
+                eager = _attempt(lambda: train(case, steps=steps))
+                weights = eager.weights if isinstance(eager, RunResult) else None
+                references[steps] = (eager, _attempt(lambda: train(case, inner, steps, weights)))
             eager, reference = references[steps]
             began = time.perf_counter()
             got = _attempt(lambda f=factory: train(case, f(), steps, start(steps)))
