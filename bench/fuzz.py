@@ -1012,6 +1012,11 @@ def _classify_against_unplanned(
     return (TORCH_BUG if status == OK else status), f"{why}; {detail or 'fxoffload matches nothing offloaded'}"
 
 
+def _start(eager: Ref) -> list[dict[str, torch.Tensor]] | None:
+    """Where every run's later steps start: eager's weights after each update (``train``)."""
+    return eager.weights if isinstance(eager, RunResult) else None
+
+
 def _exc(e: BaseException) -> str:
     lines = str(e).strip().splitlines()
     return f"{type(e).__name__}: {lines[0][:200] if lines else ''}"
@@ -1042,15 +1047,11 @@ def run_case(
         # UNPLANNED on the compiler and on aot_eager, by steps and partitioner
         unplanned_runs: dict[tuple[int, str], tuple[Ref, Ref]] = {}
 
-        def start(steps: int) -> list[dict[str, torch.Tensor]] | None:
-            """Where every run's later steps start: eager's weights after each update (``train``)."""
-            eager = references[steps][0]
-            return eager.weights if isinstance(eager, RunResult) else None
-
         def unplanned(steps: int, partitioner: str) -> tuple[Ref, Ref]:
             if (steps, partitioner) not in unplanned_runs:
                 opts = {**UNPLANNED, "partitioner": partitioner}
-                runs = {i: _attempt(lambda i=i: train(case, fxoffload.backend(**opts, inner=i), steps, start(steps)))
+                start = _start(references[steps][0])
+                runs = {i: _attempt(lambda i=i: train(case, fxoffload.backend(**opts, inner=i), steps, start))
                         for i in dict.fromkeys((inner, "aot_eager"))}  # fmt: skip
                 unplanned_runs[steps, partitioner] = (runs[inner], runs["aot_eager"])
             return unplanned_runs[steps, partitioner]
@@ -1063,11 +1064,10 @@ def run_case(
             steps = LONG_STEPS if name in REPLANNING else 2
             if steps not in references:
                 eager = _attempt(lambda: train(case, steps=steps))
-                weights = eager.weights if isinstance(eager, RunResult) else None
-                references[steps] = (eager, _attempt(lambda: train(case, inner, steps, weights)))
+                references[steps] = (eager, _attempt(lambda: train(case, inner, steps, _start(eager))))
             eager, reference = references[steps]
             began = time.perf_counter()
-            got = _attempt(lambda f=factory: train(case, f(), steps, start(steps)))
+            got = _attempt(lambda f=factory: train(case, f(), steps, _start(eager)))
             part = option_sets.get(name, {}).get("partitioner", "min_cut")
             status, detail = classify(eager, reference, got, tol, lambda s=steps, p=part: unplanned(s, p),
                                       own_partition=part != "min_cut")  # fmt: skip
