@@ -35,10 +35,11 @@ buffers is never within it. Outcomes per (case, option set):
   partitioner bug of ``fxoffload/rewrite/mutated_reads.py``). Where the compiler alone raised or is
   wrong, the reference left is fxoffload with nothing offloaded on that compiler (it avoids the same
   bug), once the same run on aot_eager shows that fxoffload's own path gives eager's answer;
-- ERROR: fxoffload raised where the compiler alone did not.
-
-A verdict on a step after an update of eager's that moved a weight by more than the largest weight
-says so (``diverged``): a diverged model's values are sums in which rounding alone sets compilers apart.
+- ERROR: fxoffload raised where the compiler alone did not;
+- DIVERGED: a verdict other than OK fell only on steps after an update of eager's that moved a
+  weight by more than the largest weight (``divergence``), and the steps before agree. A diverged
+  model's values are sums in which rounding alone sets compilers apart: those steps are not judged
+  (where the steps before do not agree, their verdict is the outcome's, saying so).
 
 Only the public API is used (``fxoffload.backend``, ``torch.compile``), so this keeps working across
 restructures of the package.
@@ -70,8 +71,8 @@ import fxoffload
 
 log = logging.getLogger(__name__)
 
-OK, MISMATCH, TORCH_BUG, ERROR = "OK", "FXOFFLOAD_MISMATCH", "TORCH_BUG", "ERROR"
-STATUSES = (OK, MISMATCH, TORCH_BUG, ERROR)
+OK, MISMATCH, TORCH_BUG, ERROR, DIVERGED = "OK", "FXOFFLOAD_MISMATCH", "TORCH_BUG", "ERROR", "DIVERGED"
+STATUSES = (OK, MISMATCH, TORCH_BUG, ERROR, DIVERGED)
 INNERS = ("aot_eager", "inductor")
 
 # fxoffload's options per set; ``inner`` is added by the runner. offload_cpu: this fuzz runs on CPU
@@ -870,24 +871,30 @@ def rounding_slack(inner: RunResult, eager: RunResult, tol: Tolerance) -> dict[s
     return slack
 
 
-def diverged(eager: RunResult, detail: str) -> str:
-    """Where ``detail`` names a tensor of a step after the first: "" or a note that eager's update
-    before that step moved a weight by more than the largest weight. Every run starts that step
-    from those weights (``train``), but a diverged model's values (1e11 and more) are sums in which
-    rounding alone sets every compiler apart: read such a step's verdict with that in mind."""
-    notes = []
-    for step in sorted({int(k) for k in re.findall(r"\bstep(\d+)\.", detail)} - {0}):
-        if step > len(eager.weights):
-            continue
+def divergence(eager: RunResult) -> tuple[int, str] | None:
+    """The first step after one at which eager's update moved a weight by more than the largest
+    weight, and a line saying so; None where no update did. Every run starts that step from those
+    weights (``train``), but a diverged model's values (1e11 and more) are sums in which rounding alone
+    sets every compiler apart: such steps are not judged (``DIVERGED``)."""
+    for step, after in enumerate(eager.weights[:-1], start=1):
         moved = largest = 0.0
-        for name, after in eager.weights[step - 1].items():
+        for name, weight in after.items():
             before = eager.tensors.get(f"step{step - 1}.weight.{name}")
             if before is not None and before.is_floating_point():
-                moved, largest = max(moved, _finite_max(after - before)), max(largest, _finite_max(before))
+                moved, largest = max(moved, _finite_max(weight - before)), max(largest, _finite_max(before))
         if moved > largest:
-            notes.append(f"eager's update before step {step} moved a weight by {moved:.3g}, the largest "
-                         f"weight being {largest:.3g}: a diverging model")
-    return "".join(f"; {n}" for n in notes)
+            return step, (f"eager's update before step {step} moved a weight by {moved:.3g}, the largest "
+                          f"weight being {largest:.3g}: a diverging model")
+    return None
+
+
+def before_step(run: Ref, step: int) -> Ref:
+    """``run`` with only the tensors of its steps before ``step`` (no buffers: they hold every step's
+    updates); a raised exception as it is."""
+    if isinstance(run, BaseException):
+        return run
+    kept = {k: v for k, v in run.tensors.items() if (m := re.match(r"step(\d+)\.", k)) and int(m[1]) < step}
+    return dataclasses.replace(run, tensors=kept, weights=run.weights[:step])
 
 
 def first_difference(
@@ -991,6 +998,29 @@ def classify(
     return MISMATCH, f"vs compiler alone: {got_vs_inner}; vs eager: {got_vs_eager}"
 
 
+def judge(
+    eager: Ref, inner: Ref, got: Ref, tol: Tolerance, unplanned: Callable[[], tuple[Ref, Ref]] | None = None,
+    own_partition: bool = False,
+) -> tuple[str, str]:
+    """``classify``, the steps of a diverging model (``divergence``) left unjudged: a verdict other
+    than OK is made again on the steps before the divergence, and is DIVERGED where they agree."""
+    status, detail = classify(eager, inner, got, tol, unplanned, own_partition)
+    cut = divergence(eager) if status in (MISMATCH, TORCH_BUG) and isinstance(eager, RunResult) else None
+    if cut is None:
+        return status, detail
+    step, why = cut
+
+    def unplanned_before() -> tuple[Ref, Ref]:
+        on_inner, on_aot = unplanned()
+        return before_step(on_inner, step), before_step(on_aot, step)
+
+    early, early_detail = classify(before_step(eager, step), before_step(inner, step), before_step(got, step),
+                                   tol, unplanned and unplanned_before, own_partition)  # fmt: skip
+    if early == OK:
+        return DIVERGED, f"{why}; the steps before {step} agree, the later ones are not judged ({status}: {detail})"
+    return early, f"{early_detail}; {why}: the steps from {step} on are not judged"
+
+
 def _classify_against_unplanned(
     eager: RunResult, got: RunResult, tol: Tolerance, torch_bug: str | None, got_vs_eager: str, on_inner: Ref,
     on_aot: Ref,
@@ -1069,10 +1099,8 @@ def run_case(
             began = time.perf_counter()
             got = _attempt(lambda f=factory: train(case, f(), steps, _start(eager)))
             part = option_sets.get(name, {}).get("partitioner", "min_cut")
-            status, detail = classify(eager, reference, got, tol, lambda s=steps, p=part: unplanned(s, p),
-                                      own_partition=part != "min_cut")  # fmt: skip
-            if status != OK and isinstance(eager, RunResult):
-                detail += diverged(eager, detail)
+            status, detail = judge(eager, reference, got, tol, lambda s=steps, p=part: unplanned(s, p),
+                                   own_partition=part != "min_cut")  # fmt: skip
             outcome = Outcome(case, name, status, detail, seconds=time.perf_counter() - began)
             if isinstance(got, RunResult):
                 outcome.offloaded, outcome.recomputed = got.offloaded, got.recomputed
