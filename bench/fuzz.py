@@ -35,11 +35,7 @@ buffers is never within it. Outcomes per (case, option set):
   partitioner bug of ``fxoffload/rewrite/mutated_reads.py``). Where the compiler alone raised or is
   wrong, the reference left is fxoffload with nothing offloaded on that compiler (it avoids the same
   bug), once the same run on aot_eager shows that fxoffload's own path gives eager's answer;
-- ERROR: fxoffload raised where the compiler alone did not;
-- DIVERGED: a verdict other than OK fell only on steps after an update of eager's that moved a
-  weight by more than the largest weight (``divergence``), and the steps before agree. A diverged
-  model's values are sums in which rounding alone sets compilers apart: those steps are not judged
-  (where the steps before do not agree, their verdict is the outcome's, saying so).
+- ERROR: fxoffload raised where the compiler alone did not.
 
 Only the public API is used (``fxoffload.backend``, ``torch.compile``), so this keeps working across
 restructures of the package.
@@ -71,8 +67,8 @@ import fxoffload
 
 log = logging.getLogger(__name__)
 
-OK, MISMATCH, TORCH_BUG, ERROR, DIVERGED = "OK", "FXOFFLOAD_MISMATCH", "TORCH_BUG", "ERROR", "DIVERGED"
-STATUSES = (OK, MISMATCH, TORCH_BUG, ERROR, DIVERGED)
+OK, MISMATCH, TORCH_BUG, ERROR = "OK", "FXOFFLOAD_MISMATCH", "TORCH_BUG", "ERROR"
+STATUSES = (OK, MISMATCH, TORCH_BUG, ERROR)
 INNERS = ("aot_eager", "inductor")
 
 # fxoffload's options per set; ``inner`` is added by the runner. offload_cpu: this fuzz runs on CPU
@@ -132,6 +128,11 @@ LONG_STEPS = 7
 # (0.05, or 0.014, on each of seven sent some models' losses from 36 to 1e17 and then NaN, where
 # rounding alone set eager, the compiler and fxoffload apart by more than the values themselves).
 LR = 0.05
+# No parameter moves by more than this share of the model's largest weight in one update: a step of
+# LR alone moved some models' weights by 11-33 where the largest was about 2 (seed 54 cases 1 and 15,
+# seed 55 case 8), and the next step's values (1e8-1e14) were sums in which rounding alone set every
+# compiler apart, so that step said nothing of fxoffload.
+MAX_MOVE = 0.1
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -761,11 +762,11 @@ def train(
     """``steps`` SGD steps of the case's model under ``backend`` (None: eager); everything they produce.
 
     ``start``: eager's ``RunResult.weights``. Each step after the first then starts from the weights
-    eager's update gave, copied into the same parameters (a compiled graph still meets other weight
-    values in place), so a step is judged on its own: a rounding difference in one step's gradients,
-    multiplied by an update that diverges (gradients of 190 against weights of 1, say), is not
-    carried into the next step's values. What a run leaves in its parameters is still compared
-    (``step<k>.weight.*``): a compiled step that writes into a weight is not hidden by the copy."""
+    eager's update gave (``bounded_update``), copied into the same parameters (a compiled graph still
+    meets other weight values in place), so a step is judged on its own: a rounding difference in one
+    step's gradients is not carried into the next step's values. What a run leaves in its parameters
+    is still compared (``step<k>.weight.*``): a compiled step that writes into a weight is not hidden
+    by the copy."""
     model, batches = build(case, steps)
     torch._dynamo.reset()  # each run compiles afresh: no graph of another backend is reused
     fn = model if backend is None else torch.compile(model, backend=backend)
@@ -804,10 +805,11 @@ def train(
             if v.grad is not None:
                 tensors[f"step{step}.input_grad.{k}"] = v.grad.detach().clone()
         with torch.no_grad():
+            largest = max((_finite_max(p) for p in model.parameters()), default=0.0)
             for name, p in model.named_parameters():
                 tensors[f"step{step}.weight.{name}"] = p.detach().clone()
-                if p.grad is not None:
-                    p.sub_((LR if steps <= 2 else 0.0) * p.grad)
+                if p.grad is not None and steps <= 2:
+                    p.sub_(bounded_update(p.grad, largest))
                 p.grad = None
         weights.append({name: p.detach().clone() for name, p in model.named_parameters()})
     for name, b in model.named_buffers():
@@ -820,6 +822,14 @@ def train(
         result.replans += len(report.replans)
         result.per_block += "each repeated block in turn" in report.note
     return result
+
+
+def bounded_update(grad: torch.Tensor, largest: float) -> torch.Tensor:
+    """``LR * grad``, scaled down where it would move a weight by more than ``MAX_MOVE`` of the
+    model's ``largest`` weight (a diverging update makes the next step's values rounding alone)."""
+    update = LR * grad
+    moved, bound = _finite_max(update), MAX_MOVE * largest
+    return update * (bound / moved) if moved > bound > 0 else update
 
 
 @dataclasses.dataclass(frozen=True)
@@ -869,32 +879,6 @@ def rounding_slack(inner: RunResult, eager: RunResult, tol: Tolerance) -> dict[s
         if x is not None and x.shape == y.shape and x.dtype == y.dtype:
             slack[key] = 2 * min(_finite_max(x.double() - y.double()), allowed)
     return slack
-
-
-def divergence(eager: RunResult) -> tuple[int, str] | None:
-    """The first step after one at which eager's update moved a weight by more than the largest
-    weight, and a line saying so; None where no update did. Every run starts that step from those
-    weights (``train``), but a diverged model's values (1e11 and more) are sums in which rounding alone
-    sets every compiler apart: such steps are not judged (``DIVERGED``)."""
-    for step, after in enumerate(eager.weights[:-1], start=1):
-        moved = largest = 0.0
-        for name, weight in after.items():
-            before = eager.tensors.get(f"step{step - 1}.weight.{name}")
-            if before is not None and before.is_floating_point():
-                moved, largest = max(moved, _finite_max(weight - before)), max(largest, _finite_max(before))
-        if moved > largest:
-            return step, (f"eager's update before step {step} moved a weight by {moved:.3g}, the largest "
-                          f"weight being {largest:.3g}: a diverging model")
-    return None
-
-
-def before_step(run: Ref, step: int) -> Ref:
-    """``run`` with only the tensors of its steps before ``step`` (no buffers: they hold every step's
-    updates); a raised exception as it is."""
-    if isinstance(run, BaseException):
-        return run
-    kept = {k: v for k, v in run.tensors.items() if (m := re.match(r"step(\d+)\.", k)) and int(m[1]) < step}
-    return dataclasses.replace(run, tensors=kept, weights=run.weights[:step])
 
 
 def first_difference(
@@ -998,29 +982,6 @@ def classify(
     return MISMATCH, f"vs compiler alone: {got_vs_inner}; vs eager: {got_vs_eager}"
 
 
-def judge(
-    eager: Ref, inner: Ref, got: Ref, tol: Tolerance, unplanned: Callable[[], tuple[Ref, Ref]] | None = None,
-    own_partition: bool = False,
-) -> tuple[str, str]:
-    """``classify``, the steps of a diverging model (``divergence``) left unjudged: a verdict other
-    than OK is made again on the steps before the divergence, and is DIVERGED where they agree."""
-    status, detail = classify(eager, inner, got, tol, unplanned, own_partition)
-    cut = divergence(eager) if status in (MISMATCH, TORCH_BUG) and isinstance(eager, RunResult) else None
-    if cut is None:
-        return status, detail
-    step, why = cut
-
-    def unplanned_before() -> tuple[Ref, Ref]:
-        on_inner, on_aot = unplanned()
-        return before_step(on_inner, step), before_step(on_aot, step)
-
-    early, early_detail = classify(before_step(eager, step), before_step(inner, step), before_step(got, step),
-                                   tol, unplanned and unplanned_before, own_partition)  # fmt: skip
-    if early == OK:
-        return DIVERGED, f"{why}; the steps before {step} agree, the later ones are not judged ({status}: {detail})"
-    return early, f"{early_detail}; {why}: the steps from {step} on are not judged"
-
-
 def _classify_against_unplanned(
     eager: RunResult, got: RunResult, tol: Tolerance, torch_bug: str | None, got_vs_eager: str, on_inner: Ref,
     on_aot: Ref,
@@ -1099,8 +1060,8 @@ def run_case(
             began = time.perf_counter()
             got = _attempt(lambda f=factory: train(case, f(), steps, _start(eager)))
             part = option_sets.get(name, {}).get("partitioner", "min_cut")
-            status, detail = judge(eager, reference, got, tol, lambda s=steps, p=part: unplanned(s, p),
-                                   own_partition=part != "min_cut")  # fmt: skip
+            status, detail = classify(eager, reference, got, tol, lambda s=steps, p=part: unplanned(s, p),
+                                      own_partition=part != "min_cut")  # fmt: skip
             outcome = Outcome(case, name, status, detail, seconds=time.perf_counter() - began)
             if isinstance(got, RunResult):
                 outcome.offloaded, outcome.recomputed = got.offloaded, got.recomputed
