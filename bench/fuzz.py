@@ -165,6 +165,9 @@ class Case:
     # Convolutions in the stem. With 2, the second's backward is a fallback whose input gradient the
     # first's backward reads and whose weight gradients are only returned (``rewrite/tuples.py``).
     stem_convs: int = 1
+    # Blocks whose parameters are frozen (``requires_grad_(False)``, as in fine-tuning with adapters):
+    # their activations are saved only where an input gradient or a trainable weight's needs them.
+    frozen: tuple[int, ...] = ()
 
     @property
     def low_precision(self) -> bool:
@@ -179,6 +182,8 @@ class Case:
                  f"dynamic={self.dynamic}", f"checkpoint={self.checkpoint}"]
         if self.image:
             extra.append(f"stem_convs={self.stem_convs}")
+        if self.frozen:
+            extra.append(f"frozen={','.join(map(str, self.frozen))}")
         return (f"B={self.batch} T={self.seq} D={self.dim} H={self.heads} [{blocks}] " + " ".join(extra))
 
 
@@ -277,11 +282,19 @@ def make_case(seed: int, index: int) -> Case:
         dynamic=_stream(seed, index, "dynamic").random() < 0.2,
         checkpoint=_checkpointed(_stream(seed, index, "checkpoint"), blocks),
         stem_convs=2 if _stream(seed, index, "stem").random() < 0.5 else 1,
+        frozen=_frozen(_stream(seed, index, "frozen"), blocks),
     )
 
 
 def _stream(seed: int, index: int, what: str) -> random.Random:
     return random.Random(f"fxoffload-fuzz/{seed}/{index}/{what}")
+
+
+def _frozen(rng: random.Random, blocks: Sequence[tuple[str, Any]]) -> tuple[int, ...]:
+    """A quarter of the cases freeze each block's parameters with even odds (the head stays trainable)."""
+    if rng.random() >= 0.25:
+        return ()
+    return tuple(i for i in range(len(blocks)) if rng.random() < 0.5)
 
 
 # Blocks that update buffers would update them again when checkpointing reruns them; a graph break
@@ -713,6 +726,8 @@ def build(case: Case, steps: int = 2) -> tuple[FuzzModel, list[dict[str, torch.T
     """The case's model and one batch (keyword inputs) per step, the same on every call."""
     torch.manual_seed(case.seed * 100_003 + case.index)
     model = FuzzModel(case)
+    for i in case.frozen:
+        model.blocks[i].requires_grad_(False)
     batches = []
     for step in range(steps):
         rows = case.batch + (step if case.dynamic else 0)

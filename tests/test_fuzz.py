@@ -292,3 +292,15 @@ def test_an_update_moves_no_weight_by_more_than_a_tenth_of_the_largest():
     small = torch.tensor([1.0, -2.0])
     assert torch.equal(fuzz.bounded_update(small, largest=2.0), fuzz.LR * small)
     assert torch.equal(fuzz.bounded_update(grad[:2], largest=0.0), fuzz.LR * grad[:2])  # all-zero weights
+
+
+def test_frozen_blocks_train_no_weights():
+    """A fifth of the cases freeze some blocks' parameters (fine-tuning with adapters): seed 0 case
+    17 freezes blocks 0, 1, 3 and 5, whose weights get no gradient and are not moved; the others do."""
+    case = fuzz.make_case(0, 17)
+    assert case.frozen == (0, 1, 3, 5) and "frozen=0,1,3,5" in case.describe()
+    run = fuzz.train(case)
+    grads = {key.split(".")[3] for key in run.tensors if key.startswith("step0.grad.blocks.")}
+    assert grads and not grads & {"0", "1", "3", "5"}, grads
+    frozen = [name for name in run.weights[0] if name.split(".")[:2] in (["blocks", "0"], ["blocks", "1"])]
+    assert frozen and all(torch.equal(run.weights[1][n], run.tensors[f"step0.weight.{n}"]) for n in frozen)
