@@ -20,7 +20,8 @@ from bench import fuzz
 # size, a checkpointed block), each with one option set, the six sets in turn (every run compiles
 # afresh, 2-3 s on 2 cores: that bounds this file to its minute). Case 68 is one where
 # "budget-recompute" does recompute. Under Inductor, two small cases (a fxoffload compile there
-# re-lowers its graphs every time): two micro-batches through one graph, and a slow emulated link.
+# re-lowers its graphs every time): two micro-batches through one graph, and a slow emulated link
+# with a frozen block (288; 17 below freezes four).
 AOT_EAGER_CASES = [(89, "auto"), (129, "all"), (238, "budget"), (63, "all-slow"), (36, "all-default-part"),
                    (68, "budget-recompute")]
 INDUCTOR_CASES = [(78, "all"), (288, "all-slow")]
