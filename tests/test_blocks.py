@@ -23,7 +23,7 @@ from fxoffload import _compat
 from fxoffload.analysis import memory
 from fxoffload.analysis.blocks import block_tags
 from fxoffload.analysis.fusion import Fusion
-from fxoffload.analysis.graph import module_path
+from fxoffload.analysis.graph import module_call, module_path
 from fxoffload.compiler import inductor_recompute
 from fxoffload.testing.models import GPT, GPTConfig, PRESETS, gpt_batch
 
@@ -207,3 +207,36 @@ def test_a_near_miss_whose_code_misses_is_planned_again(monkeypatch):
         train_step(model, batch, backend)
     (report,) = backend.reports
     assert report.replans and "peaked at" in report.replans[0], report.replans
+
+
+class _Shared(torch.nn.Module):
+    """Two MLP blocks, the second called twice (its weights shared by two layers)."""
+
+    def __init__(self, d=16):
+        super().__init__()
+        mlp = lambda: torch.nn.Sequential(torch.nn.Linear(d, 2 * d), torch.nn.GELU(), torch.nn.Linear(2 * d, d))  # noqa: E731
+        self.blocks = torch.nn.ModuleList([mlp(), mlp()])
+
+    def forward(self, x):
+        return self.blocks[1](self.blocks[1](self.blocks[0](x))).pow(2).sum()
+
+
+def test_a_block_called_twice_is_two_blocks():
+    """A ModuleList item called twice (weights shared across layers) is recomputed call by call:
+    what the first call gives the second is saved, as any block's output, so the backward never
+    rebuilds both calls at once."""
+    torch.manual_seed(0)
+    joint, inputs, kwargs = _joint(_Shared(), (torch.randn(8, 16, requires_grad=True),))
+    tags = block_tags(joint)
+    assert tags is not None and tags.blocks == ("blocks.0", "blocks.1", "blocks.1@1"), tags
+    nodes = {n.name: n for n in joint.graph.nodes}
+    # The first call's output, which the second call's first Linear reads: saved, as a block's output.
+    calls = [n for n in joint.graph.nodes if n.op == "call_function" and "addmm" in str(n.target)]
+    first_out = calls[3]
+    assert [module_path(n) for n in calls] == ["blocks.0.0", "blocks.0.2", *["blocks.1.0", "blocks.1.2"] * 2]
+    assert [module_call(n, "blocks.1") for n in calls[2:]] == ["blocks.1", "blocks.1", "blocks.1@1", "blocks.1@1"]
+    assert first_out.name in tags.save, sorted(tags.save)
+    assert len([n for n in tags.recompute if "gelu" in str(nodes[n].target)]) == 3, sorted(tags.recompute)
+    with _compat.checkpoint_tags(joint, tags.save, tags.recompute):
+        fw, bw = _compat.call_partitioner("min_cut", joint, inputs, **kwargs)
+    assert first_out.name in {n.name for n in bw.graph.nodes if n.op == "placeholder"}

@@ -6,7 +6,8 @@ users reach for when a budget is below what torch's min-cut partitioner can reac
 forward at once (the bench's tiny GPT: 7.2 MiB on the memory model, 6.3 MiB with nothing recomputed).
 Saving each block's outputs bounds what any backward step rebuilds to one block. So the blocks of
 the joint graph are found from the modules its forward nodes came from (``nn_module_stack``: the
-items of a ``ModuleList`` or ``Sequential`` such as ``blocks.0``, ``blocks.1``): each block's outputs,
+items of a ``ModuleList`` or ``Sequential`` such as ``blocks.0``, ``blocks.1``; an item called twice,
+its weights shared, is a block per call, ``graph.module_call``): each block's outputs,
 the values something outside the block reads in the forward, are tagged ``MUST_SAVE``, and every
 other node of it that can rerun ``MUST_RECOMPUTE``, the tags of selective activation checkpointing.
 torch's partitioner then makes the pair, and its reordering that mimics the autograd engine places
@@ -28,7 +29,7 @@ import re
 import torch.fx as fx
 
 from .._compat import is_backward_node
-from .graph import closure, module_path
+from .graph import closure, module_call, module_path
 from .recompute import op_cannot_rerun
 
 log = logging.getLogger(__name__)
@@ -63,6 +64,7 @@ def block_tags(joint: fx.GraphModule) -> BlockTags | None:
     them can rerun."""
     backward = _backward(joint)
     block_of: dict[fx.Node, str] = {}
+    container_of: dict[fx.Node, str] = {}
     containers: dict[str, list[str]] = {}
     for node in joint.graph.nodes:
         if node.op != "call_function" or node in backward or not node.meta.get("nn_module_stack"):
@@ -70,12 +72,13 @@ def block_tags(joint: fx.GraphModule) -> BlockTags | None:
         m = _BLOCK.match(module_path(node))
         if m is None:
             continue
-        block_of[node] = m.group(1)
+        block_of[node] = block = module_call(node, m.group(1))  # a block called twice is two blocks
+        container_of[node] = m.group(2)
         seen = containers.setdefault(m.group(2), [])
-        if m.group(1) not in seen:
-            seen.append(m.group(1))
+        if block not in seen:
+            seen.append(block)
     repeated = {c for c, blocks in containers.items() if len(blocks) >= 2}
-    block_of = {n: b for n, b in block_of.items() if b.rsplit(".", 1)[0] in repeated}
+    block_of = {n: b for n, b in block_of.items() if container_of[n] in repeated}
     if not block_of:
         return None
     save, recompute = set(), set()

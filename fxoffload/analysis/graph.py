@@ -179,11 +179,27 @@ def module_path(node: fx.Node) -> str:
     moved into the forward from the backward carry ``meta["fwd_nn_module_stack"]``, the module of the
     forward node they belong to. "" when neither is there (graph inputs, top-level code).
     """
-    stack = node.meta.get("nn_module_stack") or node.meta.get("fwd_nn_module_stack")
-    if not stack:
-        return ""
-    path = list(stack.values())[-1]
-    path = path[0] if isinstance(path, tuple) else path
+    stack = _module_stack(node)
+    return _dotted(list(stack.values())[-1]) if stack else ""
+
+
+def module_call(node: fx.Node, path: str) -> str:
+    """``path``, a module on ``node``'s stack as ``module_path`` writes it, with "@k" where ``node``
+    came from that module's call k + 1 in the graph ("blocks.1@1"): a module called twice in one
+    forward, its weights shared, is two calls (Dynamo keys the stack's entries so: "<id>@1")."""
+    for key, entry in _module_stack(node).items():
+        if _dotted(entry) == path:
+            call = str(key).rpartition("@")[2] if "@" in str(key) else ""
+            return f"{path}@{call}" if call else path
+    return path
+
+
+def _module_stack(node: fx.Node) -> dict:
+    return node.meta.get("nn_module_stack") or node.meta.get("fwd_nn_module_stack") or {}
+
+
+def _dotted(entry: object) -> str:
+    path = entry[0] if isinstance(entry, tuple) else entry
     if not isinstance(path, str):
         return ""
     parts = _ITEM.sub(r".\1", _ROOT.sub("", path)).split(".")
