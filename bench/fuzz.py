@@ -8,8 +8,9 @@
 Each case is a small training model drawn from ``(seed, case)``: a stack of blocks (MLPs, matmul
 chains, LayerNorm/RMSNorm, activations, residual adds, hand-written and SDPA attention, conv2d +
 BatchNorm stems, views/transposes/slices, argsort/gather and max indices, bool masks, in-place buffer
-updates read by the loss, bf16 autocast and bf16/float64 pieces, graph breaks, several outputs). It
-trains two steps (plain SGD in between, the seed fixed before each step, every run's second step
+updates read by the loss, bf16 autocast and bf16/float64 pieces, graph breaks, several outputs,
+frozen blocks, a block applied twice, a statistic taken under no_grad). It trains two steps (SGD
+in between, each weight's move bounded, the seed fixed before each step, every run's second step
 starting from eager's updated weights; ``LONG_STEPS`` on weights held for the option sets whose
 plans the first steps' measurements make again, ``REPLANNING``) under
 
@@ -168,6 +169,12 @@ class Case:
     # Blocks whose parameters are frozen (``requires_grad_(False)``, as in fine-tuning with adapters):
     # their activations are saved only where an input gradient or a trainable weight's needs them.
     frozen: tuple[int, ...] = ()
+    # A block applied twice in a row, -1 for none: its weights read by two calls in one graph, their
+    # gradients summed (weights shared across layers).
+    repeat: int = -1
+    # A block after which the activation is divided by a statistic of it taken under torch.no_grad()
+    # (a scale, a teacher's target): a grad-mode region inside the graph. -1 for none.
+    no_grad_scale: int = -1
 
     @property
     def low_precision(self) -> bool:
@@ -184,6 +191,10 @@ class Case:
             extra.append(f"stem_convs={self.stem_convs}")
         if self.frozen:
             extra.append(f"frozen={','.join(map(str, self.frozen))}")
+        if self.repeat >= 0:
+            extra.append(f"repeat={self.repeat}")
+        if self.no_grad_scale >= 0:
+            extra.append(f"no_grad_scale={self.no_grad_scale}")
         return (f"B={self.batch} T={self.seq} D={self.dim} H={self.heads} [{blocks}] " + " ".join(extra))
 
 
@@ -283,6 +294,8 @@ def make_case(seed: int, index: int) -> Case:
         checkpoint=_checkpointed(_stream(seed, index, "checkpoint"), blocks),
         stem_convs=2 if _stream(seed, index, "stem").random() < 0.5 else 1,
         frozen=_frozen(_stream(seed, index, "frozen"), blocks),
+        repeat=_one_of(_stream(seed, index, "repeat"), [i for i, (k, _) in enumerate(blocks) if k != "graph_break"]),
+        no_grad_scale=_one_of(_stream(seed, index, "no_grad"), range(len(blocks))),
     )
 
 
@@ -295,6 +308,11 @@ def _frozen(rng: random.Random, blocks: Sequence[tuple[str, Any]]) -> tuple[int,
     if rng.random() >= 0.25:
         return ()
     return tuple(i for i in range(len(blocks)) if rng.random() < 0.5)
+
+
+def _one_of(rng: random.Random, eligible: Sequence[int], odds: float = 0.15) -> int:
+    """One of ``eligible`` in ``odds`` of the cases, else -1."""
+    return rng.choice(eligible) if eligible and rng.random() < odds else -1
 
 
 # Blocks that update buffers would update them again when checkpointing reruns them; a graph break
@@ -705,10 +723,15 @@ class FuzzModel(nn.Module):
             h = h + self.stem(image)[:, None, :]
         aux: list[torch.Tensor] = []
         for i, block in enumerate(self.blocks):
-            if i == self.case.checkpoint:  # extra outputs dropped: appending is no side effect to rerun
-                h = torch.utils.checkpoint.checkpoint(block, h, [], use_reentrant=False)
-            else:
-                h = block(h, aux)
+            for _ in range(2 if i == self.case.repeat else 1):
+                if i == self.case.checkpoint:  # extra outputs dropped: appending is no side effect to rerun
+                    h = torch.utils.checkpoint.checkpoint(block, h, [], use_reentrant=False)
+                else:
+                    h = block(h, aux)
+            if i == self.case.no_grad_scale:
+                with torch.no_grad():
+                    scale = h.float().pow(2).mean(-1, keepdim=True).add(1.0).sqrt()
+                h = h / scale.to(h.dtype)
         out = self.head(h.to(self.head.weight.dtype)).float()
         if self.case.loss == "tuple":
             return (out, *aux)

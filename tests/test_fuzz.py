@@ -5,6 +5,8 @@ when a backend really changes a saved tensor.
 ``python -m bench.fuzz --cases 200`` runs the large budget; a failure prints its ``--case`` repro.
 """
 
+import dataclasses
+
 import pytest
 import torch
 from torch._dynamo.backends.common import aot_autograd
@@ -58,10 +60,11 @@ def test_fuzz_inductor(index, options):
 
 
 def test_fuzz_per_block():
-    """Case 1 of seed 0 (a heterogeneous ModuleList) with each repeated block recomputed in turn:
-    eager's results."""
+    """Case 2 of seed 0 (a heterogeneous ModuleList, an activation scaled by a statistic taken under
+    no_grad) with each repeated block recomputed in turn: eager's results. (Case 1 was this test's
+    until it applied one block twice: its budget is then met by torch's activation budget.)"""
     options = {"budget-per-block": fuzz.OPTION_SETS["budget-per-block"]}
-    (outcome,) = fuzz.run_case(fuzz.make_case(0, 1), "aot_eager", options)
+    (outcome,) = fuzz.run_case(fuzz.make_case(0, 2), "aot_eager", options)
     _check([outcome], "aot_eager")
     assert outcome.per_block > 0 and outcome.recomputed > 0, "no block recomputed: the comparison says nothing"
 
@@ -305,3 +308,21 @@ def test_frozen_blocks_train_no_weights():
     assert grads and not grads & {"0", "1", "3", "5"}, grads
     frozen = [name for name in run.weights[0] if name.split(".")[:2] in (["blocks", "0"], ["blocks", "1"])]
     assert frozen and all(torch.equal(run.weights[1][n], run.tensors[f"step0.weight.{n}"]) for n in frozen)
+
+
+def test_a_repeated_block_runs_twice_and_a_no_grad_statistic_scales():
+    """Some cases apply one block twice (its weights shared, seed 0 case 1: block 3) or scale the
+    activation by a statistic taken under no_grad (case 2: after block 2), each on its own stream."""
+    case = fuzz.make_case(0, 1)
+    assert (case.repeat, case.no_grad_scale) == (3, -1) and "repeat=3" in case.describe()
+    model, batches = fuzz.build(case, steps=1)
+    calls = []
+    model.blocks[3].register_forward_hook(lambda *_: calls.append(1))
+    model(**batches[0])
+    assert len(calls) == 2
+    case = fuzz.make_case(0, 2)
+    assert (case.repeat, case.no_grad_scale) == (-1, 2) and "no_grad_scale=2" in case.describe()
+    model, batches = fuzz.build(case, steps=1)
+    scaled = model(**batches[0])[0]  # the head's output (the case returns outputs)
+    unscaled = fuzz.build(dataclasses.replace(case, no_grad_scale=-1), steps=1)[0](**batches[0])[0]
+    assert not torch.allclose(scaled, unscaled)
