@@ -8,7 +8,7 @@
         --methods inductor,fxoffload-auto,fxoffload-budget,fxoffload-recompute,inductor-amb,checkpoint
 
 Workloads (presets): gpt (tiny, small, gpt2-medium), hf-gpt2 (tiny, gpt2-medium), hf-llama (tiny,
-medium), cnn (tiny, resnet18), seq2seq (tiny, thread), llama (tiny, 7b-4l, 7b-4l-bf16: four blocks of
+medium), hf-albert (tiny, base: one layer's weights shared by all), cnn (tiny, resnet18), seq2seq (tiny, thread), llama (tiny, 7b-4l, 7b-4l-bf16: four blocks of
 Llama-2-7B at 2,048 tokens), dit (tiny, video-16k, video-32k: diffusion-transformer blocks over a long
 video token sequence), unet (tiny, sd-64: a diffusion UNet on the noise-prediction loss). The hf-*
 ones need `transformers`.

@@ -81,7 +81,7 @@ class ResNet(nn.Module):
 
 class HFCausalLM(nn.Module):
     """A Hugging Face causal LM as ``forward(idx, targets) -> loss`` (labels are the inputs; the
-    model shifts them itself)."""
+    model shifts them itself; a masked LM's loss is on every token)."""
 
     def __init__(self, model: nn.Module) -> None:
         super().__init__()
@@ -120,6 +120,30 @@ HF_PRESETS = {
             vocab_size=32000,
             max_position_embeddings=1024,
             batch=8,
+        ),
+    },
+    # ALBERT: one layer's weights shared by every layer (one ModuleList item called num_hidden_layers
+    # times in a row), a masked-LM loss on every token.
+    "hf-albert": {
+        "tiny": dict(
+            embedding_size=32,
+            hidden_size=64,
+            num_hidden_layers=6,
+            num_attention_heads=4,
+            intermediate_size=176,
+            vocab_size=256,
+            max_position_embeddings=64,
+            batch=8,
+        ),
+        "base": dict(
+            embedding_size=128,
+            hidden_size=768,
+            num_hidden_layers=12,
+            num_attention_heads=12,
+            intermediate_size=3072,
+            vocab_size=30000,
+            max_position_embeddings=512,
+            batch=16,
         ),
     },
 }
@@ -162,6 +186,7 @@ WORKLOADS: dict[str, tuple[str, ...]] = {
     "gpt": tuple(PRESETS),
     "hf-gpt2": tuple(HF_PRESETS["hf-gpt2"]),
     "hf-llama": tuple(HF_PRESETS["hf-llama"]),
+    "hf-albert": tuple(HF_PRESETS["hf-albert"]),
     "cnn": tuple(CNN_PRESETS),
     "seq2seq": tuple(SEQ2SEQ_PRESETS),
     "llama": tuple(LLAMA_PRESETS),
@@ -238,6 +263,14 @@ def _hf(name: str, preset: str, device, batch: int | None) -> Workload:
         inner.loss_type = "ForCausalLM"
         seq, blocks = kw["n_positions"], (lambda m: list(m.model.transformer.h))
         shape = f"{kw['n_layer']} layers, dim {kw['n_embd']}, {kw['n_head']} heads"
+    elif name == "hf-albert":
+        cfg = transformers.AlbertConfig(
+            **kw, **common, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, classifier_dropout_prob=0.0
+        )
+        inner = transformers.AlbertForMaskedLM(cfg)
+        # Checkpointing wraps the one shared layer group: each of its calls is a checkpointed region.
+        seq, blocks = kw["max_position_embeddings"], (lambda m: [m.model.albert.encoder.albert_layer_groups[0]])
+        shape = f"{kw['num_hidden_layers']} layers sharing one's weights, dim {kw['hidden_size']}"
     else:
         cfg = transformers.LlamaConfig(**kw, **common, attention_dropout=0.0)
         inner = transformers.LlamaForCausalLM(cfg)

@@ -240,3 +240,17 @@ def test_a_block_called_twice_is_two_blocks():
     with _compat.checkpoint_tags(joint, tags.save, tags.recompute):
         fw, bw = _compat.call_partitioner("min_cut", joint, inputs, **kwargs)
     assert first_out.name in {n.name for n in bw.graph.nodes if n.op == "placeholder"}
+
+
+def test_albert_one_layer_applied_in_turn_is_a_block_per_call():
+    """Hugging Face ALBERT (``bench.workloads``' hf-albert, tiny): one layer group, one ModuleList item
+    whose weights all six layers share, called six times in a row. Each call is a block; with the
+    module as the block there was only one, so nothing repeated and no blocks at all."""
+    pytest.importorskip("transformers")
+    from bench.workloads import build
+
+    w = build("hf-albert", "tiny", "cpu", batch=2)
+    joint, _, _ = _joint(w.model, w.batch)
+    tags = block_tags(joint)
+    group = "model.albert.encoder.albert_layer_groups.0"
+    assert tags is not None and tags.blocks == (group, *(f"{group}@{k}" for k in range(1, 6))), tags
