@@ -321,8 +321,7 @@ NOT_CHECKPOINTED = ("counter", "ema", "graph_break")
 
 
 def _checkpointed(rng: random.Random, blocks: Sequence[tuple[str, Any]]) -> int:
-    eligible = [i for i, (kind, _) in enumerate(blocks) if kind not in NOT_CHECKPOINTED]
-    return rng.choice(eligible) if eligible and rng.random() < 0.2 else -1
+    return _one_of(rng, [i for i, (kind, _) in enumerate(blocks) if kind not in NOT_CHECKPOINTED], odds=0.2)
 
 
 # ---------------------------------------------------------------------------------------------------
