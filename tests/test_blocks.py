@@ -21,7 +21,7 @@ from torch.utils.checkpoint import CheckpointPolicy
 import fxoffload
 from fxoffload import _compat
 from fxoffload.analysis import memory
-from fxoffload.analysis.blocks import block_tags
+from fxoffload.analysis.blocks import block_of, block_tags
 from fxoffload.analysis.fusion import Fusion
 from fxoffload.analysis.graph import module_call, module_path
 from fxoffload.compiler import inductor_recompute
@@ -235,6 +235,8 @@ def test_a_block_called_twice_is_two_blocks():
     first_out = calls[3]
     assert [module_path(n) for n in calls] == ["blocks.0.0", "blocks.0.2", *["blocks.1.0", "blocks.1.2"] * 2]
     assert [module_call(n, "blocks.1") for n in calls[2:]] == ["blocks.1", "blocks.1", "blocks.1@1", "blocks.1@1"]
+    assert [block_of(n) for n in calls] == ["blocks.0", "blocks.0", "blocks.1", "blocks.1", "blocks.1@1", "blocks.1@1"]
+    assert block_of(next(n for n in joint.graph.nodes if "pow" in str(n.target))) is None  # outside the blocks
     assert first_out.name in tags.save, sorted(tags.save)
     assert len([n for n in tags.recompute if "gelu" in str(nodes[n].target)]) == 3, sorted(tags.recompute)
     with _compat.checkpoint_tags(joint, tags.save, tags.recompute):
@@ -254,3 +256,62 @@ def test_albert_one_layer_applied_in_turn_is_a_block_per_call():
     tags = block_tags(joint)
     group = "model.albert.encoder.albert_layer_groups.0"
     assert tags is not None and tags.blocks == (group, *(f"{group}@{k}" for k in range(1, 6))), tags
+
+
+class _OneLayerInTurn(torch.nn.Module):
+    """One pre-norm MLP layer applied ``calls`` times (ALBERT's sharing, small): every call's
+    recomputed LayerNorm reads the same weights."""
+
+    def __init__(self, d=64, calls=6):
+        super().__init__()
+        self.calls = calls
+        self.layers = torch.nn.ModuleList([_NormMLP(d)])
+
+    def forward(self, x):
+        for _ in range(self.calls):
+            x = self.layers[0](x)
+        return x.pow(2).mean()
+
+
+class _NormMLP(torch.nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.norm, self.fc1, self.fc2 = torch.nn.LayerNorm(d), torch.nn.Linear(d, 4 * d), torch.nn.Linear(4 * d, d)
+
+    def forward(self, x):
+        return x + self.fc2(torch.nn.functional.gelu(self.fc1(self.norm(x))))
+
+
+@pytest.mark.parametrize("fused_across", [False, True], ids=["within-blocks", "broken-fused-across"])
+def test_a_shared_layers_calls_are_recomputed_each_before_its_backward(fused_across, monkeypatch):
+    """One layer applied six times, recomputed block by block at memory_budget 0.5 (recompute="inductor",
+    no replan): Inductor's scheduler would fuse the six calls' recomputed kernels (their shared
+    weights' reads) into kernels at the start of the backward, rebuilding every call at once.
+    Lowered with no kernel fused across blocks (``lowering.fusion_groups``), the plan's code peaks at
+    3,020,808 bytes (budget 4,203,394), and the steady step at a third of Inductor's on the CPU
+    allocator (2,756,872 bytes against 8,142,852; torch 2.13, one thread), with Inductor's gradients.
+    The rule broken on purpose (Inductor's fusion): the code peaks at 6,913,284 bytes."""
+    from fxoffload.compiler import compile as compile_module
+
+    if fused_across:
+        monkeypatch.setattr(compile_module, "fusion_groups", lambda plan: None)
+    torch.manual_seed(0)
+    model, batch = _OneLayerInTurn(), (torch.randn(8, 64, 64, requires_grad=True),)
+    backend = fxoffload.backend(memory_budget=0.5, recompute="inductor", offload_cpu=True, max_replans=0)
+    mine, compiled = compiled_copy(model, backend)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # a missed budget warns (the rule broken)
+        got = run_steps(mine, compiled, batch)
+    (report,) = backend.reports
+    assert "each repeated block in turn" in report.note, report.note
+    code_peak = report.compiled_memory().peak_bytes  # Inductor's code of the plan, as fxoffload replays it
+    if fused_across:
+        assert code_peak > 1.5 * report.memory_budget, (code_peak, report.memory_budget)
+        return
+    assert code_peak < 0.8 * report.memory_budget, (code_peak, report.memory_budget)
+    ours = measured_steady_step(mine, lambda: compiled(*batch).backward())[0]
+    torch._dynamo.reset()
+    plain, inductor = compiled_copy(model, "inductor")
+    assert_same(got, run_steps(plain, inductor, batch), rtol=1e-5, atol=1e-6)
+    theirs = measured_steady_step(plain, lambda: inductor(*batch).backward())[0]
+    assert ours < 0.4 * theirs, (ours, theirs)

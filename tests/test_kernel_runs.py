@@ -304,6 +304,28 @@ def test_a_users_post_grad_pass_still_runs_and_keys_the_cache(monkeypatch):
             assert config.post_grad_custom_pre_pass is unkeyed
 
 
+def test_fusion_within_groups_is_in_inductors_cache_key_and_lasts_the_lowering():
+    """Lowered with its kernels fused within groups (``fusing_within``), a graph gets another key
+    in Inductor's FX graph cache than the same graph lowered with Inductor's fusion (code fused
+    across blocks must not come back for it, nor the other way), with or without the join; the
+    scheduler's ``can_fuse`` is Inductor's again afterwards."""
+    from torch._inductor import config
+    from torch._inductor.scheduler import Scheduler
+
+    ops = scheduler_runs.TransferOps(frozenset(), None, None, None)
+    original = Scheduler.can_fuse
+    keys = []
+    for args in ((ops,), (ops, None, lambda node: "blocks.0"), (None, None, lambda node: "blocks.0")):
+        with scheduler_runs.joining_runs(*args):
+            keys.append(config.post_grad_custom_pre_pass.uuid()[0])
+            assert (Scheduler.can_fuse is original) == (len(args) == 1)
+        assert Scheduler.can_fuse is original
+    assert keys == [
+        "fxoffload: kernel runs joined", "fxoffload: kernel runs joined, fused within groups",
+        "fxoffload: fused within groups",
+    ]  # fmt: skip
+
+
 _TWO_COMPILES = """
 import sys, torch
 import torch._inductor.graph as graph

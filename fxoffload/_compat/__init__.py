@@ -227,6 +227,7 @@ def compile_with_inductor(
     not_donated: Callable[[fx.GraphModule], frozenset[str]] | None = None,
     join_runs: TransferOps | None = None,
     output_strides: Callable[[str], list[tuple[int, ...] | None]] | None = None,
+    backward_groups: Callable[[], Callable[[fx.Node], str | None] | None] | None = None,
 ) -> Callable[..., Any]:
     """Inductor's ``compile_fx`` with our partitioner plugged in for the duration of this compile.
     ``on_output_code(kind, code)`` receives the wrapper code Inductor generates for each graph it
@@ -241,7 +242,9 @@ def compile_with_inductor(
     backward's placeholders whose buffers Inductor must not reuse (``donated.lowering_backward``).
     ``join_runs``: the transfer ops whose runs Inductor's schedule joins, and keeps dependencies in (``scheduler_runs``).
     ``output_strides(code)``: with ``code_only``, the strides of a forward's outputs read from its code,
-    told to AOTAutograd as a finished compile tells them (``_report_output_strides``)."""
+    told to AOTAutograd as a finished compile tells them (``_report_output_strides``).
+    ``backward_groups()``: asked as a backward is lowered, the groups of its FX nodes that Inductor
+    fuses no kernel across (``scheduler_runs.fusing_within``), or None (Inductor's fusion)."""
     from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 
     if code_only and on_output_code is None:
@@ -270,7 +273,8 @@ def compile_with_inductor(
         return compiled
 
     def _inner_compile(graph: fx.GraphModule, inputs: Any, **kwargs: Any) -> Any:
-        with inductor_config.patch(graph_patches(graph) if graph_patches else {}), joining_runs(join_runs, graph):
+        groups = backward_groups() if backward_groups is not None and kwargs.get("is_backward") else None
+        with inductor_config.patch(graph_patches(graph) if graph_patches else {}), joining_runs(join_runs, graph, groups):
             if on_output_code is None:
                 return compile_fx_inner(graph, inputs, **kwargs)
             kind = "backward" if kwargs.get("is_backward") else "inference" if kwargs.get("is_inference") else "forward"

@@ -18,7 +18,16 @@ so joining two runs holds the later one's buffers over the earlier one's call, a
 down holds its source: near the peak a join is refused (the forward waits of 86e73b4 stay where
 they free memory that counts).
 
-Private Inductor pieces (the scheduler's nodes, its memory estimates): torch 2.11 and 2.13 alike.
+``fusing_within`` keeps the scheduler from fusing two kernels of different groups (a graph's
+blocks, where torch's partitioner recomputes them in turn: ``analysis.blocks``). Layers that share
+weights (ALBERT's one layer applied six times, a ``ModuleList`` item called twice) recompute kernels
+that read the same weights, and Inductor fuses such kernels across calls (``score_fusion_memory``
+counts the shared reads): every call's recomputation then runs in one kernel at the start of the
+backward, the peak that recomputing block by block was to avoid (ALBERT tiny: 13.4 MiB against 12.0
+MiB with nothing recomputed; with the fusions refused 4.5 MiB, docs/results.md).
+
+Private Inductor pieces (the scheduler's nodes, its memory estimates, ``Scheduler.can_fuse``): torch
+2.11 and 2.13 alike.
 """
 
 from __future__ import annotations
@@ -36,12 +45,15 @@ from torch._inductor import config as inductor_config
 from torch._inductor import ir
 from torch._inductor.custom_graph_pass import CustomGraphPass
 from torch._inductor.dependencies import StarDep, WeakDep
-from torch._inductor.scheduler import BaseSchedulerNode, NopKernelSchedulerNode, SchedulerNode
+from torch._inductor.scheduler import BaseSchedulerNode, NopKernelSchedulerNode, Scheduler, SchedulerNode
 from torch.utils._ordered_set import OrderedSet
 
 log = logging.getLogger(__name__)
 
-__all__ = ["TransferOps", "join_runs", "joining_runs", "keeping_mutation_renames"]
+__all__ = ["TransferOps", "fusing_within", "join_runs", "joining_runs", "keeping_mutation_renames"]
+
+# A node's group for ``fusing_within``: what it reads from an FX node of the graph lowered (None: none).
+Groups = Callable[[Any], str | None]
 
 
 @contextlib.contextmanager
@@ -222,17 +234,63 @@ def join_runs(
 
 
 @contextlib.contextmanager
-def joining_runs(ops: TransferOps | None, graph: Any = None) -> Iterator[None]:
+def joining_runs(ops: TransferOps | None, graph: Any = None, groups: Groups | None = None) -> Iterator[None]:
     """Inductor's memory reordering followed by ``join_runs`` for the graphs lowered inside (None:
     Inductor's alone); ``graph``, lowered inside, ``keeping_mutation_renames`` where it calls an op of
-    ``ops``."""
-    if ops is None:
+    ``ops``; ``groups``: its kernels fused only within a group (``fusing_within``). Both changes to
+    Inductor's schedule are in its cache key (``_cache_key``)."""
+    if ops is None and groups is None:
         yield
         return
-    with keeping_mutation_renames(ops, graph) if graph is not None else contextlib.nullcontext():
-        yield from _joining_runs(ops)
+    with contextlib.ExitStack() as stack:
+        if ops is not None and graph is not None:
+            stack.enter_context(keeping_mutation_renames(ops, graph))
+        if ops is not None:
+            stack.enter_context(_joining_runs(ops))
+        stack.enter_context(fusing_within(groups))
+        stack.enter_context(inductor_config.patch(_cache_key(ops is not None, groups is not None)))
+        yield
 
 
+@contextlib.contextmanager
+def fusing_within(groups: Groups | None) -> Iterator[None]:
+    """Inductor's scheduler, for the graphs lowered inside, fusing no two nodes whose FX origins lie in
+    different groups (``groups(origin)``; a node with none of a group's origins fuses as Inductor
+    decides): one group's kernels never run in another's. None: Inductor's fusion."""
+    if groups is None:
+        yield
+        return
+    original = Scheduler.can_fuse
+    seen: dict[Any, str | None] = {}
+    refused = [0]
+
+    def groups_of(node: BaseSchedulerNode) -> frozenset[str]:
+        found = set()
+        for n in node.get_nodes():
+            inner = getattr(n, "node", None)
+            for origin in inner.get_origins() if inner is not None else ():
+                if origin not in seen:
+                    seen[origin] = groups(origin)
+                if seen[origin] is not None:
+                    found.add(seen[origin])
+        return frozenset(found)
+
+    def can_fuse(self: Scheduler, node1: BaseSchedulerNode, node2: BaseSchedulerNode, *args: Any, **kwargs: Any) -> bool:
+        first, second = groups_of(node1), groups_of(node2)
+        if first and second and first != second:
+            refused[0] += 1
+            return False
+        return original(self, node1, node2, *args, **kwargs)
+
+    Scheduler.can_fuse = can_fuse  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        Scheduler.can_fuse = original  # type: ignore[method-assign]
+        log.debug("fxoffload: %d fusions across groups refused in Inductor's schedule", refused[0])
+
+
+@contextlib.contextmanager
 def _joining_runs(ops: TransferOps) -> Iterator[None]:
     original = inductor_memory.reorder_for_peak_memory
 
@@ -251,8 +309,7 @@ def _joining_runs(ops: TransferOps) -> Iterator[None]:
 
     inductor_memory.reorder_for_peak_memory = reorder
     try:
-        with inductor_config.patch(_cache_key()):
-            yield
+        yield
     finally:
         inductor_memory.reorder_for_peak_memory = original
 
@@ -266,10 +323,11 @@ _JOIN_KEY = hashlib.sha256(
 
 class _JoinKey(CustomGraphPass):
     """The user's post-grad pre-passes (none, one, or a list on torch 2.13), run as they are, their
-    ``uuid``s with ``_JOIN_KEY`` beside."""
+    ``uuid``s with ``_JOIN_KEY`` beside, and what of Inductor's schedule was changed."""
 
-    def __init__(self, inner: Sequence[CustomGraphPass]) -> None:
+    def __init__(self, inner: Sequence[CustomGraphPass], changed: tuple[str, ...] = ("kernel runs joined",)) -> None:
         self.inner = tuple(inner)
+        self.changed = changed
 
     def __call__(self, graph: Any) -> None:
         for p in self.inner:
@@ -279,10 +337,10 @@ class _JoinKey(CustomGraphPass):
         inner = tuple(p.uuid() for p in self.inner)
         if not all(inner):
             return None  # a pass without a key: Inductor bypasses its cache, as it would without us
-        return ("fxoffload: kernel runs joined", _JOIN_KEY, inner)
+        return (f"fxoffload: {', '.join(self.changed)}", _JOIN_KEY, inner)
 
 
-def _cache_key() -> dict[str, Any]:
+def _cache_key(joined: bool = True, within_groups: bool = False) -> dict[str, Any]:
     """Inductor's FX graph cache keys a graph on the graph and Inductor's config, not on a change to
     the schedule made here: code lowered without the join (an earlier fxoffload, or the join's rule
     changed) came back from it for the same graph. The join goes into the key as a post-grad pass
@@ -292,4 +350,5 @@ def _cache_key() -> dict[str, Any]:
     passes = [] if user is None else list(user) if isinstance(user, (list, tuple)) else [user]
     if not all(isinstance(p, CustomGraphPass) for p in passes):
         return {}
-    return {"post_grad_custom_pre_pass": _JoinKey(passes)}
+    changed = (("kernel runs joined",) if joined else ()) + (("fused within groups",) if within_groups else ())
+    return {"post_grad_custom_pre_pass": _JoinKey(passes, changed)}

@@ -34,7 +34,7 @@ from .recompute import op_cannot_rerun
 
 log = logging.getLogger(__name__)
 
-__all__ = ["BlockTags", "NoRepeatedBlocks", "block_tags"]
+__all__ = ["BlockTags", "NoRepeatedBlocks", "block_of", "block_tags"]
 
 # A module path up to its first index: "blocks.3" of "blocks.3.attn.qkv".
 _BLOCK = re.compile(r"^((.*?)\.(\d+))(?:\.|$)")
@@ -63,29 +63,28 @@ def block_tags(joint: fx.GraphModule) -> BlockTags | None:
     None where its forward has fewer than two blocks of one container (nothing repeats) or nothing in
     them can rerun."""
     backward = _backward(joint)
-    block_of: dict[fx.Node, str] = {}
+    in_block: dict[fx.Node, str] = {}
     container_of: dict[fx.Node, str] = {}
     containers: dict[str, list[str]] = {}
     for node in joint.graph.nodes:
         if node.op != "call_function" or node in backward or not node.meta.get("nn_module_stack"):
             continue
-        m = _BLOCK.match(module_path(node))
-        if m is None:
+        found = _block(node)
+        if found is None:
             continue
-        block_of[node] = block = module_call(node, m.group(1))  # a block called twice is two blocks
-        container_of[node] = m.group(2)
-        seen = containers.setdefault(m.group(2), [])
+        container_of[node], in_block[node] = container, block = found
+        seen = containers.setdefault(container, [])
         if block not in seen:
             seen.append(block)
     repeated = {c for c, blocks in containers.items() if len(blocks) >= 2}
-    block_of = {n: b for n, b in block_of.items() if container_of[n] in repeated}
-    if not block_of:
+    in_block = {n: b for n, b in in_block.items() if container_of[n] in repeated}
+    if not in_block:
         return None
     save, recompute = set(), set()
-    for node, block in block_of.items():
+    for node, block in in_block.items():
         if "recompute" in node.meta:  # the user's policy, or a value kept saved on purpose
             continue
-        read_outside = any(u not in backward and block_of.get(u) != block for u in node.users)
+        read_outside = any(u not in backward and in_block.get(u) != block for u in node.users)
         if read_outside:
             save.add(node.name)
         elif node.target is operator.getitem:
@@ -95,12 +94,26 @@ def block_tags(joint: fx.GraphModule) -> BlockTags | None:
             recompute.add(node.name)
     if not recompute:  # blocks that are one op each: nothing reruns
         return None
-    tags = BlockTags(tuple(dict.fromkeys(block_of.values())), frozenset(save), frozenset(recompute))
+    tags = BlockTags(tuple(dict.fromkeys(in_block.values())), frozenset(save), frozenset(recompute))
     log.debug(
         "fxoffload: blocks %s: %d outputs kept saved, %d nodes tagged to rerun in the backward",
         tags.describe(), len(save), len(recompute),
     )  # fmt: skip
     return tags
+
+
+def block_of(node: fx.Node) -> str | None:
+    """The block ``node`` came from, as ``block_tags`` names it ("blocks.3", "blocks.1@1" for a second
+    call of ``blocks.1``), or None where it came from no item of a ``ModuleList`` or ``Sequential``.
+    Read from its module stack: a node of the backward, or recomputed there, names its forward's."""
+    found = _block(node)
+    return found[1] if found is not None else None
+
+
+def _block(node: fx.Node) -> tuple[str, str] | None:
+    """``node``'s container ("blocks") and block, or None."""
+    m = _BLOCK.match(module_path(node))
+    return (m.group(2), module_call(node, m.group(1))) if m is not None else None  # a block called twice is two
 
 
 def _backward(joint: fx.GraphModule) -> set[fx.Node]:

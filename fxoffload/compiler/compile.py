@@ -26,7 +26,7 @@ from ..reporting.report import CompileSpent
 from ..sizes import fmt_bytes
 from .costs import code_scratch, read_outside
 from .dynamo_graph import may_have_a_backward, may_return_only_scalars, static_shapes
-from .lowering import host_placeholders, lowering_config, on_roomy_stack
+from .lowering import fusion_groups, host_placeholders, lowering_config, on_roomy_stack
 from .pair import PairRegister, PlannedPair, new_graph_id
 from .partitioner import OffloadPartitioner, PlanChangesNothing, PlanCompiledBefore
 from .refine import Trial, attempt_quietly, lowest, refine, say
@@ -86,6 +86,7 @@ class GraphCompiler:
                 _compat.compile_with_inductor, graph, example_inputs, partitioner, patches, sink, code_only, after,
                 graph_patches=lowering_config, not_donated=host_placeholders, join_runs=_TRANSFERS,
                 output_strides=returned_strides,
+                backward_groups=lambda: fusion_groups(partitioner.pair.plan if partitioner.pair is not None else None),
             )
         except Exception as e:
             same = _compat.raised_from(e, PlanCompiledBefore)

@@ -270,7 +270,10 @@ def _with_recomputed(
         for t in first.saved if t.name not in now
     )  # fmt: skip
     note = f"{_named(chosen.budget)} recomputes {len(recomputed)} saved tensors"
+    if chosen.budget == PER_BLOCK:  # ``compiler.lowering.fusion_groups``
+        note += ", each block's just before its backward: Inductor fuses no kernel across blocks"
     note = f"{plan.note}; {note}" if plan.note else note
     return dataclasses.replace(
-        plan, decisions=plan.decisions + recomputed, partition_costs=costs, note=note, memory_budget=budget
-    )
+        plan, decisions=plan.decisions + recomputed, partition_costs=costs, note=note, memory_budget=budget,
+        recomputes_blocks=chosen.budget == PER_BLOCK,
+    )  # fmt: skip

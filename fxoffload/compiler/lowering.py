@@ -18,6 +18,8 @@ a plain call.
 
 ``lowering_config(graph)``: the Inductor config a graph is lowered with; a graph that copies to or
 from the host keeps no freed buffer for a later allocation of its size (see there).
+``fusion_groups(plan)``: what a backward's kernels are fused within, where a plan recomputes block by
+block.
 """
 
 from __future__ import annotations
@@ -29,8 +31,10 @@ from typing import Any, TypeVar
 
 import torch.fx as fx
 
+from ..analysis.blocks import block_of
 from ..analysis.graph import holds_host_copy
 from ..ir import is_transfer
+from ..planning.decisions import OffloadPlan
 
 T = TypeVar("T")
 
@@ -87,3 +91,13 @@ def host_placeholders(graph: fx.GraphModule) -> frozenset[str]:
     """The placeholders of a backward that hold host copies (what its reloads read): never donated to
     Inductor for its own buffers (``_compat.donated``)."""
     return frozenset(n.name for n in graph.graph.find_nodes(op="placeholder") if holds_host_copy(n))
+
+
+def fusion_groups(plan: OffloadPlan | None) -> Callable[[fx.Node], str | None] | None:
+    """The groups Inductor fuses the kernels of ``plan``'s backward within (``_compat.scheduler_runs.
+    fusing_within``): its blocks (``analysis.blocks.block_of``) where torch's partitioner recomputes
+    them in turn, so that each block's recomputation runs just before its backward, as the plan was
+    priced; None (Inductor's fusion) for any other plan. Inductor fused the recomputed LayerNorms of
+    ALBERT's six calls of one layer (their reads of the shared weights) into kernels at the start of
+    the backward: 13.4 MiB where the plan was priced at 5.8 (docs/results.md)."""
+    return block_of if plan is not None and plan.recomputes_blocks else None
