@@ -52,7 +52,7 @@ log = logging.getLogger(__name__)
 
 __all__ = ["TransferOps", "fusing_within", "join_runs", "joining_runs", "keeping_mutation_renames"]
 
-# A node's group for ``fusing_within``: what it reads from an FX node of the graph lowered (None: none).
+# The group of an FX node of the graph lowered, for ``fusing_within`` (None: in no group).
 Groups = Callable[[Any], str | None]
 
 
