@@ -19,6 +19,7 @@ from torch import nn
 
 import fxoffload
 from fxoffload.planning.budget import BUDGET_TOLERANCE
+from fxoffload.testing.models import example
 
 from .conftest import assert_same, calls_cost_the_step, cpu_backend, train_step
 
@@ -115,16 +116,29 @@ def test_the_least_recomputation_that_meets_the_budget_is_kept():
     assert 0 < recomputed[0.9] < recomputed[0.7], recomputed
 
 
-def test_an_unreachable_budget_falls_back_to_fxoffloads_own_fit(caplog):
+@pytest.mark.parametrize("lower", ["torch's", "fxoffload's"])
+def test_an_unreachable_budget_keeps_the_lower_of_torchs_partitions_and_fxoffloads_fit(lower, caplog):
+    """At memory_budget 0.05 no partition of torch's meets the budget, and fxoffload's own fit is
+    asked; the lower of the two on the memory model is kept, the budget said to be missed, with
+    eager's results. ``Blocks`` (no offloading): the fit predicts 4.1 MiB at best, torch's activation
+    budget 0.2 2.1 MiB, and torch's partition is kept. The example MLP (offloads, min_bytes 0): the
+    fit 1.0 MiB, torch's 1.1 MiB, and the fit decides."""
     torch.manual_seed(0)
-    model, x = Blocks(), (torch.randn(N, D),)
-    backend = _backend(memory_budget=0.05)
-    with caplog.at_level(logging.INFO, logger="fxoffload"), warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)  # the budget is unreachable
+    if lower == "torch's":
+        (model, x), backend = (Blocks(), (torch.randn(N, D),)), _backend(memory_budget=0.05)
+    else:
+        options = {"inner": "aot_eager", "recompute": "inductor", "offload_cpu": True, "min_bytes": 0}
+        (model, x), backend = example("mlp"), fxoffload.backend(memory_budget=0.05, **options)
+    with caplog.at_level(logging.INFO, logger="fxoffload"), pytest.warns(RuntimeWarning, match="cannot be reached"):
         got = train_step(model, x, backend)
-    assert any("fxoffload's own budget fit decides" in r.getMessage() for r in caplog.records)
+    said = [r.getMessage() for r in caplog.records if r.name.endswith("offload_pass") and "own budget fit" in r.getMessage()]
+    assert len(said) == 1, said
     (report,) = backend.reports
-    assert not _by_torch(report), report.table()
+    assert report.predicted_peak_after > report.memory_budget
+    if lower == "torch's":
+        assert said[0].endswith("that partition is kept") and _by_torch(report), (said, report.table())
+    else:
+        assert "own budget fit decides" in said[0] and not _by_torch(report), (said, report.table())
     assert_same(got, train_step(model, x), rtol=1e-4, atol=1e-6)
 
 

@@ -32,10 +32,7 @@ __all__ = [
     "CustomPartitionerFn",
     "TransferOps",
     "aot_autograd",
-    "backward_lowered_at_compile",
-    "can_lower_backward_at_compile",
-    "donates_saved_buffers",
-    "lowering_backward",
+    "backward_lowered_at_compile", "can_lower_backward_at_compile", "donates_saved_buffers", "lowering_backward",
     "boxed_nop",
     "call_partitioner",
     "checkpoint_tags",
@@ -242,9 +239,8 @@ def compile_with_inductor(
     backward's placeholders whose buffers Inductor must not reuse (``donated.lowering_backward``).
     ``join_runs``: the transfer ops whose runs Inductor's schedule joins, and keeps dependencies in (``scheduler_runs``).
     ``output_strides(code)``: with ``code_only``, the strides of a forward's outputs read from its code,
-    told to AOTAutograd as a finished compile tells them (``_report_output_strides``).
-    ``backward_groups()``: asked as a backward is lowered, the groups of its FX nodes that Inductor
-    fuses no kernel across (``scheduler_runs.fusing_within``), or None (Inductor's fusion)."""
+    told to AOTAutograd as a finished compile tells them (``_report_output_strides``). ``backward_groups()``,
+    as a backward is lowered: the groups no kernel is fused across (``scheduler_runs.fusing_within``) or None."""
     from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 
     if code_only and on_output_code is None:

@@ -19,10 +19,12 @@ block is priced whenever anything must be recomputed (it recomputes less than to
 budgets, which recompute outside the blocks too). Where none meets it on the model but one comes
 within ``NEAR_MISS`` of it under Inductor, that one is compiled and its code judges it (the model
 follows Inductor's fusion and scheduling only in part, ``analysis.fusion``); where none does, or
-that code misses too,
-fxoffload's own budget fit decides (its own recomputation too, on the first partition):
-recomputing everything can peak higher than saving (the backward rebuilds at once what the forward
-saved over time). Random ops are kept saved (``rewrite.random_ops``).
+that code misses too, fxoffload's own budget fit (its own recomputation too, on the first
+partition) is asked, and the lower of its predicted peak and the partition of the lowest peak is
+kept (``offload_pass``), the budget said to be missed: recomputing everything can peak higher than
+saving (the backward rebuilds at once what the forward saved over time), and a fit that can take
+nothing more left a budget below what block by block reached with no plan at all. Random ops are
+kept saved (``rewrite.random_ops``).
 """
 
 from __future__ import annotations
@@ -51,7 +53,7 @@ from .refine import attempt_quietly
 
 log = logging.getLogger(__name__)
 
-__all__ = ["ACTIVATION_BUDGETS", "PER_BLOCK", "with_inductor_recompute"]
+__all__ = ["ACTIVATION_BUDGETS", "PER_BLOCK", "TorchsPlan", "with_inductor_recompute"]
 
 # The activation memory budgets tried, least recomputation first.
 ACTIVATION_BUDGETS = (1.0, 0.8, 0.6, 0.4, 0.2, 0.0)
@@ -66,6 +68,18 @@ PER_BLOCK = "per block"
 NEAR_MISS = 0.1
 
 Pair = tuple[fx.GraphModule, fx.GraphModule]
+
+
+@dataclasses.dataclass(frozen=True)
+class TorchsPlan:
+    """A partition of torch's and its plan (``with_inductor_recompute``)."""
+
+    fw: fx.GraphModule
+    bw: fx.GraphModule
+    plan: OffloadPlan
+    peak: int  # on the memory model
+    # False: no partition met the budget (nor came near it under Inductor); this one peaks lowest.
+    meets: bool = True
 
 
 @dataclasses.dataclass
@@ -92,10 +106,11 @@ def with_inductor_recompute(
     analyse: Callable[[fx.GraphModule, fx.GraphModule], tuple[GraphLifetimes, PlanCosts]],
     plan_args: Mapping[str, Any],
     budget_target: int | None = None,
-) -> tuple[fx.GraphModule, fx.GraphModule, OffloadPlan] | None:
-    """The partition and plan kept (see the module), or None where no activation budget meets the
-    budget with offloads on top: then fxoffload's own budget fit (un-hidden offloads and its
-    recomputation) is the way. ``analyse(fw, bw)``: the lifetimes and cost model of a new partition
+) -> TorchsPlan | None:
+    """The partition and plan kept (see the module); where none meets the budget, the one of the
+    lowest peak, ``meets=False``: fxoffload's own budget fit (un-hidden offloads and its
+    recomputation) is the way unless it reaches no lower (``offload_pass``); None where torch's
+    partitioner made none. ``analyse(fw, bw)``: the lifetimes and cost model of a new partition
     (saved views hoisted); ``plan_args``: the rest of
     ``plan_offloads``'s arguments (host bytes, what to keep)."""
     assert options.memory_budget is not None and costs.baseline is not None
@@ -134,12 +149,7 @@ def with_inductor_recompute(
     if near:  # the model counts each buffer of a chain Inductor fuses: its code judges a near miss
         meeting = [c for c in candidates if c.peak <= budget * (1 + NEAR_MISS)]
     if not meeting:
-        low = min((c.peak for c in candidates), default=0)
-        log.info(
-            "fxoffload: memory_budget %s: torch's partitioner with the offloads that hide reaches %s at best; "
-            "fxoffload's own budget fit decides", fmt_bytes(budget), fmt_bytes(low),
-        )  # fmt: skip
-        return None
+        return _lowest(candidates, lifetimes, costs, options, budget)
     chosen = min(meeting, key=lambda c: (c.cost, c.peak))
     plan = dataclasses.replace(chosen.plan, judged_on_code=near)
     if near:
@@ -156,7 +166,26 @@ def with_inductor_recompute(
     )  # fmt: skip
     fw, bw = chosen.pair
     budget = budget_bytes(options.memory_budget, costs)
-    return fw, bw, _with_recomputed(plan, lifetimes, costs, chosen, budget, _fusion(chosen.pair[1], options))
+    return TorchsPlan(fw, bw, _with_recomputed(plan, lifetimes, costs, chosen, budget, _fusion(bw, options)), chosen.peak)
+
+
+def _lowest(
+    candidates: list[_Candidate], lifetimes: GraphLifetimes, costs: PlanCosts, options: OffloadOptions, budget: int
+) -> TorchsPlan | None:
+    """The candidate of the lowest peak, none meeting ``budget`` (``meets=False``); None: no candidate."""
+    if not candidates:
+        return None
+    lowest = min(candidates, key=lambda c: (c.peak, c.cost))
+    log.info(
+        "fxoffload: memory_budget %s: torch's partitioner with the offloads that hide reaches %s at best "
+        "(%s); fxoffload's own budget fit decides where it predicts lower", fmt_bytes(budget), fmt_bytes(lowest.peak),
+        _named(lowest.budget),
+    )  # fmt: skip
+    fw, bw = lowest.pair
+    plan = _with_recomputed(
+        lowest.plan, lifetimes, costs, lowest, budget_bytes(options.memory_budget, costs), _fusion(bw, options)
+    )  # fmt: skip
+    return TorchsPlan(fw, bw, plan, lowest.peak, meets=False)
 
 
 def _plans_on(
