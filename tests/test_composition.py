@@ -274,7 +274,7 @@ def inductor_patches(monkeypatch):
     seen = []
 
     def spy(gm, example_inputs, partitioner, config_patches, on_output_code=None, code_only=False, after_backward=None,
-            graph_patches=None, not_donated=None, join_runs=None, output_strides=None):
+            graph_patches=None, not_donated=None, join_runs=None, output_strides=None, backward_groups=None):
         seen.append(dict(config_patches))
         return _compat.compile_with_aot_eager(gm, example_inputs, partitioner)
 
