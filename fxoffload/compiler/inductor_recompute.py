@@ -303,6 +303,5 @@ def _with_recomputed(
         note += ", each block's just before its backward: Inductor fuses no kernel across blocks"
     note = f"{plan.note}; {note}" if plan.note else note
     return dataclasses.replace(
-        plan, decisions=plan.decisions + recomputed, partition_costs=costs, note=note, memory_budget=budget,
-        recomputes_blocks=chosen.budget == PER_BLOCK,
-    )  # fmt: skip
+        plan, decisions=plan.decisions + recomputed, partition_costs=costs, note=note, memory_budget=budget
+    )

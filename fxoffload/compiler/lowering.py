@@ -18,8 +18,7 @@ a plain call.
 
 ``lowering_config(graph)``: the Inductor config a graph is lowered with; a graph that copies to or
 from the host keeps no freed buffer for a later allocation of its size (see there).
-``fusion_groups(plan)``: what a backward's kernels are fused within, where a plan recomputes block by
-block.
+``fusion_groups(plan)``: what a backward's kernels are fused within, where a plan changes the graphs.
 """
 
 from __future__ import annotations
@@ -95,9 +94,12 @@ def host_placeholders(graph: fx.GraphModule) -> frozenset[str]:
 
 def fusion_groups(plan: OffloadPlan | None) -> Callable[[fx.Node], str | None] | None:
     """The groups Inductor fuses the kernels of ``plan``'s backward within (``_compat.scheduler_runs.
-    fusing_within``): its blocks (``analysis.blocks.block_of``) where torch's partitioner recomputes
-    them in turn, so that each block's recomputation runs just before its backward, as the plan was
-    priced; None (Inductor's fusion) for any other plan. Inductor fused the recomputed LayerNorms of
-    ALBERT's six calls of one layer (their reads of the shared weights) into kernels at the start of
-    the backward: 13.4 MiB where the plan was priced at 5.8 (docs/results.md)."""
-    return block_of if plan is not None and plan.recomputes_blocks else None
+    fusing_within``): its blocks (``analysis.blocks.block_of``) where the plan changes the graphs
+    (offloads or recomputes), so that each block's backward, its reloads and recomputation run in
+    the order the plan was priced in; None (Inductor's fusion) for a plan that changes nothing.
+    Inductor fused the kernels of ALBERT's six calls of one layer (their reads of the shared
+    weights) across calls: block by block, the recomputed LayerNorms ran at the start of the
+    backward, 13.4 MiB where the plan was priced at 5.8; an offloading plan priced at 3.7 MiB peaked
+    at 12.1 (3.2 with the fusions refused; docs/results.md). Distinct weights give it no such
+    fusions: the tiny GPT's code is the same either way."""
+    return block_of if plan is not None and plan.changes_graphs else None

@@ -85,9 +85,6 @@ class OffloadPlan:
     # (``analysis.fusion`` follows Inductor's scheduler in part), the code Inductor generates judges
     # it (a lower target is planned on a miss).
     judged_on_code: bool = False
-    # torch's partitioner recomputes each repeated block in turn (``analysis.blocks``): the backward is
-    # lowered with no kernel fused across blocks (``compiler.lowering.fusion_groups``).
-    recomputes_blocks: bool = False
 
     @property
     def offloaded(self) -> tuple[Decision, ...]:
