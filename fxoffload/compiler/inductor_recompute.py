@@ -164,9 +164,17 @@ def with_inductor_recompute(
         fmt_bytes(budget), _named(chosen.budget), fmt_bytes(chosen.peak), chosen.recompute_s * 1e3,
         len(plan.offloaded), chosen.cost * 1e3, len(candidates), len({c.budget for c in candidates}),
     )  # fmt: skip
-    fw, bw = chosen.pair
+    return _torchs_plan(chosen, plan, lifetimes, costs, options)
+
+
+def _torchs_plan(
+    c: _Candidate, plan: OffloadPlan, lifetimes: GraphLifetimes, costs: PlanCosts, options: OffloadOptions,
+    meets: bool = True,
+) -> TorchsPlan:  # fmt: skip
+    """Candidate ``c`` with ``plan`` (``c.plan`` or a copy of it) and its ``recompute`` decisions."""
+    fw, bw = c.pair
     budget = budget_bytes(options.memory_budget, costs)
-    return TorchsPlan(fw, bw, _with_recomputed(plan, lifetimes, costs, chosen, budget, _fusion(bw, options)), chosen.peak)
+    return TorchsPlan(fw, bw, _with_recomputed(plan, lifetimes, costs, c, budget, _fusion(bw, options)), c.peak, meets)
 
 
 def _lowest(
@@ -181,11 +189,7 @@ def _lowest(
         "(%s); fxoffload's own budget fit decides where it predicts lower", fmt_bytes(budget), fmt_bytes(lowest.peak),
         _named(lowest.budget),
     )  # fmt: skip
-    fw, bw = lowest.pair
-    plan = _with_recomputed(
-        lowest.plan, lifetimes, costs, lowest, budget_bytes(options.memory_budget, costs), _fusion(bw, options)
-    )  # fmt: skip
-    return TorchsPlan(fw, bw, plan, lowest.peak, meets=False)
+    return _torchs_plan(lowest, lowest.plan, lifetimes, costs, options, meets=False)
 
 
 def _plans_on(
