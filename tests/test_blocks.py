@@ -273,6 +273,11 @@ class _OneLayerInTurn(torch.nn.Module):
         return x.pow(2).mean()
 
 
+def _one_layer_six_times():
+    torch.manual_seed(0)
+    return _OneLayerInTurn(), (torch.randn(8, 64, 64, requires_grad=True),)
+
+
 class _NormMLP(torch.nn.Module):
     def __init__(self, d):
         super().__init__()
@@ -296,8 +301,7 @@ def test_a_shared_layers_calls_are_recomputed_each_before_its_backward(fused_acr
 
     if fused_across:
         monkeypatch.setattr(compile_module, "fusion_groups", lambda plan: None)
-    torch.manual_seed(0)
-    model, batch = _OneLayerInTurn(), (torch.randn(8, 64, 64, requires_grad=True),)
+    model, batch = _one_layer_six_times()
     backend = fxoffload.backend(memory_budget=0.5, recompute="inductor", offload_cpu=True, max_replans=0)
     mine, compiled = compiled_copy(model, backend)
     with warnings.catch_warnings():
@@ -326,8 +330,7 @@ def test_a_budget_below_every_partitions_reach_keeps_the_lowest(rule, monkeypatc
 
     if rule == "broken":
         monkeypatch.setattr(offload_pass, "_lower_than_own_fit", lambda torchs, own: False)
-    torch.manual_seed(0)
-    model, batch = _OneLayerInTurn(), (torch.randn(8, 64, 64, requires_grad=True),)
+    model, batch = _one_layer_six_times()
     backend = fxoffload.backend(memory_budget=0.2, recompute="inductor", offload_cpu=True, max_replans=0)
     with pytest.warns(RuntimeWarning, match="memory_budget 1.6 MiB is not met"):
         train_step(model, batch, backend)
@@ -351,8 +354,7 @@ def test_an_offloading_plans_backward_is_fused_within_blocks_too(fused_across, m
 
     if fused_across:
         monkeypatch.setattr(compile_module, "fusion_groups", lambda plan: None)
-    torch.manual_seed(0)
-    model, batch = _OneLayerInTurn(), (torch.randn(8, 64, 64, requires_grad=True),)
+    model, batch = _one_layer_six_times()
     backend = fxoffload.backend(policy="all", offload_cpu=True, min_bytes="16KiB")
     got = train_step(model, batch, backend)
     (report,) = backend.reports
