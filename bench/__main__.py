@@ -164,7 +164,8 @@ def main(argv: list[str] | None = None) -> int:
                         "link (offload_cpu's copy threads), e.g. 2GB for 2 GB/s; default: as fast as memory allows")
     parser.add_argument("--png", default=None, help="draw peak memory against step time to this file")
     parser.add_argument("--trace", default=None, metavar="DIR", help="on a GPU: write the profiled step of "
-                        "each fxoffload method to DIR/<method>.json.gz (device activity; measure.trace reads them)")
+                        "each method (the compiler alone's too) to DIR/<method>.json.gz (device activity; "
+                        "measure.trace reads them)")
     args = parser.parse_args(argv)
     if args.steps < 1 or args.warmup < 0:
         parser.error(f"--steps must be >= 1 and --warmup >= 0, got {args.steps} and {args.warmup}")

@@ -10,7 +10,7 @@ that is cut off. A part with less than its limit left runs under the time left w
 for a figure (``Part.least_s``: a bench part keeps the methods it finished), and is not started
 otherwise (the default's last parts, where the first took long: gpt2m took 180-256 s on an H100).
 Everything a part prints goes to ``OUT/device_check.log``; the bench parts write ``OUT/<part>.json`` and the profiled step of each
-fxoffload method to ``OUT/traces/<part>/`` (the device's activity: ``measure.trace`` reads them). ``OUT/summary.md`` gets
+method (Inductor's too) to ``OUT/traces/<part>/`` (the device's activity: ``measure.trace`` reads them). ``OUT/summary.md`` gets
 the date, device, torch and, per part, its status, its seconds and the bench rows that the issues
 judge (step time against Inductor's, peak, bytes off the peak against the bound, copy overlap),
 ready for ``docs/results.md``.

@@ -174,7 +174,7 @@ def _measure(row, prepared, workload: Workload, ctx: Context, steps, warmup, see
     row["measured_peak_MiB"] = measured.peak_bytes / MiB
     if ctx.cuda:
         keep = None
-        if ctx.trace_dir is not None and row["method"].startswith("fxoffload"):
+        if ctx.trace_dir is not None:  # the compiler alone's too: what a plan adds is told against it
             keep = os.path.join(ctx.trace_dir, re.sub(r"[^\w.-]", "_", row["method"]) + ".json.gz")
         row.update(measure_copies(prepared.step, keep))
     progress(
