@@ -115,6 +115,23 @@ def test_nothing_before_the_graph_counts_nothing():
     assert (upstream.saved_bytes, upstream.made_inputs_bytes, upstream.largest) == (0, 0, ())
 
 
+def test_inputs_no_op_made_are_said_to_hold_nothing_without_reading_a_storage(monkeypatch):
+    """A model's first graph (parameters and data, no autograd history): its first calls read what
+    code before it holds on the host in the step's time (``CallWatch``), so nothing is read where
+    nothing can be held. One input an op made (here a view of one) and the storages are read again."""
+    import fxoffload.analysis.outside as outside
+
+    reads = []
+    real = outside._storage_key
+    monkeypatch.setattr(outside, "_storage_key", lambda t: reads.append(t) or real(t))
+    params = [nn.Parameter(torch.randn(64, 64)) for _ in range(8)]
+    assert upstream_memory([*params, torch.arange(3)], CPU) == outside.OutsideMemory(0, 0, 0)
+    assert reads == []
+    made = (params[0] * 2)[:4]
+    assert upstream_memory([*params, made], CPU).made_inputs_bytes == 4 * 64 * 4
+    assert len(reads) >= len(params) + 1
+
+
 class _EagerFirst(nn.Module):
     """An eager block (``torch.compiler.disable``) before a compiled MLP: like seq2seq's encoder."""
 

@@ -133,7 +133,9 @@ def read_outside_memory(
     ``mark``: ``reaches_mark`` says whether a compiled function's backward node that ``mark_call``
     marked with it is among the nodes read (an earlier call of the same graph, backward pending)."""
     tensors = [t for t in inputs if isinstance(t, torch.Tensor)]
-    if any(is_fake(t) for t in tensors):
+    if not any(_has_history(t) for t in tensors) or any(is_fake(t) for t in tensors):
+        # No input an op made (a model's first graph: parameters and data): no node to read, nothing
+        # made; said at once, since the graph's first calls pay for this read on the host.
         return OutsideMemory(0, 0, 0)
     own = {k for k in map(_storage_key, tensors) if k is not None}
     nodes, complete = _reachable([t.grad_fn for t in tensors if t.grad_fn is not None], max_nodes)
@@ -250,6 +252,11 @@ def _storage_key(t: torch.Tensor) -> tuple[int, int] | None:
 
 def _on(t: torch.Tensor, device: torch.device) -> bool:
     return t.device.type == device.type and (device.index is None or t.device.index == device.index)
+
+
+def _has_history(t: torch.Tensor) -> bool:
+    """Whether an autograd node made ``t`` or the tensor it views."""
+    return t.grad_fn is not None or (t._base is not None and t._base.grad_fn is not None)
 
 
 def _is_parameter(t: torch.Tensor) -> bool:
