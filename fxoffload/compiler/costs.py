@@ -14,6 +14,7 @@ import torch.fx as fx
 from .. import _compat
 from ..analysis import cost
 from ..analysis.code_memory import extern_calls
+from ..analysis.fusion import inductor_fusion
 from ..analysis.lifetimes import GraphLifetimes
 from ..analysis.memory import CodeFacts, kept_saved_bytes, simulate
 from ..analysis.outside import OutsideMemory, graph_device, read_outside_memory
@@ -76,10 +77,12 @@ def plan_costs(
     held, later = (outside.outside(kept), outside.outside_backward(kept)) if outside is not None else (0, 0)
     # Under Inductor, the graphs as it compiles them: fused, written in place (``analysis.fusion``).
     baseline = simulate(fw, bw, num_fwd_outputs, static, temporaries, held, later, options.fuses, code)
+    # Windows priced on the kernels Inductor writes, each charged once (``cost.node_start_times``).
+    fw_fusion, bw_fusion = (inductor_fusion(fw), inductor_fusion(bw)) if options.fuses else (None, None)
     return PlanCosts(
         rates,
-        tuple(cost.node_start_times(fw, rates, fw_times)),
-        tuple(cost.node_start_times(bw, rates, bw_times)),
+        tuple(cost.node_start_times(fw, rates, fw_times, fw_fusion)),
+        tuple(cost.node_start_times(bw, rates, bw_times, bw_fusion)),
         baseline,
         calibrated=len(fw_times or ()) + len(bw_times or ()),
         temporaries=temporaries,
