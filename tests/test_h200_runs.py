@@ -84,7 +84,7 @@ def test_gpt2_mediums_kernel_time_by_phase_what_the_cost_model_is_set_against():
     backward kernel, after the step's one long host gap) and backward: 13.4 and 27.3 ms. The cost
     model priced the same graphs at 34.7 and 75.7 ms node by node, 17.9 and 32.9 ms charging each
     kernel Inductor writes once (``model_times.py`` beside the data, H200 rates): what
-    ``compiler.costs.plan_costs`` prices windows with under Inductor since 2026-11-30."""
+    ``compiler.costs.plan_costs`` prices an accelerator's windows with under Inductor since 2026-11-30."""
     trace = _trace("gpt2m")
     cs = compute_stream(trace.gpu)
     work = [g for g in trace.gpu if g.stream == cs]
