@@ -178,3 +178,24 @@ def test_transfer_ops_cost_no_triton_kernel(broken_rule):
     assert same == ([True, True] if broken_rule is None else [False, True]), [
         (_triton_kernels(a), _triton_kernels(b)) for a, b in zip(plain, offloaded)
     ]
+
+
+def test_the_language_model_patches_hold_while_open_and_are_undone_on_exit():
+    """``_cuda_compat.language_model_traced_on_meta`` (the scripts that make a GPT's CUDA code on a
+    CPU, ``tests/data``): nll_loss's Meta kernel is out and embedding's backward decomposes with
+    aten ops while it is open; both as they were after, so no other trace in the process sees them."""
+    from torch._decomp import decomposition_table
+
+    from fxoffload.testing._cuda_compat import language_model_traced_on_meta
+
+    nll = torch.ops.aten.nll_loss.default
+    accumulate = torch.ops.aten._unsafe_masked_index_put_accumulate.default
+    kernels, decomposition = dict(nll.py_kernels), decomposition_table.get(accumulate)
+    with language_model_traced_on_meta():
+        assert torch._C.DispatchKey.Meta not in nll.py_kernels
+        assert decomposition_table[accumulate] is not decomposition
+        x = torch.zeros(4, 2)
+        out = decomposition_table[accumulate](x, [torch.tensor([1, 1, 9])], torch.tensor([[True], [True], [False]]),
+                                              torch.ones(3, 2))  # fmt: skip
+        assert out[1].tolist() == [2.0, 2.0] and out.sum() == 4  # masked-out index 9 clamped, adds nothing
+    assert nll.py_kernels == kernels and decomposition_table.get(accumulate) is decomposition

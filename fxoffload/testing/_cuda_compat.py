@@ -138,6 +138,46 @@ def joint_patterns_traced_on_cpu() -> Iterator[None]:
         yield
 
 
+def _masked_index_put_accumulate(x: Any, indices: Any, mask: Any, values: Any) -> Any:
+    aten = torch.ops.aten
+    if x.numel() == 0:
+        return aten.clone.default(x)
+    indices = [None if i is None else aten.clamp.default(i, -x.size(d), x.size(d) - 1) for d, i in enumerate(indices)]
+    masked = aten.masked_fill.Scalar(values, aten.bitwise_not.default(mask), 0)
+    return aten._unsafe_index_put.default(x, indices, masked, True)
+
+
+@contextlib.contextmanager
+def language_model_traced_on_meta() -> Iterator[None]:
+    """Two ops of a language model's training step that the meta trace gets wrong, set right while
+    open (the scripts that make a GPT's code on a CPU, ``tests/data``; not ``fake_cuda``):
+
+    - ``aten.nll_loss``'s Python-dispatcher Meta kernel bypasses its CompositeImplicitAutograd kernel,
+      so AOTAutograd's joint trace got no gradient through ``cross_entropy`` (an empty backward): it
+      is taken out;
+    - the decomposition of ``_unsafe_masked_index_put_accumulate`` (embedding's backward) uses
+      ``~mask``, whose binding enters a cuda device guard a CPU-only build lacks: redone with aten ops."""
+    _private_module("torch._meta_registrations")  # registers the Meta py kernels first
+    decomp = _private_module("torch._decomp")
+    nll = torch.ops.aten.nll_loss.default
+    accumulate = torch.ops.aten._unsafe_masked_index_put_accumulate.default
+    meta_key = torch._C.DispatchKey.Meta
+    kernel = nll.py_kernels.pop(meta_key, None)
+    nll._dispatch_cache.clear()
+    had, old = accumulate in decomp.decomposition_table, decomp.decomposition_table.get(accumulate)
+    decomp.decomposition_table[accumulate] = _masked_index_put_accumulate
+    try:
+        yield
+    finally:
+        if kernel is not None:
+            nll.py_kernels[meta_key] = kernel
+            nll._dispatch_cache.clear()
+        if had:
+            decomp.decomposition_table[accumulate] = old
+        else:
+            del decomp.decomposition_table[accumulate]
+
+
 def _cuda_on_cpu(value: Any) -> Any:
     return torch.device("cpu") if isinstance(value, torch.device) and value.type == "cuda" else value
 

@@ -4,7 +4,8 @@ with fxoffload.testing.cuda_codegen (fake H100), trimmed to what the replay read
 
     PYTHONPATH=. python tests/data/gen_gpt_cuda_code.py
 
-Three script-only patches make the meta trace lower like the H100's cuda trace (see docs/cuda-replay.md):
+Three script-only patches make the meta trace lower like the H100's cuda trace (see docs/cuda-replay.md),
+the first two in fxoffload.testing._cuda_compat.language_model_traced_on_meta:
 1. aten.nll_loss's Python-dispatcher Meta kernel is dropped: it bypasses the CompositeImplicitAutograd
    kernel, so AOTAutograd's joint trace got no gradient through cross_entropy (an empty backward);
 2. the decomposition of _unsafe_masked_index_put_accumulate (embedding backward) is redone with aten ops:
@@ -20,32 +21,16 @@ import re
 import sys
 
 import torch
-import torch._decomp as decomp
 import torch._inductor.config as inductor_config
-import torch._meta_registrations  # noqa: F401  (registers the Meta py kernels first)
 import torch.nn.functional as F
-from torch._C import DispatchKey
 
 import fxoffload
 from fxoffload.testing import cuda_codegen as _cuda_codegen
-from fxoffload.codecheck import call_body
-from fxoffload.models import GPT, GPTConfig, gpt_batch
+from fxoffload.analysis.output_code import call_body
+from fxoffload.testing._cuda_compat import language_model_traced_on_meta
+from fxoffload.testing.models import GPT, GPTConfig, gpt_batch
 
 aten = torch.ops.aten
-
-nll = aten.nll_loss.default
-nll.py_kernels.pop(DispatchKey.Meta, None)
-nll._dispatch_cache.clear()
-
-
-def masked_index_put_accumulate(x, indices, mask, values):
-    if x.numel() == 0:
-        return aten.clone.default(x)
-    indices = [None if i is None else aten.clamp.default(i, -x.size(d), x.size(d) - 1) for d, i in enumerate(indices)]
-    return aten._unsafe_index_put.default(x, indices, aten.masked_fill.Scalar(values, aten.bitwise_not.default(mask), 0), True)
-
-
-decomp.decomposition_table[aten._unsafe_masked_index_put_accumulate.default] = masked_index_put_accumulate
 
 
 def sdpa_efficient(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
@@ -67,7 +52,7 @@ def trim(code: str) -> str:
 torch.manual_seed(0)
 cfg = GPTConfig(vocab=512, seq=256, dim=256, heads=4, layers=2)  # tests/test_cuda.py, dropout 0.1
 backend = fxoffload.backend(policy="none", min_bytes=0, verify_peak=False)
-with inductor_config.patch(fallback_random=True):
+with inductor_config.patch(fallback_random=True), language_model_traced_on_meta():
     _cuda_codegen.cuda_wrapper_code(GPT(cfg), gpt_batch(cfg, 8, "cpu"), backend)
 (report,) = backend.reports
 out = sys.argv[1] if len(sys.argv) > 1 else "tests/data"

@@ -15,11 +15,8 @@ by node, 17.90 ms fused; backward 1640 and 857, 75.71 and 32.85 ms.
 import time
 
 import torch
-import torch._decomp as decomp
 import torch._inductor.config as inductor_config
-import torch._meta_registrations  # noqa: F401  (registers the Meta py kernels first)
 import torch.nn.functional as F
-from torch._C import DispatchKey
 
 import fxoffload
 import fxoffload.compiler.offload_pass as offload_pass
@@ -27,26 +24,11 @@ from fxoffload.analysis import cost
 from fxoffload.analysis.fusion import inductor_fusion
 from fxoffload.analysis.graph import is_compute
 from fxoffload.testing import cuda_codegen, models
+from fxoffload.testing._cuda_compat import language_model_traced_on_meta
 from fxoffload.testing.models import GPT, GPTConfig, gpt_batch
 
 aten = torch.ops.aten
 BF16 = torch.bfloat16
-
-# --- the patches of tests/data/gen_gpt_cuda_code.py -------------------------------------------------
-nll = aten.nll_loss.default
-nll.py_kernels.pop(DispatchKey.Meta, None)
-nll._dispatch_cache.clear()
-
-
-def masked_index_put_accumulate(x, indices, mask, values):
-    if x.numel() == 0:
-        return aten.clone.default(x)
-    indices = [None if i is None else aten.clamp.default(i, -x.size(d), x.size(d) - 1) for d, i in enumerate(indices)]
-    return aten._unsafe_index_put.default(x, indices, aten.masked_fill.Scalar(values, aten.bitwise_not.default(mask), 0), True)
-
-
-decomp.decomposition_table[aten._unsafe_masked_index_put_accumulate.default] = masked_index_put_accumulate
-
 
 def sdpa(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
     # what SDPA picks on an H100: flash for bf16, efficient attention for fp32 (on meta it picks math)
@@ -103,7 +85,7 @@ H200 = cost.DeviceRates("H200", flops=650e12, memory_bandwidth=4.0e12, d2h=55e9,
 cfg = GPTConfig(vocab=50304, seq=1024, dim=1024, heads=16, layers=24, dropout=0.0)  # gpt2-medium
 backend = fxoffload.backend(policy="auto", bandwidth=55e9, verify_peak=False)
 start = time.perf_counter()
-with inductor_config.patch(fallback_random=True):
+with inductor_config.patch(fallback_random=True), language_model_traced_on_meta():
     cuda_codegen.cuda_wrapper_code(GPT(cfg), gpt_batch(cfg, 8, "cpu"), backend)
 print(f"lowered in {time.perf_counter() - start:.0f} s")
 for name, gm in zip(("forward", "backward"), seen[0]):
