@@ -13,6 +13,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 import fxoffload
 from fxoffload.analysis import memory
+from fxoffload.compiler import costs
 from fxoffload.analysis.fusion import Fusion, inductor_fusion
 from fxoffload.analysis.memory import simulate
 from fxoffload.testing.models import GPT, GPTConfig, gpt_batch
@@ -55,7 +56,8 @@ def test_the_fx_model_peaks_where_inductors_code_does(amp, monkeypatch):
     assert abs(_off(pair)) < 0.01, _off(pair)
     # What the planner was given is that model: a budget's fraction is of the peak the code has.
     assert pair.memory_before is pair.memory_after
-    monkeypatch.setattr(memory, "inductor_fusion", lambda gm: Fusion(frozenset(), {}))
+    for module in (memory, costs):  # the model simulate() keeps, and the one plan_costs hands it
+        monkeypatch.setattr(module, "inductor_fusion", lambda gm: Fusion(frozenset(), {}))
     (unfused,) = _pairs(*_gpt(), amp, policy="none")
     assert _off(unfused) > (0.25 if amp else 0.05), _off(unfused)
 
@@ -206,7 +208,6 @@ def test_the_plans_windows_charge_each_kernel_inductor_writes_once(device, inner
     1.2x: docs/results.md). Under aot_eager every op is its own kernel; on a CPU, whose rates leave
     its kernels' overheads out, every node stands in for them: node by node. The graphs are traced on
     the CPU and priced as on the accelerator (``cost_device``; the link given, none probed)."""
-    import fxoffload.compiler.costs as costs_module
     import fxoffload.compiler.offload_pass as offload_pass
     from fxoffload.analysis.cost import node_time
 
@@ -214,22 +215,22 @@ def test_the_plans_windows_charge_each_kernel_inductor_writes_once(device, inner
     real = offload_pass.plan_costs
 
     def spy(fw, bw, *args, **kwargs):
-        costs = real(fw, bw, *args, **kwargs)
-        seen.append((fw, bw, costs))
-        return costs
+        priced = real(fw, bw, *args, **kwargs)
+        seen.append((fw, bw, priced))
+        return priced
 
     monkeypatch.setattr(offload_pass, "plan_costs", spy)
     if device != "cpu":
-        monkeypatch.setattr(costs_module, "cost_device", lambda lifetimes: torch.device(device))
+        monkeypatch.setattr(costs, "cost_device", lambda lifetimes: torch.device(device))
     cfg = GPTConfig(layers=2)
     options = dict(policy="all", min_bytes=0, inner=inner, max_replans=0, bandwidth=1e9)
     _pairs(GPT(cfg), gpt_batch(cfg, 4), amp=False, **options)
-    fw, bw, costs = seen[0]
-    assert costs.rates.name == device
-    for gm, starts in ((fw, costs.fw_starts), (bw, costs.bw_starts)):
+    fw, bw, priced = seen[0]
+    assert priced.rates.name == device
+    for gm, starts in ((fw, priced.fw_starts), (bw, priced.bw_starts)):
         fusion = inductor_fusion(gm)
-        fused = sum(node_time(n, costs.rates, fusion) for n in gm.graph.nodes)
-        one_by_one = sum(node_time(n, costs.rates) for n in gm.graph.nodes)
+        fused = sum(node_time(n, priced.rates, fusion) for n in gm.graph.nodes)
+        one_by_one = sum(node_time(n, priced.rates) for n in gm.graph.nodes)
         if inner == "inductor":  # decomposed for Inductor: the GELU and layer-norm chains
             assert one_by_one > 1.2 * fused
         charged = fused if (device, inner) == ("cuda", "inductor") else one_by_one

@@ -165,6 +165,7 @@ def simulate(
     outside_backward: int = 0,
     fuses: bool = False,
     code: CodeFacts | None = None,
+    fusions: tuple[Fusion, Fusion] | None = None,
 ) -> MemoryTimeline:
     """The device-memory timeline of one training step through ``fw`` then ``bw``.
 
@@ -177,7 +178,8 @@ def simulate(
     what they read alive until those kernels run, outputs written in place of an input read last
     there, and of ``temporaries`` only the extern matmuls' (``fusion``). ``code``: what Inductor's code
     for the pair showed (``CodeFacts``), counted where the graphs run as it compiles them: its calls'
-    scratch in place of ``temporaries`` at the nodes that run them, its copies of saved inputs."""
+    scratch in place of ``temporaries`` at the nodes that run them, its copies of saved inputs.
+    ``fusions``: ``inductor_fusion`` of ``fw`` and ``bw``, where the caller has them already."""
     scratch = temporaries or {}
     code = code if fuses and code is not None else CodeFacts()
     if fuses:  # Inductor's code allocates the extern kernels' scratch; its own kernels take none
@@ -185,7 +187,10 @@ def simulate(
     live = dict.fromkeys(CATEGORIES, 0)
     live["outside"] = outside
     points: list[MemoryPoint] = []
-    fusions = (inductor_fusion(fw), inductor_fusion(bw)) if fuses else (None, None)
+    if not fuses:
+        fusions = (None, None)
+    elif fusions is None:
+        fusions = (inductor_fusion(fw), inductor_fusion(bw))
     copied = (*code.copied_inputs, *layout_copies(fw, num_fwd_outputs)) if fuses else ()
     saved = _forward(fw, num_fwd_outputs, static_input_indices, scratch, live, points, fusions[0], copied)
     live["outside"] += outside_backward

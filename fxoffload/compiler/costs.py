@@ -76,13 +76,13 @@ def plan_costs(
     kept = kept_saved_bytes(fw, num_fwd_outputs, static)
     held, later = (outside.outside(kept), outside.outside_backward(kept)) if outside is not None else (0, 0)
     # Under Inductor, the graphs as it compiles them: fused, written in place (``analysis.fusion``).
-    baseline = simulate(fw, bw, num_fwd_outputs, static, temporaries, held, later, options.fuses, code)
+    fusions = (inductor_fusion(fw), inductor_fusion(bw)) if options.fuses else None
+    baseline = simulate(fw, bw, num_fwd_outputs, static, temporaries, held, later, options.fuses, code, fusions)
     # On an accelerator, windows priced on the kernels Inductor writes, each charged once
     # (``cost.node_start_times``). A CPU's rates leave out its kernels' overheads (Inductor's wrapper,
     # OpenMP's fork and join: ``cost.CPU_RATES``), which charging every node stands in for: the bench's
     # tiny GPT priced that way at 1.31x its Inductor step, fused at 0.66x (docs/results.md, 2026-11-30).
-    fused = options.fuses and device.type != "cpu"
-    fw_fusion, bw_fusion = (inductor_fusion(fw), inductor_fusion(bw)) if fused else (None, None)
+    fw_fusion, bw_fusion = fusions if fusions is not None and device.type != "cpu" else (None, None)
     return PlanCosts(
         rates,
         tuple(cost.node_start_times(fw, rates, fw_times, fw_fusion)),
