@@ -21,11 +21,10 @@ from torch.utils.checkpoint import CheckpointPolicy
 import fxoffload
 from fxoffload import _compat
 from fxoffload.analysis import memory
-from fxoffload.compiler import costs
 from fxoffload.analysis.blocks import block_of, block_tags
 from fxoffload.analysis.fusion import Fusion
 from fxoffload.analysis.graph import module_call, module_path
-from fxoffload.compiler import inductor_recompute
+from fxoffload.compiler import costs, inductor_recompute
 from fxoffload.testing.models import GPT, GPTConfig, PRESETS, gpt_batch
 
 from .conftest import assert_same, compiled_copy, measured_steady_step, run_steps, train_step
@@ -367,4 +366,3 @@ def test_an_offloading_plans_backward_is_fused_within_blocks_too(fused_across, m
         return
     assert code_peak < predicted, (code_peak, predicted)
     assert_same(got, train_step(model, batch), rtol=1e-4, atol=1e-6)
-

@@ -13,9 +13,9 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 import fxoffload
 from fxoffload.analysis import memory
-from fxoffload.compiler import costs
 from fxoffload.analysis.fusion import Fusion, inductor_fusion
 from fxoffload.analysis.memory import simulate
+from fxoffload.compiler import costs
 from fxoffload.testing.models import GPT, GPTConfig, gpt_batch
 
 from .conftest import cpu_backend, train_step
