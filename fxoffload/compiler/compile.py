@@ -26,6 +26,7 @@ from ..reporting.report import CompileSpent
 from ..sizes import fmt_bytes
 from .costs import code_scratch, read_outside
 from .dynamo_graph import may_have_a_backward, may_return_only_scalars, static_shapes
+from .inductor_recompute import Partition
 from .lowering import fusion_groups, host_placeholders, lowering_config, on_roomy_stack
 from .pair import PairRegister, PlannedPair, new_graph_id
 from .partitioner import OffloadPartitioner, PlanChangesNothing, PlanCompiledBefore
@@ -264,6 +265,7 @@ class GraphCompiler:
         tried: list[int | None] = []
         judge = opts if checked and early else None  # verify_peak's unchanged forward, lowered in the plan's compile
         compiled_plans: set[tuple[str, str]] = set()  # a re-plan that takes nothing more is not lowered again
+        partitions: dict[float | str, Partition | None] = {}  # torch's, priced once for all the re-plans
 
         def attempt(target: int | None) -> Trial | None:
             partitioner = first if not tried else self._partitioner(
@@ -271,6 +273,7 @@ class GraphCompiler:
             )
             tried.append(target)
             partitioner.compiled_plans = compiled_plans
+            partitioner.partitions = partitions
             graph = gm if partitioner is first else copy_graph_module(pristine)
             what = "the plan" if target is None else f"the plan for a lower target, {fmt_bytes(target)} (budget)"
             try:

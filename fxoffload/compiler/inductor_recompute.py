@@ -14,7 +14,8 @@ calls (hidden copies are not free: their calls run on the compute stream), all p
 as the device's measurements corrected it. The cheapest plan that meets the budget on the memory
 model is kept; lower activation budgets are tried until the recomputation alone costs as much as
 that plan (they mostly recompute more, though not always as the model prices it: a cheaper plan
-further down can be missed, and pricing all six costs a partition and its analysis each); block by
+further down can be missed, and pricing all six costs a partition and its analysis each, made once
+in a compile: its plans for other targets price on them, ``Partition``); block by
 block is priced whenever anything must be recomputed (it recomputes less than torch's lowest
 budgets, which recompute outside the blocks too). Where none meets it on the model but one comes
 within ``NEAR_MISS`` of it under Inductor, that one is compiled and its code judges it (the model
@@ -53,7 +54,7 @@ from .refine import attempt_quietly
 
 log = logging.getLogger(__name__)
 
-__all__ = ["ACTIVATION_BUDGETS", "PER_BLOCK", "TorchsPlan", "with_inductor_recompute"]
+__all__ = ["ACTIVATION_BUDGETS", "PER_BLOCK", "Partition", "TorchsPlan", "with_inductor_recompute"]
 
 # The activation memory budgets tried, least recomputation first.
 ACTIVATION_BUDGETS = (1.0, 0.8, 0.6, 0.4, 0.2, 0.0)
@@ -82,6 +83,20 @@ class TorchsPlan:
     meets: bool = True
 
 
+@dataclasses.dataclass(frozen=True)
+class Partition:
+    """One of torch's partitions of a graph, analysed: what pricing plans on it takes. A compile's
+    plans for lower targets (``compiler.compile``) price on those of its first plan (``seen`` of
+    ``with_inductor_recompute``): the same joint graph, partitioned the same way, 2.4 s a partition
+    for a 12-block GPT on this CPU and superlinear in the blocks."""
+
+    budget: float | str  # the activation memory budget torch's partitioner was given, or PER_BLOCK
+    pair: Pair
+    lifetimes: GraphLifetimes
+    costs: PlanCosts
+    recompute_s: float  # the model's time of what the backward recomputes
+
+
 @dataclasses.dataclass
 class _Candidate:
     budget: float | str  # the activation memory budget torch's partitioner was given, or PER_BLOCK
@@ -90,6 +105,9 @@ class _Candidate:
     plan: OffloadPlan
     peak: int  # the memory model's peak with the plan's offloads
     recompute_s: float  # the model's time of what the backward recomputes
+    # Priced on a partition of an earlier trace of the joint graph (``Partition``): made again on
+    # this one's before it is kept (its nodes are the ones compiled).
+    stale: bool = False
 
     @property
     def cost(self) -> float:
@@ -106,29 +124,35 @@ def with_inductor_recompute(
     analyse: Callable[[fx.GraphModule, fx.GraphModule], tuple[GraphLifetimes, PlanCosts]],
     plan_args: Mapping[str, Any],
     budget_target: int | None = None,
+    seen: dict[float | str, Partition | None] | None = None,
 ) -> TorchsPlan | None:
     """The partition and plan kept (see the module); where none meets the budget, the one of the
     lowest peak, ``meets=False``: fxoffload's own budget fit (un-hidden offloads and its
     recomputation) is the way unless it reaches no lower (``offload_pass``); None where torch's
     partitioner made none. ``analyse(fw, bw)``: the lifetimes and cost model of a new partition
-    (saved views hoisted); ``plan_args``: the rest of
-    ``plan_offloads``'s arguments (host bytes, what to keep)."""
+    (saved views hoisted); ``plan_args``: the rest of ``plan_offloads``'s arguments (host bytes, what
+    to keep); ``seen``: the partitions priced for the same graph earlier in this compile (``Partition``),
+    added to: only the one kept is made again."""
     assert options.memory_budget is not None and costs.baseline is not None
     budget = fit_target(options.memory_budget, costs, budget_target)  # on the FX model
     first_bw = frozenset(n.name for n in pair[1].graph.nodes)
 
-    def priced(activations: float | str) -> list[_Candidate] | None:
-        """The plans priced on one of torch's partitions; None where it cannot be made."""
-        try:
-            fw, bw = _partitioned(pair, repartition, activations)
-        except NoRepeatedBlocks:
-            log.debug("fxoffload: no repeated blocks to recompute one at a time")
+    def priced(activations: float | str, fresh: bool = False) -> list[_Candidate] | None:
+        """The plans priced on one of torch's partitions; None where it cannot be made. Not
+        ``fresh``: on the partition priced before in this compile, where there is one."""
+        stale = not fresh and seen is not None and activations in seen
+        if stale and seen is not None:
+            part = seen[activations]
+        elif activations == 1.0:
+            part = _analysed(activations, pair, lifetimes, costs, first_bw, options)
+        else:
+            part = _made(activations, pair, repartition, analyse, first_bw, options)
+        if seen is not None and activations != 1.0:
+            seen.setdefault(activations, part)
+        if part is None:
             return None
-        except Exception as e:  # never fail a compile over an optimisation
-            log.warning("fxoffload: %s failed (%s)", _named(activations), e)
-            return None
-        found, found_costs = (lifetimes, costs) if activations == 1.0 else analyse(fw, bw)
-        return _plans_on(activations, (fw, bw), found, found_costs, first_bw, options, budget, plan_args)
+        here = _plans_on(part, first_bw, options, budget, plan_args)
+        return [dataclasses.replace(c, stale=True) for c in here] if stale else here
 
     candidates: list[_Candidate] = []
     meeting: list[_Candidate] = []
@@ -144,13 +168,15 @@ def with_inductor_recompute(
     # the blocks too): priced unless the partition as it is meets the budget for nothing.
     if not any(c.cost == 0 for c in meeting):
         candidates += priced(PER_BLOCK) or []
-        meeting = [c for c in candidates if c.peak <= budget]
-    near = not meeting and options.inner == "inductor"
-    if near:  # the model counts each buffer of a chain Inductor fuses: its code judges a near miss
-        meeting = [c for c in candidates if c.peak <= budget * (1 + NEAR_MISS)]
-    if not meeting:
-        return _lowest(candidates, lifetimes, costs, options, budget)
-    chosen = min(meeting, key=lambda c: (c.cost, c.peak))
+    inductor = options.inner == "inductor"
+    chosen, near, meets = _choice(candidates, budget, inductor)
+    while chosen is not None and chosen.stale:  # the one kept is partitioned again, on this trace
+        candidates = [c for c in candidates if c.budget != chosen.budget] + (priced(chosen.budget, fresh=True) or [])
+        chosen, near, meets = _choice(candidates, budget, inductor)
+    if chosen is None:
+        return None
+    if not meets:
+        return _lowest(chosen, lifetimes, costs, options, budget)
     plan = dataclasses.replace(chosen.plan, judged_on_code=near)
     if near:
         log.info(
@@ -167,6 +193,37 @@ def with_inductor_recompute(
     return _torchs_plan(chosen, plan, lifetimes, costs, options)
 
 
+def _made(
+    activations: float | str, pair: Pair, repartition: Callable[..., Pair],
+    analyse: Callable[[fx.GraphModule, fx.GraphModule], tuple[GraphLifetimes, PlanCosts]],
+    first_bw: frozenset[str], options: OffloadOptions,
+) -> Partition | None:  # fmt: skip
+    """torch's partition at activation budget ``activations`` (or block by block), analysed; None
+    where it cannot be made."""
+    try:
+        fw, bw = _partitioned(pair, repartition, activations)
+    except NoRepeatedBlocks:
+        log.debug("fxoffload: no repeated blocks to recompute one at a time")
+        return None
+    except Exception as e:  # never fail a compile over an optimisation
+        log.warning("fxoffload: %s failed (%s)", _named(activations), e)
+        return None
+    return _analysed(activations, (fw, bw), *analyse(fw, bw), first_bw, options)
+
+
+def _choice(candidates: list[_Candidate], budget: int, inductor: bool) -> tuple[_Candidate | None, bool, bool]:
+    """(candidate, near, meets): the cheapest candidate that meets ``budget`` on the memory model;
+    where none does, the cheapest within ``NEAR_MISS`` of it under Inductor (``near``: its code
+    judges it); where none comes near, the one of the lowest peak (not ``meets``); None: no candidate."""
+    meeting = [c for c in candidates if c.peak <= budget]
+    near = not meeting and inductor
+    if near:  # the model counts each buffer of a chain Inductor fuses: its code judges a near miss
+        meeting = [c for c in candidates if c.peak <= budget * (1 + NEAR_MISS)]
+    if meeting:
+        return min(meeting, key=lambda c: (c.cost, c.peak)), near, True
+    return (min(candidates, key=lambda c: (c.peak, c.cost)) if candidates else None), False, False
+
+
 def _torchs_plan(
     c: _Candidate, plan: OffloadPlan, lifetimes: GraphLifetimes, costs: PlanCosts, options: OffloadOptions,
     meets: bool = True,
@@ -178,12 +235,9 @@ def _torchs_plan(
 
 
 def _lowest(
-    candidates: list[_Candidate], lifetimes: GraphLifetimes, costs: PlanCosts, options: OffloadOptions, budget: int
-) -> TorchsPlan | None:
-    """The candidate of the lowest peak, none meeting ``budget`` (``meets=False``); None: no candidate."""
-    if not candidates:
-        return None
-    lowest = min(candidates, key=lambda c: (c.peak, c.cost))
+    lowest: _Candidate, lifetimes: GraphLifetimes, costs: PlanCosts, options: OffloadOptions, budget: int
+) -> TorchsPlan:
+    """``lowest``, the candidate of the lowest peak, none meeting ``budget`` (``meets=False``)."""
     log.info(
         "fxoffload: memory_budget %s: torch's partitioner with the offloads that hide reaches %s at best "
         "(%s); fxoffload's own budget fit decides where it predicts lower", fmt_bytes(budget), fmt_bytes(lowest.peak),
@@ -192,24 +246,27 @@ def _lowest(
     return _torchs_plan(lowest, lowest.plan, lifetimes, costs, options, meets=False)
 
 
-def _plans_on(
-    activations: float | str,
-    pair: Pair,
-    found: GraphLifetimes,
-    costs: PlanCosts,
-    first_bw: frozenset[str],
+def _analysed(
+    activations: float | str, pair: Pair, found: GraphLifetimes, costs: PlanCosts, first_bw: frozenset[str],
     options: OffloadOptions,
-    budget: int,
-    plan_args: Mapping[str, Any],
-) -> list[_Candidate]:
-    """On one of torch's partitions (``found``, ``costs``: its lifetimes and cost model): the partition
-    alone, with the offloads that hide on top and, where both miss ``budget``, with the fit's."""
+) -> Partition:  # fmt: skip
+    """One of torch's partitions with its lifetimes and cost model, and the time of what its
+    backward recomputes (the nodes the first partition's backward has not)."""
     recomputed = [n for n in pair[1].graph.nodes if is_compute(n) and n.name not in first_bw]
     fusion = _fusion(pair[1], options)
     seconds = sum(node_time(n, costs.rates, fusion) for n in recomputed)
+    return Partition(activations, pair, found, costs, seconds)
+
+
+def _plans_on(
+    part: Partition, first_bw: frozenset[str], options: OffloadOptions, budget: int, plan_args: Mapping[str, Any]
+) -> list[_Candidate]:
+    """On one of torch's partitions: the partition alone, with the offloads that hide on top and,
+    where both miss ``budget``, with the fit's."""
+    activations, found, costs, seconds = part.budget, part.lifetimes, part.costs, part.recompute_s
 
     def candidate(plan: OffloadPlan) -> _Candidate:
-        return _Candidate(activations, pair, found, plan, planned_memory(plan).peak_bytes, seconds)
+        return _Candidate(activations, part.pair, found, plan, planned_memory(plan).peak_bytes, seconds)
 
     here = [candidate(_alone(found, options, costs, budget, activations, seconds, plan_args))]
     hidden = plan_offloads(found, options, costs=costs, fit=False, budget_target=budget, **plan_args)

@@ -23,7 +23,7 @@ from ..reasons import Reason, ReasonCode
 from ..rewrite.transfers import apply_plan, hoist_saved_views
 from ..sizes import fmt_bytes
 from .costs import plan_costs
-from .inductor_recompute import TorchsPlan, with_inductor_recompute
+from .inductor_recompute import Partition, TorchsPlan, with_inductor_recompute
 from .refine import Trial, attempt_quietly, refine, say
 
 log = logging.getLogger(__name__)
@@ -49,6 +49,7 @@ def offload_pass(
     measured: Measured | None = None,
     code_peak: int | None = None,
     code: CodeFacts | None = None,
+    partitions: dict[float | str, Partition | None] | None = None,
 ) -> tuple[fx.GraphModule, fx.GraphModule, OffloadPlan]:
     """The fxoffload pass on a partitioned pair: analyse, plan, rewrite; returns the rewritten pair, plan.
 
@@ -60,19 +61,18 @@ def offload_pass(
     measured of this graph's copies under an earlier plan, which corrects the cost model (the tensors
     whose copies stalled are judged again on it; the last plan made from measurements keeps them, and
     the last re-plan of ``auto`` offloads only what hid). ``code_peak``, ``code``: the peak of Inductor's
-    code for the pair without offloading, replayed, and what it showed (``PlanCosts``), where it was lowered.
-    The pair is rewritten in place unless the plan recomputes something: then the returned pair is
-    the new partition. The predicted memory before any change is ``(plan.partition_costs or
-    plan.costs).baseline``; ``plan.costs.baseline`` is that of the pair the plan was made for.
-    """
-    # 1. Lifetimes of the saved tensors (saved views first moved next to their bases, which changes
-    #    no memory without offloading, so the baseline is taken after it).
+    code for the pair without offloading, replayed, and what it showed (``PlanCosts``), where it was lowered;
+    ``partitions``: torch's, priced earlier in this compile (``inductor_recompute.Partition``). The pair
+    is rewritten in place unless the plan recomputes something: then the returned pair is the new
+    partition. The memory predicted before any change is ``(plan.partition_costs or plan.costs).baseline``;
+    ``plan.costs.baseline`` is that of the pair the plan was made for."""
+    # 1. Lifetimes of the saved tensors (saved views moved next to their bases first: the baseline is after it).
     static = tuple(static_input_indices)
     lifetimes = _lifetimes(fw, bw, num_fwd_outputs, static)
     # 2. Costs: compute time of every node and the host link, on the graph's device; what could be
     #    recomputed instead, and for how much (for a memory_budget, or when a policy function may
     #    ask for it: then at any size, the planner applies min_bytes to its own choices only).
-    context = _Context(options, num_fwd_outputs, static, outside, host_bytes_available, code_peak, code)
+    context = _Context(options, num_fwd_outputs, static, outside, host_bytes_available, code_peak, code, partitions)
     costs = context.costs(fw, bw, lifetimes)
     keep: dict[str, Reason] = {}
     if measured is not None:
@@ -163,6 +163,8 @@ class _Context:
     host_bytes_available: int | None
     code_peak: int | None = None  # of the joint graph, whatever the partition: ``PlanCosts.code_peak``
     code: CodeFacts | None = None  # ``PlanCosts.code``
+    # torch's partitions priced by the plans of this compile (``inductor_recompute.Partition``)
+    partitions: dict[float | str, Partition | None] | None = dataclasses.field(default=None, hash=False)
 
     def costs(self, fw: fx.GraphModule, bw: fx.GraphModule, lifetimes: GraphLifetimes) -> PlanCosts:
         """The cost model of one partition of the pair (``compiler.costs.plan_costs``)."""
@@ -193,7 +195,7 @@ def _torchs_recompute(
 
     plan_args = {"host_bytes_available": context.host_bytes_available, "keep": keep}
     return with_inductor_recompute(
-        pair, lifetimes, costs, context.options, repartition, analyse, plan_args, budget_target
+        pair, lifetimes, costs, context.options, repartition, analyse, plan_args, budget_target, context.partitions
     )
 
 

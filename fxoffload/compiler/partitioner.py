@@ -23,6 +23,7 @@ from ..reporting.report import OffloadReport, PassTimings
 from ..rewrite.host_copies import find_host_copies
 from ..rewrite.mutated_reads import protect_mutated_reads
 from ..rewrite.random_ops import keep_random_ops_saved
+from .inductor_recompute import Partition
 from .offload_pass import offload_pass
 from .pair import PairRegister, PlannedPair, new_graph_id
 
@@ -92,6 +93,9 @@ class OffloadPartitioner(_compat.CustomPartitionerFn):
         # The rewritten graphs' code of the plans compiled for this graph (shared by the compiles of a
         # budget's re-plans): one seen before stops the compile (``PlanCompiledBefore``). None: never.
         self.compiled_plans: set[tuple[str, str]] | None = None
+        # torch's partitions of this graph priced by the plans of this compile (shared like
+        # ``compiled_plans``): a re-plan for a lower target prices on them (``inductor_recompute.Partition``).
+        self.partitions: dict[float | str, Partition | None] | None = None
         self.unchanged_forward: UnchangedForward | None = None
         # The peak of Inductor's code for this graph without offloading, replayed, where it was lowered
         # before the plan: a fractional memory_budget is a fraction of it (``PlanCosts.code_peak``).
@@ -171,7 +175,7 @@ class OffloadPartitioner(_compat.CustomPartitionerFn):
             fw, bw, num_fwd_outputs, static, self.options, host_bytes_available=host_left,
             disabled_reason=self.disabled_reason, repartition=partition, outside=self.outside,
             budget_target=self.budget_target, graph_id=graph_id, measured=self.measured, code_peak=self.code_peak,
-            code=self.code,
+            code=self.code, partitions=self.partitions,
         )  # fmt: skip
         pass_s = time.perf_counter() - start - repartition_s[0]
         # 4. The memory model of the rewritten pair, and the pair with its report.
