@@ -107,17 +107,18 @@ def test_a_users_tag_is_left_and_every_tag_given_back_after_the_partition():
 
 @pytest.mark.parametrize("link", ["0.5GB", None])
 def test_a_budget_below_torchs_lowest_peak_is_met_block_by_block(link):
-    """The bench's tiny GPT at memory_budget 0.7 (recompute="inductor", offload_cpu at 0.5 GB/s or an
-    unthrottled link): torch's activation budgets meet it on the memory model only with offloads on
-    top, and recomputing each block in turn meets it for less. Measured on the CPU allocator, the step
-    peaks below Inductor's at activation_memory_budget 0.2, its lowest on this model, with Inductor's
-    gradients."""
+    """The bench's tiny GPT at memory_budget 0.65 (recompute="inductor", offload_cpu at 0.5 GB/s or an
+    unthrottled link): none of torch's activation budgets meets it on the memory model, the offloads
+    that hide on top included (at 0.5 GB/s 3.9 MiB at best, for 3.8 MiB), and recomputing each block
+    in turn meets it alone (3.5 MiB). Measured on the CPU allocator, the step peaks below Inductor's at
+    activation_memory_budget 0.2, its lowest on this model, with Inductor's gradients. (At 0.7 torch's
+    budget 0.4 meets it for less, once what it recomputes is priced in full.)"""
     torch.manual_seed(0)
     cfg = dataclasses.replace(PRESETS["tiny"], dropout=0.0)  # as the bench builds it
     model, batch = GPT(cfg), gpt_batch(cfg, 8)
     options = {"cpu_link_bandwidth": link} if link else {}
     backend = fxoffload.backend(
-        memory_budget=0.7, recompute="inductor", offload_cpu=True, min_bytes="16KiB", **options
+        memory_budget=0.65, recompute="inductor", offload_cpu=True, min_bytes="16KiB", **options
     )
     mine, compiled = compiled_copy(model, backend)
     with warnings.catch_warnings():

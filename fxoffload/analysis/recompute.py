@@ -58,8 +58,11 @@ def recompute_options(
     static_input_indices: Sequence[int],
     rates: DeviceRates,
     min_bytes: int = 0,
+    scale: float = 1.0,
 ) -> tuple[dict[str, RecomputeOption], dict[str, Reason]]:
-    """The saved tensors that one op could rebuild from what the backward already has.
+    """The saved tensors that one op could rebuild from what the backward already has, each op's
+    time at ``rates`` times ``scale``: the backward's measured speed over the model's, where the
+    device measured it (``PlanCosts.scale``), as the stalls it is weighed against are.
 
     Returns the options by name, and for every other saved tensor the reason it cannot be.
     """
@@ -101,7 +104,7 @@ def recompute_options(
         if reason is not None:
             reasons[t.name] = reason
             continue
-        options[t.name] = RecomputeOption(t.name, t.producer, node_time(node, rates), tuple(sources))
+        options[t.name] = RecomputeOption(t.name, t.producer, scale * node_time(node, rates), tuple(sources))
     return options, reasons
 
 

@@ -135,7 +135,9 @@ def with_inductor_recompute(
     added to: only the one kept is made again."""
     assert options.memory_budget is not None and costs.baseline is not None
     budget = fit_target(options.memory_budget, costs, budget_target)  # on the FX model
-    first_bw = frozenset(n.name for n in pair[1].graph.nodes)
+    # What the first backward computes: a tensor it read saved (a placeholder) is recomputed, and priced, where
+    # a partition's backward computes it.
+    first_bw = frozenset(n.name for n in pair[1].graph.nodes if is_compute(n))
 
     def priced(activations: float | str, fresh: bool = False) -> list[_Candidate] | None:
         """The plans priced on one of torch's partitions; None where it cannot be made. Not
@@ -251,10 +253,12 @@ def _analysed(
     options: OffloadOptions,
 ) -> Partition:  # fmt: skip
     """One of torch's partitions with its lifetimes and cost model, and the time of what its
-    backward recomputes (the nodes the first partition's backward has not)."""
+    backward recomputes (the nodes the first partition's backward does not compute), at the backward's
+    measured speed where the device measured it (``PlanCosts.scale``), as the stall it is weighed
+    against is."""
     recomputed = [n for n in pair[1].graph.nodes if is_compute(n) and n.name not in first_bw]
     fusion = _fusion(pair[1], options)
-    seconds = sum(node_time(n, costs.rates, fusion) for n in recomputed)
+    seconds = costs.scale[1] * sum(node_time(n, costs.rates, fusion) for n in recomputed)
     return Partition(activations, pair, found, costs, seconds)
 
 
@@ -355,7 +359,8 @@ def _with_recomputed(
     reason = Reason(ReasonCode.INDUCTOR_RECOMPUTE, f"recomputed in the backward by {_named(chosen.budget)}")
     recomputed = tuple(
         Decision(t, Action.RECOMPUTE, reason, recompute=RecomputeOption(
-            t.name, t.producer, node_time(bw_nodes[t.name], costs.rates, fusion) if t.name in bw_nodes else 0.0, ()
+            t.name, t.producer,
+            costs.scale[1] * node_time(bw_nodes[t.name], costs.rates, fusion) if t.name in bw_nodes else 0.0, (),
         ))
         for t in first.saved if t.name not in now
     )  # fmt: skip

@@ -90,7 +90,7 @@ def offload_pass(
     wanted = options.memory_budget is not None or callable(options.policy)
     if repartition is not None and wanted and options.partitioner == "min_cut":
         min_bytes = 0 if callable(options.policy) else options.min_bytes
-        recompute, refused = recompute_options(fw, lifetimes, static, costs.rates, min_bytes)
+        recompute, refused = recompute_options(fw, lifetimes, static, costs.rates, min_bytes, costs.scale[1])
         for name, reason in refused.items():
             log.debug("fxoffload: cannot recompute %s: %s", name, reason)
     # 3. The plan: one decision and reason per saved tensor.
