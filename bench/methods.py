@@ -13,7 +13,8 @@ shows; nothing is dropped silently. Names on the command line:
                               bench/streamed.py)
     checkpoint                eager, torch.utils.checkpoint around every block
     checkpoint-compiled       the same model compiled by Inductor (torch.compile traces the checkpoints:
-                              what a user who checkpoints by hand and compiles gets)
+                              what a user who checkpoints by hand and compiles gets); by --inner's
+                              compiler where that is another (aot_eager: the CPU smoke run)
     inductor-amb[=F]          Inductor with torch._functorch.config.activation_memory_budget=F during compile
     intree                    Inductor with torch's in-tree activation offloading, on the tensors fxoffload
                               (policy="auto") chose
@@ -184,10 +185,11 @@ def prepare(
         for block in blocks:
             _checkpoint_forward(block)
         compiled = kind == "checkpoint-compiled"
-        step_model = torch.compile(model, backend="inductor") if compiled else model
+        step_model = torch.compile(model, backend=ctx.inner) if compiled else model
+        by = "Inductor" if ctx.inner == "inductor" else ctx.inner
         return Prepared(
             _step(step_model, batch, ctx),
-            f"torch.utils.checkpoint around each of {len(blocks)} blocks" + (", compiled by Inductor" if compiled else ""),
+            f"torch.utils.checkpoint around each of {len(blocks)} blocks" + (f", compiled by {by}" if compiled else ""),
         )
     if kind == "inductor-amb":
         from torch._functorch import config as functorch_config

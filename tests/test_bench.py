@@ -67,7 +67,8 @@ def test_bench_smoke(tmp_path, capsys, restore_threads):
     assert row["predicted_compute_ms"] > 0 and "model_x" not in rows["eager"]
     assert row["model_x"] == pytest.approx(row["predicted_compute_ms"] / rows["eager"]["step_ms"])
     assert rows["streamed"]["offloaded_MiB"] > 0 and "synchronous" in rows["streamed"]["note"]
-    assert rows["checkpoint-compiled"]["note"].endswith("blocks, compiled by Inductor")
+    # Compiled by the run's inner compiler (Inductor's C++ build was 23 s of this test's 35)
+    assert rows["checkpoint-compiled"]["note"].endswith("blocks, compiled by aot_eager")
     # torch's pass found the tensors by the names fxoffload gave them, and offloaded some of them.
     assert rows["intree"]["note"].startswith("tagged ")
     tagged, planned = rows["intree"]["note"].split(" tensors")[0].removeprefix("tagged ").split(" of ")
