@@ -144,8 +144,9 @@ def test_recomputation_is_priced_at_the_backwards_measured_speed(recompute, monk
             return dataclasses.replace(costs(self, *args), scale=(1.0, scale))
 
         def partition_priced(part, *args):
-            seen.append(part.recompute_s)
-            return plans_on(part, *args)
+            here = plans_on(part, *args)
+            seen.append(here[0].recompute_s)  # what its plans are charged for recomputing
+            return here
 
         def options_priced(*args, **kwargs):
             found, refused = options(*args, **kwargs)

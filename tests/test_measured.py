@@ -425,10 +425,27 @@ def test_without_the_replan_the_stall_stays():
     assert not [r for r in report.saved if r.reason_code == "measured_stall"]
 
 
-def test_the_offloads_on_top_of_torchs_recompute_are_measured_too():
+def test_the_offloads_on_top_of_torchs_recompute_are_measured_too(monkeypatch):
     """``recompute="inductor"`` adds "auto"'s offloads on top of torch's partition: those that stalled
     are kept on the device once measured, and torch's partitioner recomputes more instead, where the
-    budget then needs it. Budgets are of the memory model, the step trains like eager."""
+    budget then needs it. Budgets are of the memory model, the step trains like eager. The plan made
+    again prices on the partitions torch made for the first (``inductor_recompute.Partition``): it
+    asks torch's partitioner for the one it keeps only."""
+    from fxoffload.compiler.compile import GraphCompiler
+
+    calls = []  # each compile of the graph: torch's partitions it asked for
+    partition, compile_graph = fxoffload._compat.call_partitioner, GraphCompiler.compile
+
+    def counted(*args, **kwargs):
+        calls[-1].append(kwargs.get("activation_memory_budget"))
+        return partition(*args, **kwargs)
+
+    def compiles(*args, **kwargs):
+        calls.append([])
+        return compile_graph(*args, **kwargs)
+
+    monkeypatch.setattr(fxoffload._compat, "call_partitioner", counted)
+    monkeypatch.setattr(GraphCompiler, "compile", compiles)
     model, batch = _gpt()
     backend = _backend("50MB", memory_budget=0.9, recompute="inductor", **STALLS)
     got = train_step(model, batch, backend, steps=5)
@@ -437,6 +454,9 @@ def test_the_offloads_on_top_of_torchs_recompute_are_measured_too():
     assert [r for r in report.replans if r.startswith("measured in the first steps")], report.replans
     kept = {r.name for r in report.saved if r.reason_code == "measured_stall"}
     assert kept and not kept & {r.name for r in report.offloaded}, report.table()
+    # The first compile: torch's own partition, then at activation budget 0.8 and block by block; the
+    # plan made again from what the first steps measured: torch's own and the kept one's again.
+    assert len(calls) == 2 and len(calls[1]) < len(calls[0]) and calls[1][1:] == [0.8], calls
 
 
 def test_a_copy_whose_reload_the_code_reuses_stays_on(monkeypatch, cannot_compile_again):

@@ -26,7 +26,7 @@ from ..reporting.report import CompileSpent
 from ..sizes import fmt_bytes
 from .costs import code_scratch, read_outside
 from .dynamo_graph import may_have_a_backward, may_return_only_scalars, static_shapes
-from .inductor_recompute import Partition
+from .inductor_recompute import Partitions
 from .lowering import fusion_groups, host_placeholders, lowering_config, on_roomy_stack
 from .pair import PairRegister, PlannedPair, new_graph_id
 from .partitioner import OffloadPartitioner, PlanChangesNothing, PlanCompiledBefore
@@ -56,6 +56,10 @@ class GraphCompiler:
         # the peak of its forward's code alone, lowered inside a plan's compile, and the outside then.
         self._unchanged_code: dict[int, tuple[OutsideMemory | None, PlannedPair]] = {}
         self._unchanged_forward_peak: dict[int, tuple[OutsideMemory | None, int]] = {}
+        # By graph id: torch's partitions its plans priced (``inductor_recompute.Partition``), and the
+        # options and outside they were made with; every later plan of the graph made with the same
+        # prices on them (for another target, or from what the first steps measured).
+        self._partitions: dict[int, tuple[tuple[OffloadOptions, OutsideMemory | None], Partitions]] = {}
         self._inside: list[tuple[str, float]] = []  # lowerings inside the compile running: what, seconds
         self._measured: Measured | None = None  # what the device measured of the graph's earlier plan
 
@@ -194,8 +198,17 @@ class GraphCompiler:
         late = None if judged_here or opts.memory_budget is None else (lambda pair: check_budget(pair, opts.strict))
         measured = self._measured if opts.policy != "none" else None
         made = OffloadPartitioner(self.register, opts, outside, graph_id, target, late, measured)
+        made.partitions_of = self._partitions_of
         self._from_unchanged(made)
         return made
+
+    def _partitions_of(self, graph_id: int, options: OffloadOptions, outside: OutsideMemory | None) -> Partitions:
+        """torch's partitions of graph ``graph_id`` priced by its plans made with ``options`` and
+        ``outside`` held, to be added to (none yet: a new table, for these)."""
+        entry = self._partitions.get(graph_id)
+        if entry is None or entry[0] != (options, outside):
+            entry = self._partitions[graph_id] = ((options, outside), {})
+        return entry[1]
 
     def _from_unchanged(self, made: OffloadPartitioner) -> None:
         """What the code of ``made``'s graph without offloading, where it was lowered with ``made.outside``
@@ -265,7 +278,6 @@ class GraphCompiler:
         tried: list[int | None] = []
         judge = opts if checked and early else None  # verify_peak's unchanged forward, lowered in the plan's compile
         compiled_plans: set[tuple[str, str]] = set()  # a re-plan that takes nothing more is not lowered again
-        partitions: dict[float | str, Partition | None] = {}  # torch's, priced once for all the re-plans
 
         def attempt(target: int | None) -> Trial | None:
             partitioner = first if not tried else self._partitioner(
@@ -273,7 +285,6 @@ class GraphCompiler:
             )
             tried.append(target)
             partitioner.compiled_plans = compiled_plans
-            partitioner.partitions = partitions
             graph = gm if partitioner is first else copy_graph_module(pristine)
             what = "the plan" if target is None else f"the plan for a lower target, {fmt_bytes(target)} (budget)"
             try:

@@ -54,7 +54,7 @@ from .refine import attempt_quietly
 
 log = logging.getLogger(__name__)
 
-__all__ = ["ACTIVATION_BUDGETS", "PER_BLOCK", "Partition", "TorchsPlan", "with_inductor_recompute"]
+__all__ = ["ACTIVATION_BUDGETS", "PER_BLOCK", "Partition", "Partitions", "TorchsPlan", "with_inductor_recompute"]
 
 # The activation memory budgets tried, least recomputation first.
 ACTIVATION_BUDGETS = (1.0, 0.8, 0.6, 0.4, 0.2, 0.0)
@@ -85,16 +85,21 @@ class TorchsPlan:
 
 @dataclasses.dataclass(frozen=True)
 class Partition:
-    """One of torch's partitions of a graph, analysed: what pricing plans on it takes. A compile's
-    plans for lower targets (``compiler.compile``) price on those of its first plan (``seen`` of
-    ``with_inductor_recompute``): the same joint graph, partitioned the same way, 2.4 s a partition
-    for a 12-block GPT on this CPU and superlinear in the blocks."""
+    """One of torch's partitions of a graph, analysed: what pricing plans on it takes. The plans of
+    a graph made again (for another target, ``compiler.compile``, or from what the first steps
+    measured) price on those its first plan had made (``seen`` of ``with_inductor_recompute``): the
+    same joint graph, partitioned the same way, 2.4 s a partition for a 12-block GPT on this CPU and
+    superlinear in the blocks. Kept as the model analysed it, before any measurement corrects it."""
 
     budget: float | str  # the activation memory budget torch's partitioner was given, or PER_BLOCK
     pair: Pair
     lifetimes: GraphLifetimes
     costs: PlanCosts
-    recompute_s: float  # the model's time of what the backward recomputes
+    recompute_s: float  # the model's time of what the backward recomputes (``PlanCosts.scale`` not applied)
+
+
+# torch's partitions of one graph by the activation budget they were made at (None: it could not be).
+Partitions = dict[float | str, Partition | None]
 
 
 @dataclasses.dataclass
@@ -124,15 +129,16 @@ def with_inductor_recompute(
     analyse: Callable[[fx.GraphModule, fx.GraphModule], tuple[GraphLifetimes, PlanCosts]],
     plan_args: Mapping[str, Any],
     budget_target: int | None = None,
-    seen: dict[float | str, Partition | None] | None = None,
+    seen: Partitions | None = None,
+    measured: Callable[[PlanCosts], PlanCosts] | None = None,
 ) -> TorchsPlan | None:
     """The partition and plan kept (see the module); where none meets the budget, the one of the
     lowest peak, ``meets=False``: fxoffload's own budget fit (un-hidden offloads and its
     recomputation) is the way unless it reaches no lower (``offload_pass``); None where torch's
-    partitioner made none. ``analyse(fw, bw)``: the lifetimes and cost model of a new partition
-    (saved views hoisted); ``plan_args``: the rest of ``plan_offloads``'s arguments (host bytes, what
-    to keep); ``seen``: the partitions priced for the same graph earlier in this compile (``Partition``),
-    added to: only the one kept is made again."""
+    partitioner made none. ``analyse(fw, bw)``: the lifetimes and cost model of a new partition (saved
+    views hoisted), as the model makes them; ``measured(costs)``: one corrected by what the device
+    measured (``costs`` is); ``plan_args``: the rest of ``plan_offloads``'s arguments (host bytes, what to
+    keep); ``seen``: the graph's partitions priced before (``Partition``), added to."""
     assert options.memory_budget is not None and costs.baseline is not None
     budget = fit_target(options.memory_budget, costs, budget_target)  # on the FX model
     # What the first backward computes: a tensor it read saved (a placeholder) is recomputed, and priced, where
@@ -153,7 +159,8 @@ def with_inductor_recompute(
             seen.setdefault(activations, part)
         if part is None:
             return None
-        here = _plans_on(part, first_bw, options, budget, plan_args)
+        found = part.costs if activations == 1.0 or measured is None else measured(part.costs)
+        here = _plans_on(part, found, options, budget, plan_args)
         return [dataclasses.replace(c, stale=True) for c in here] if stale else here
 
     candidates: list[_Candidate] = []
@@ -252,22 +259,21 @@ def _analysed(
     activations: float | str, pair: Pair, found: GraphLifetimes, costs: PlanCosts, first_bw: frozenset[str],
     options: OffloadOptions,
 ) -> Partition:  # fmt: skip
-    """One of torch's partitions with its lifetimes and cost model, and the time of what its
-    backward recomputes (the nodes the first partition's backward does not compute), at the backward's
-    measured speed where the device measured it (``PlanCosts.scale``), as the stall it is weighed
-    against is."""
+    """One of torch's partitions with its lifetimes and cost model, and the model's time of what its
+    backward recomputes (the nodes the first partition's backward does not compute)."""
     recomputed = [n for n in pair[1].graph.nodes if is_compute(n) and n.name not in first_bw]
     fusion = _fusion(pair[1], options)
-    seconds = costs.scale[1] * sum(node_time(n, costs.rates, fusion) for n in recomputed)
-    return Partition(activations, pair, found, costs, seconds)
+    return Partition(activations, pair, found, costs, sum(node_time(n, costs.rates, fusion) for n in recomputed))
 
 
 def _plans_on(
-    part: Partition, first_bw: frozenset[str], options: OffloadOptions, budget: int, plan_args: Mapping[str, Any]
+    part: Partition, costs: PlanCosts, options: OffloadOptions, budget: int, plan_args: Mapping[str, Any]
 ) -> list[_Candidate]:
-    """On one of torch's partitions: the partition alone, with the offloads that hide on top and,
-    where both miss ``budget``, with the fit's."""
-    activations, found, costs, seconds = part.budget, part.lifetimes, part.costs, part.recompute_s
+    """On one of torch's partitions, with ``costs`` its cost model as the device's measurements
+    corrected it: the partition alone, with the offloads that hide on top and, where both miss
+    ``budget``, with the fit's. Its recomputation is priced at the backward's measured speed
+    (``PlanCosts.scale``), as the stall it is weighed against is."""
+    activations, found, seconds = part.budget, part.lifetimes, costs.scale[1] * part.recompute_s
 
     def candidate(plan: OffloadPlan) -> _Candidate:
         return _Candidate(activations, part.pair, found, plan, planned_memory(plan).peak_bytes, seconds)

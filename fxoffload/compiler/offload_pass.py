@@ -23,7 +23,7 @@ from ..reasons import Reason, ReasonCode
 from ..rewrite.transfers import apply_plan, hoist_saved_views
 from ..sizes import fmt_bytes
 from .costs import plan_costs
-from .inductor_recompute import Partition, TorchsPlan, with_inductor_recompute
+from .inductor_recompute import Partitions, TorchsPlan, with_inductor_recompute
 from .refine import Trial, attempt_quietly, refine, say
 
 log = logging.getLogger(__name__)
@@ -49,7 +49,7 @@ def offload_pass(
     measured: Measured | None = None,
     code_peak: int | None = None,
     code: CodeFacts | None = None,
-    partitions: dict[float | str, Partition | None] | None = None,
+    partitions: Partitions | None = None,
 ) -> tuple[fx.GraphModule, fx.GraphModule, OffloadPlan]:
     """The fxoffload pass on a partitioned pair: analyse, plan, rewrite; returns the rewritten pair, plan.
 
@@ -62,7 +62,7 @@ def offload_pass(
     whose copies stalled are judged again on it; the last plan made from measurements keeps them, and
     the last re-plan of ``auto`` offloads only what hid). ``code_peak``, ``code``: the peak of Inductor's
     code for the pair without offloading, replayed, and what it showed (``PlanCosts``), where it was lowered;
-    ``partitions``: torch's, priced earlier in this compile (``inductor_recompute.Partition``). The pair
+    ``partitions``: torch's, priced by earlier plans of the graph (``inductor_recompute.Partition``). The pair
     is rewritten in place unless the plan recomputes something: then the returned pair is the new
     partition. The memory predicted before any change is ``(plan.partition_costs or plan.costs).baseline``;
     ``plan.costs.baseline`` is that of the pair the plan was made for."""
@@ -163,8 +163,8 @@ class _Context:
     host_bytes_available: int | None
     code_peak: int | None = None  # of the joint graph, whatever the partition: ``PlanCosts.code_peak``
     code: CodeFacts | None = None  # ``PlanCosts.code``
-    # torch's partitions priced by the plans of this compile (``inductor_recompute.Partition``)
-    partitions: dict[float | str, Partition | None] | None = dataclasses.field(default=None, hash=False)
+    # torch's partitions priced by earlier plans of the graph (``inductor_recompute.Partition``)
+    partitions: Partitions | None = dataclasses.field(default=None, hash=False)
 
     def costs(self, fw: fx.GraphModule, bw: fx.GraphModule, lifetimes: GraphLifetimes) -> PlanCosts:
         """The cost model of one partition of the pair (``compiler.costs.plan_costs``)."""
@@ -190,13 +190,14 @@ def _torchs_recompute(
 
     def analyse(f: fx.GraphModule, b: fx.GraphModule) -> tuple[GraphLifetimes, PlanCosts]:
         found = _lifetimes(f, b, context.num_fwd_outputs, context.static)
-        new = context.costs(f, b, found)
-        return found, measured.corrected(new, context.options.op_time) if measured is not None else new
+        return found, context.costs(f, b, found)
 
+    correct = (lambda new: measured.corrected(new, context.options.op_time)) if measured is not None else None
     plan_args = {"host_bytes_available": context.host_bytes_available, "keep": keep}
     return with_inductor_recompute(
-        pair, lifetimes, costs, context.options, repartition, analyse, plan_args, budget_target, context.partitions
-    )
+        pair, lifetimes, costs, context.options, repartition, analyse, plan_args, budget_target, context.partitions,
+        correct,
+    )  # fmt: skip
 
 
 def _recompute_or_offload(

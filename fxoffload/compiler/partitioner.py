@@ -23,7 +23,7 @@ from ..reporting.report import OffloadReport, PassTimings
 from ..rewrite.host_copies import find_host_copies
 from ..rewrite.mutated_reads import protect_mutated_reads
 from ..rewrite.random_ops import keep_random_ops_saved
-from .inductor_recompute import Partition
+from .inductor_recompute import Partitions
 from .offload_pass import offload_pass
 from .pair import PairRegister, PlannedPair, new_graph_id
 
@@ -93,9 +93,9 @@ class OffloadPartitioner(_compat.CustomPartitionerFn):
         # The rewritten graphs' code of the plans compiled for this graph (shared by the compiles of a
         # budget's re-plans): one seen before stops the compile (``PlanCompiledBefore``). None: never.
         self.compiled_plans: set[tuple[str, str]] | None = None
-        # torch's partitions of this graph priced by the plans of this compile (shared like
-        # ``compiled_plans``): a re-plan for a lower target prices on them (``inductor_recompute.Partition``).
-        self.partitions: dict[float | str, Partition | None] | None = None
+        # torch's partitions of a graph priced by its plans made with these options and outside
+        # (``GraphCompiler``): a plan made again prices on them (``inductor_recompute.Partition``).
+        self.partitions_of: Callable[[int, OffloadOptions, OutsideMemory | None], Partitions] | None = None
         self.unchanged_forward: UnchangedForward | None = None
         # The peak of Inductor's code for this graph without offloading, replayed, where it was lowered
         # before the plan: a fractional memory_budget is a fraction of it (``PlanCosts.code_peak``).
@@ -126,6 +126,9 @@ class OffloadPartitioner(_compat.CustomPartitionerFn):
             "fxoffload", repr(self.options), self.budget_target, self.code_peak, self.code, self.disabled_reason,
             self.measured is not None,
         )  # fmt: skip
+
+    def _partitions(self, graph_id: int) -> Partitions | None:
+        return self.partitions_of(graph_id, self.options, self.outside) if self.partitions_of is not None else None
 
     def __call__(self, joint: fx.GraphModule, joint_inputs: Any, **kwargs: Any) -> tuple[fx.GraphModule, fx.GraphModule]:
         # 1. torch's min-cut partitioner may recompute, in the backward, a value that reads an input
@@ -175,7 +178,7 @@ class OffloadPartitioner(_compat.CustomPartitionerFn):
             fw, bw, num_fwd_outputs, static, self.options, host_bytes_available=host_left,
             disabled_reason=self.disabled_reason, repartition=partition, outside=self.outside,
             budget_target=self.budget_target, graph_id=graph_id, measured=self.measured, code_peak=self.code_peak,
-            code=self.code, partitions=self.partitions,
+            code=self.code, partitions=self._partitions(graph_id),
         )  # fmt: skip
         pass_s = time.perf_counter() - start - repartition_s[0]
         # 4. The memory model of the rewritten pair, and the pair with its report.
