@@ -15,7 +15,7 @@ as the device's measurements corrected it. The cheapest plan that meets the budg
 model is kept; lower activation budgets are tried until the recomputation alone costs as much as
 that plan (they mostly recompute more, though not always as the model prices it: a cheaper plan
 further down can be missed, and pricing all six costs a partition and its analysis each, made once
-in a compile: its plans for other targets price on them, ``Partition``); block by
+per graph: its later plans price on them, ``Partition``); block by
 block is priced whenever anything must be recomputed (it recomputes less than torch's lowest
 budgets, which recompute outside the blocks too). Where none meets it on the model but one comes
 within ``NEAR_MISS`` of it under Inductor, that one is compiled and its code judges it (the model
