@@ -100,6 +100,22 @@ def test_a_scatter_is_not_reordered_after_its_reader(names, monkeypatch):
     assert "step0.loss" in broken.detail or "UnboundLocalError" in broken.detail, broken.detail
 
 
+def test_a_partition_whose_backward_reads_a_mutated_input_is_refused(monkeypatch):
+    """Seed 11 case 7 (an EMA buffer updated after the forward reads it) with a budget met by torch's
+    partitioner: at activation budget 0.0 it recomputes from the graph's inputs what
+    ``protect_mutated_reads`` tagged ``MUST_SAVE``, its backward reading the buffer after the update.
+    That partition is refused (``rewrite.mutated_reads.mutated_reads_added``); taken (the rule broken on
+    purpose), autograd refuses the backward: the buffer "modified by an inplace operation"."""
+    from fxoffload.compiler import partitioner
+
+    options = {"budget-per-block": fuzz.OPTION_SETS["budget-per-block"]}
+    (outcome,) = fuzz.run_case(fuzz.make_case(11, 7), "aot_eager", options)
+    _check([outcome], "aot_eager")
+    monkeypatch.setattr(partitioner, "mutated_reads_added", lambda joint, bw, first: [])
+    (broken,) = fuzz.run_case(fuzz.make_case(11, 7), "aot_eager", options)
+    assert broken.status == fuzz.ERROR and "modified by an inplace operation" in broken.detail, broken.detail
+
+
 @pytest.mark.parametrize("seed,index,options,inner", REPLANNED_CASES)
 def test_fuzz_replanned(seed, index, options, inner):
     (outcome,) = fuzz.run_case(fuzz.make_case(seed, index), inner, {options: fuzz.OPTION_SETS[options]})

@@ -49,6 +49,7 @@ from ..planning.decisions import Decision, OffloadPlan, PlanCosts
 from ..planning.plan import ineligible_reason, plan_offloads
 from ..planning.policy import user_choice
 from ..reasons import Action, Reason, ReasonCode
+from ..rewrite.mutated_reads import ReadsMutatedInput
 from ..sizes import fmt_bytes
 from .refine import attempt_quietly
 
@@ -213,6 +214,9 @@ def _made(
         fw, bw = _partitioned(pair, repartition, activations)
     except NoRepeatedBlocks:
         log.debug("fxoffload: no repeated blocks to recompute one at a time")
+        return None
+    except ReadsMutatedInput as e:
+        log.info("fxoffload: %s not priced: %s (wrong gradients)", _named(activations), e)
         return None
     except Exception as e:  # never fail a compile over an optimisation
         log.warning("fxoffload: %s failed (%s)", _named(activations), e)

@@ -21,7 +21,7 @@ from ..planning.measured import Measured
 from ..reasons import Reason
 from ..reporting.report import OffloadReport, PassTimings
 from ..rewrite.host_copies import find_host_copies
-from ..rewrite.mutated_reads import protect_mutated_reads
+from ..rewrite.mutated_reads import ReadsMutatedInput, mutated_reads_added, protect_mutated_reads
 from ..rewrite.random_ops import keep_random_ops_saved
 from .inductor_recompute import Partitions
 from .offload_pass import offload_pass
@@ -54,6 +54,27 @@ class UnchangedForward:
     graph: fx.GraphModule
     saved_dtypes: tuple[torch.dtype | None, ...]  # the saved tensors' dtypes, in the order it returns them
     kept_bytes: int  # device bytes one call keeps for its backward (``memory.kept_saved_bytes``)
+
+
+def _torchs(
+    options: OffloadOptions, joint: fx.GraphModule, joint_inputs: Any, kwargs: dict[str, Any],
+    recompute: frozenset[str], memory_budget: float | None, per_block: bool,
+) -> tuple[fx.GraphModule, fx.GraphModule]:  # fmt: skip
+    """torch's partitioner on ``joint``; ``recompute``: nodes tagged for it; ``memory_budget``: its
+    activation budget; ``per_block``: each repeated block recomputed in turn (``analysis.blocks``).
+    Random ops are kept saved where it may recompute on its own (``rewrite.random_ops``)."""
+    if recompute:
+        _compat.tag_must_recompute(joint, recompute)
+    if (memory_budget is not None or per_block) and options.broken_rule != "random_ops_saved":
+        keep_random_ops_saved(joint)
+    blocks = block_tags(joint) if per_block else None
+    if per_block and blocks is None:
+        raise NoRepeatedBlocks("fxoffload: no repeated blocks (ModuleList items) in this graph's forward")
+    tags = _compat.checkpoint_tags(joint, blocks.save, blocks.recompute) if blocks else contextlib.nullcontext()
+    with tags:
+        return _compat.call_partitioner(
+            options.partitioner, joint, joint_inputs, activation_memory_budget=memory_budget, **kwargs
+        )
 
 
 class OffloadPartitioner(_compat.CustomPartitionerFn):
@@ -140,29 +161,23 @@ class OffloadPartitioner(_compat.CustomPartitionerFn):
         def partition(
             recompute: frozenset[str] = frozenset(), memory_budget: float | None = None, per_block: bool = False
         ) -> tuple[fx.GraphModule, fx.GraphModule]:
-            """torch's partitioner; ``recompute``: nodes tagged for it; ``memory_budget``: its activation
-            budget; ``per_block``: each repeated block recomputed in turn (``analysis.blocks``). Random
-            ops are kept saved where it may recompute on its own (``rewrite.random_ops``)."""
-            if recompute:
-                _compat.tag_must_recompute(joint, recompute)
-            if (memory_budget is not None or per_block) and self.options.broken_rule != "random_ops_saved":
-                keep_random_ops_saved(joint)
-            blocks = block_tags(joint) if per_block else None
-            if per_block and blocks is None:
-                raise NoRepeatedBlocks("fxoffload: no repeated blocks (ModuleList items) in this graph's forward")
+            """torch's partition (``_torchs``), refused where its backward reads an input the forward
+            mutates in place that torch's own partition's backward does not (``mutated_reads_added``)."""
             again = bool(recompute) or memory_budget is not None or per_block
-            tags = _compat.checkpoint_tags(joint, blocks.save, blocks.recompute) if blocks else contextlib.nullcontext()
             start = time.perf_counter()
             try:
-                with tags:
-                    return _compat.call_partitioner(
-                        self.options.partitioner, joint, joint_inputs, activation_memory_budget=memory_budget, **kwargs
-                    )
+                made = _torchs(self.options, joint, joint_inputs, kwargs, recompute, memory_budget, per_block)
             finally:
                 if again:
                     repartition_s[0] += time.perf_counter() - start
+            added = mutated_reads_added(joint, made[1], first_reads[0]) if again and first_reads else []
+            if added:
+                raise ReadsMutatedInput(f"its backward reads {', '.join(added)} after the forward updates it in place")
+            return made
 
+        first_reads: list[frozenset[str]] = []  # the placeholders of torch's own partition's backward
         fw, bw = partition()
+        first_reads.append(frozenset(n.name for n in bw.graph.find_nodes(op="placeholder")))
         nodes_in = len(fw.graph.nodes), len(bw.graph.nodes)
         num_fwd_outputs = kwargs["num_fwd_outputs"]
         static = tuple(kwargs.get("static_lifetime_input_indices") or ())

@@ -35,7 +35,7 @@ from ..analysis.graph import closure, is_view, mutated_inputs, written_args
 
 log = logging.getLogger(__name__)
 
-__all__ = ["protect_mutated_reads"]
+__all__ = ["ReadsMutatedInput", "mutated_reads_added", "protect_mutated_reads"]
 
 _VALUES = (torch.Tensor, tuple, list)  # a tensor, or a multi-output op's tuple (not a SymInt)
 
@@ -127,3 +127,19 @@ def protect_mutated_reads(joint: fx.GraphModule, num_fwd_outputs: int | None = N
                 tagged.append(user)
     order = {n: i for i, n in enumerate(graph.nodes)}
     return [n.name for n in sorted(set(tagged), key=order.__getitem__)]
+
+
+class ReadsMutatedInput(RuntimeError):
+    """A partition whose backward reads an input the forward mutates in place, where the first
+    partition's backward does not (``mutated_reads_added``)."""
+
+
+def mutated_reads_added(joint: fx.GraphModule, bw: fx.GraphModule, first: frozenset[str]) -> list[str]:
+    """The inputs ``joint`` mutates in place that partition ``bw``'s backward reads (its placeholders)
+    and the first partition's backward (``first``: its placeholders' names) does not. Such a
+    backward reads the new value where the joint graph read the old one: torch's min-cut partitioner
+    at activation budget 0.0 recomputes from the graph's inputs whatever ``protect_mutated_reads``
+    tagged ``MUST_SAVE`` (a fuzz model's EMA buffer, seed 11 case 7: autograd refused the backward,
+    the buffer "modified by an inplace operation")."""
+    mutated = {p.name for p in mutated_inputs(joint.graph)}
+    return sorted(n.name for n in bw.graph.find_nodes(op="placeholder") if n.name in mutated and n.name not in first)
