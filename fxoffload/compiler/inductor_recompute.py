@@ -148,9 +148,9 @@ def with_inductor_recompute(
 
     def priced(activations: float | str, fresh: bool = False) -> list[_Candidate] | None:
         """The plans priced on one of torch's partitions; None where it cannot be made. Not
-        ``fresh``: on the partition priced before in this compile, where there is one."""
+        ``fresh``: on the one an earlier plan of the graph had made (``seen``), where there is one."""
         stale = not fresh and seen is not None and activations in seen
-        if stale and seen is not None:
+        if stale and seen is not None:  # (``seen is not None``: for the type checker)
             part = seen[activations]
         elif activations == 1.0:
             part = _analysed(activations, pair, lifetimes, costs, first_bw, options)
