@@ -79,6 +79,28 @@ def test_cuda_code_keeps_kernels_between_copies_and_waits(monkeypatch):
     assert scheduled > 0
 
 
+def test_cuda_code_waits_for_an_offload_after_the_kernels_the_plan_put_behind_it():
+    """Inductor's peak-memory reordering ran each offload's wait right after its copy in the CUDA
+    code of two blocks (a copy the plan put 11 matmuls behind, over a link priced at 0.1 GB/s, had no
+    kernel between it and its wait: the compute stream would wait for the whole copy). Put back
+    (``_compat.scheduler_runs.waits_where_planned``), each has at least as many kernels as the plan
+    put matmuls there."""
+    if torch.cuda.is_available():
+        pytest.skip("a real CUDA device is loaded: the fake CUDA lowering is for machines without one")
+    cuda_codegen = pytest.importorskip("fxoffload.testing.cuda_codegen")
+    model, x = _blocks()
+    backend = fxoffload.backend(**{**OPTIONS, "bandwidth": 1e8})
+    try:
+        cuda_codegen.cuda_wrapper_code(model, (x,), backend)
+    except NotImplementedError as e:
+        pytest.skip(str(e))
+    (report,) = backend.reports
+    got = {t.key: t.kernels_between for t in codecheck.transfers(report.output_code["forward"])}
+    planned = codecheck.transfers(report.fw_code, kernel=codecheck.is_materialised_call)
+    between = [(p.kernels_between, got[p.key]) for p in planned]
+    assert max(plan for plan, _ in between) >= 8 and all(code >= plan for plan, code in between), between
+
+
 def test_cuda_codegen_touches_no_private_torch_api():
     """Private torch pieces live in fxoffload/_compat/, so a torch upgrade is one package's work."""
     cuda_codegen = pytest.importorskip("fxoffload.testing.cuda_codegen")

@@ -18,6 +18,11 @@ so joining two runs holds the later one's buffers over the earlier one's call, a
 down holds its source: near the peak a join is refused (the forward waits of 86e73b4 stay where
 they free memory that counts).
 
+``waits_where_planned`` runs inside that wrapper first, on every device: Inductor's reordering runs
+each offload's wait as early as it can (it frees the source there, to its estimate), the compute
+stream then waiting for the whole copy; the wait is put back after the kernels the plan put behind
+its copy.
+
 ``fusing_within`` keeps the scheduler from fusing two kernels of different groups (a graph's
 blocks, where torch's partitioner recomputes them in turn: ``analysis.blocks``). Layers that share
 weights (ALBERT's one layer applied six times, a ``ModuleList`` item called twice) recompute kernels
@@ -50,7 +55,10 @@ from torch.utils._ordered_set import OrderedSet
 
 log = logging.getLogger(__name__)
 
-__all__ = ["TransferOps", "fusing_within", "join_runs", "joining_runs", "keeping_mutation_renames"]
+__all__ = [
+    "TransferOps", "fusing_within", "join_runs", "joining_runs", "keeping_mutation_renames",
+    "waits_where_planned",
+]  # fmt: skip
 
 # The group of an FX node of the graph lowered, for ``fusing_within`` (None: in no group).
 Groups = Callable[[Any], str | None]
@@ -204,6 +212,59 @@ def _run_peak(order: Sequence[BaseSchedulerNode], freeable: dict[str, Any], outp
     return peak
 
 
+def _forward_waits(order: Sequence[BaseSchedulerNode], ops: TransferOps) -> list[BaseSchedulerNode]:
+    """The waits of ``order`` on offloads (what they wait for is a host copy), in order."""
+    host = _host_buffers(order, ops)
+    found = []
+    for n in order:
+        inputs = getattr(getattr(n, "node", None), "inputs", None)
+        if _op(n) is ops.wait and inputs and inputs[0].get_name() in host:
+            found.append(n)
+    return found
+
+
+def waits_where_planned(
+    given: Sequence[BaseSchedulerNode], order: Sequence[BaseSchedulerNode], ops: TransferOps
+) -> list[BaseSchedulerNode]:
+    """``order`` (Inductor's reordering of ``given``, the plan's order) with each offload's wait put
+    back after every node the plan put between its copy and it (the copy's window), where Inductor
+    moved it up; down only, never past a node that reads it, nor past the node the plan put right
+    after it (the memory model frees the source there).
+
+    Inductor's peak-memory reordering sees a wait as the last reader of the copy's source, and so
+    runs it as early as it can: right after the first kernel after the copy, the compute stream
+    waiting for the whole transfer where the plan had it hide behind its window. In Inductor's code
+    for the fake H100 (``testing.cuda_codegen``, two blocks, a slow link) a copy the plan put 11
+    matmuls behind had none; on this CPU, at a link too slow for any copy to hide, the tiny
+    transformers' code peaked 17-34% under the memory model, every forward source freed that early,
+    and on a device each such wait would have stalled (docs/results.md, twenty-eighth session)."""
+    result = list(order)
+    unpacked: dict[str, list[BaseSchedulerNode]] = {}  # by the buffer unpacked from
+    for n in given:
+        inner = getattr(n, "node", None)
+        if isinstance(inner, ir.MultiOutput):
+            for i in inner.inputs:
+                unpacked.setdefault(i.get_name(), []).append(n)
+    for wait in _forward_waits(given, ops):
+        i = given.index(wait)
+        copies = (k for k in range(i - 1, -1, -1) if _op(given[k]) is ops.offload)
+        copy = next((k for k in copies if _depends(wait, given[k])), None)
+        window = [n for n in given[copy + 1 : i] if not _movable(n, ops.all)] if copy is not None else []
+        if not window:
+            continue
+        after = next((n for n in given[i + 1 :] if not _movable(n, ops.all)), None)
+        group = [wait, *(u for name in wait.get_buffer_names() for u in unpacked.get(name, ()))]
+        start = result.index(wait)  # in ``rest`` too: what it unpacks comes after it
+        rest = [n for n in result if n not in group]
+        inside = set(window)
+        at = max(k for k, n in enumerate(rest) if n in inside) + 1
+        limits = (k for k in range(start, at) if rest[k] is after or any(_depends(rest[k], g) for g in group))
+        at = next(limits, at)
+        if at > start:
+            result = rest[:at] + group + rest[at:]
+    return result
+
+
 def join_runs(
     order: list[BaseSchedulerNode], transfer_ops: frozenset[Any], peak: Callable[[Sequence[BaseSchedulerNode]], int]
 ) -> tuple[list[BaseSchedulerNode], int]:
@@ -296,9 +357,13 @@ def _joining_runs(ops: TransferOps) -> Iterator[None]:
 
     def reorder(nodes: list[BaseSchedulerNode], name_to_buf: Any, name_to_fused_node: Any,
                 graph_inputs: Any, graph_outputs: Any, *args: Any, **kwargs: Any) -> list[BaseSchedulerNode]:  # fmt: skip
+        given = list(nodes)
         order = original(nodes, name_to_buf, name_to_fused_node, graph_inputs, graph_outputs, *args, **kwargs)
-        if not any(_op(n) in ops.all for n in order) or not any(_kernel(n) for n in order):
-            return order  # nothing to join: no transfer op, or no C++ run (a CUDA graph's Triton kernels)
+        if not any(_op(n) in ops.all for n in order):
+            return order
+        order = waits_where_planned(given, order, ops)
+        if not any(_kernel(n) for n in order):
+            return order  # nothing to join: no C++ run (a CUDA graph's Triton kernels)
         _, freeable = inductor_memory.prepare_planning_info(
             order, name_to_buf, name_to_fused_node, graph_inputs, graph_outputs
         )
@@ -350,5 +415,7 @@ def _cache_key(joined: bool = True, within_groups: bool = False) -> dict[str, An
     passes = [] if user is None else list(user) if isinstance(user, (list, tuple)) else [user]
     if not all(isinstance(p, CustomGraphPass) for p in passes):
         return {}
-    changed = (("kernel runs joined",) if joined else ()) + (("fused within groups",) if within_groups else ())
+    changed = (("kernel runs joined", "waits where planned") if joined else ()) + (
+        ("fused within groups",) if within_groups else ()
+    )
     return {"post_grad_custom_pre_pass": _JoinKey(passes, changed)}

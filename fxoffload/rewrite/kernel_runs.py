@@ -20,7 +20,8 @@ Inductor's GPU backends launch each fused node apart: none of this is done there
 
 Inductor's memory reordering moves the transfer ops again (a wait up to its copy, a copy up to its
 source) and splits runs anew: what the code's kernels are is decided in Inductor's schedule, where
-``_compat.scheduler_runs`` joins the runs again where the device peak does not rise. This order is
+``_compat.scheduler_runs`` puts each offload's wait back after the kernels the plan put behind its
+copy and joins the runs again where the device peak does not rise. This order is
 the FX graph's, which the memory model reads (``analysis.memory``) and Inductor starts from.
 
 Each ``fxoffload.order`` node already stands right before the extern node it routes an input of.
