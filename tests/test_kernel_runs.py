@@ -363,8 +363,8 @@ def test_fusion_within_groups_is_in_inductors_cache_key_and_lasts_the_lowering()
             assert (Scheduler.can_fuse is original) == (len(args) == 1)
         assert Scheduler.can_fuse is original
     assert keys == [
-        "fxoffload: kernel runs joined", "fxoffload: kernel runs joined, fused within groups",
-        "fxoffload: fused within groups",
+        "fxoffload: kernel runs joined, waits where planned",
+        "fxoffload: kernel runs joined, waits where planned, fused within groups", "fxoffload: fused within groups",
     ]  # fmt: skip
 
 
