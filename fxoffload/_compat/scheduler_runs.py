@@ -239,6 +239,9 @@ def waits_where_planned(
     transformers' code peaked 17-34% under the memory model, every forward source freed that early,
     and on a device each such wait would have stalled (docs/results.md, twenty-eighth session)."""
     result = list(order)
+    if len(result) != len(given) or set(result) != set(given):  # not a reordering: left as it is
+        log.debug("fxoffload: Inductor's reordering changed the schedule's nodes; its waits left where they are")
+        return result
     unpacked: dict[str, list[BaseSchedulerNode]] = {}  # by the buffer unpacked from
     for n in given:
         inner = getattr(n, "node", None)
