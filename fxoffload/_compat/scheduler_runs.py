@@ -213,14 +213,10 @@ def _run_peak(order: Sequence[BaseSchedulerNode], freeable: dict[str, Any], outp
 
 
 def _forward_waits(order: Sequence[BaseSchedulerNode], ops: TransferOps) -> list[BaseSchedulerNode]:
-    """The waits of ``order`` on offloads (what they wait for is a host copy), in order."""
+    """The waits of ``order`` on offloads, in order: those ``_host_buffers`` counts (their output is
+    the host copy they wait for)."""
     host = _host_buffers(order, ops)
-    found = []
-    for n in order:
-        inputs = getattr(getattr(n, "node", None), "inputs", None)
-        if _op(n) is ops.wait and inputs and inputs[0].get_name() in host:
-            found.append(n)
-    return found
+    return [n for n in order if _op(n) is ops.wait and n.node.get_name() in host]
 
 
 def waits_where_planned(
