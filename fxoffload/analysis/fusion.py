@@ -51,11 +51,15 @@ __all__ = ["Fusion", "addmm_products", "extern_scratch", "inductor_fusion"]
 
 aten, prims = torch.ops.aten, torch.ops.prims
 
-# Lowered as pointwise expressions though not tagged pointwise: casts, copies, constants, and loads
-# through an index (Inductor's ``embedding`` and ``gather`` lowerings are indirect loads).
+# Lowered as pointwise expressions though not tagged pointwise: casts, copies, constants, loads
+# through an index (Inductor's ``embedding`` and ``gather`` lowerings are indirect loads), and writes
+# of a slice or a select into a tensor (``slice_scatter``, ``select_scatter``: a masked ``where``; the
+# zeros the backward of a fused QKV's unpacking, or of a rotary embedding's halves, writes into are no
+# buffer).
 _POINTWISE = frozenset({
     "convert_element_type", "_to_copy", "clone", "full", "full_like", "scalar_tensor", "iota", "zeros",
-    "zeros_like", "ones", "ones_like", "embedding", "gather", "index", "where", "fill",
+    "zeros_like", "ones", "ones_like", "embedding", "gather", "index", "where", "fill", "slice_scatter",
+    "select_scatter",
 })  # fmt: skip
 _REDUCTIONS = frozenset({
     "sum", "mean", "amax", "amin", "var_mean", "var", "max", "min", "argmax", "argmin", "prod", "any", "all",
