@@ -19,7 +19,7 @@ from fxoffload.analysis.memory import simulate
 from fxoffload.compiler import costs
 from fxoffload.testing.models import GPT, GPTConfig, gpt_batch
 
-from .conftest import cpu_backend, train_step
+from .conftest import TORCH_2_11, cpu_backend, train_step
 from .test_blocks import _Autocast
 from .test_inductor_recompute import Blocks
 
@@ -112,6 +112,35 @@ def test_the_zeros_a_backward_scatters_gradients_into_are_no_buffer(monkeypatch)
     assert abs(off()) < 0.01, off()
     monkeypatch.setattr(fusion_module, "_POINTWISE", fusion_module._POINTWISE - {"slice_scatter", "select_scatter"})
     assert off() > 0.05
+
+
+class _TanhReadTwice(torch.nn.Module):
+    """``tanh`` read by a kernel before a matmul and by one after it, which Inductor cannot fuse."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(64, 64))
+
+    def forward(self, x):
+        t = torch.tanh(x * 2)
+        return (t * torch.mm(t + 1, self.w)).sum()
+
+
+def test_a_heavy_op_read_twice_is_stored_where_the_installed_inductor_stores_it(monkeypatch):
+    """On a CPU Inductor stores a pointwise result read by two kernels, rather than compute it in
+    both, where it runs an op its lowering calls heavy: ``tanh`` is one on torch 2.13 (its forward
+    code calls ``std::tanh`` once), not on 2.11 (twice). The model takes the installed Inductor's
+    list and agrees with its code; with the other version's list (broken on purpose) it does not."""
+    torch.manual_seed(0)
+    (pair,) = _pairs(_TanhReadTwice(), (torch.randn(64, 64),), False, policy="none")
+    (tanh,) = [n for n in pair.fw.graph.nodes if n.target is aten.tanh.default]
+    assert len(tanh.users) == 2
+    calls = pair.output_code["forward"].count("std::tanh(")
+    assert calls in (1, 2), calls  # stored, or computed in each reader's kernel
+    assert (tanh in inductor_fusion(pair.fw).inlined) == (calls == 2), (calls, TORCH_2_11)
+    other = {"exp", "sigmoid"} if "tanh" in fusion_module.inductor_heavy_ops_on_cpu() else {"exp", "sigmoid", "tanh"}
+    monkeypatch.setattr(fusion_module, "inductor_heavy_ops_on_cpu", lambda: frozenset(other))
+    assert (tanh in inductor_fusion(pair.fw).inlined) != (calls == 2)
 
 
 def _graph(fn, *args):

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import inspect
+import re
 import types
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -185,6 +187,28 @@ def inductor_realize_limits(cpu: bool) -> RealizeLimits:
 
     return RealizeLimits(pick("realize_reads_threshold", 4), pick("realize_opcount_threshold", 30),
                          pick("realize_acc_reads_threshold", 8))  # fmt: skip
+
+
+# The ops torch 2.13's Inductor counts heavy (``StorageBox.should_realize_on_reuse``): where its source
+# cannot be read (a frozen install), the list the model was measured against.
+_HEAVY_ON_CPU_2_13 = frozenset({"exp", "log", "log10", "log1p", "log2", "sigmoid", "tanh"})
+
+
+@functools.cache
+def inductor_heavy_ops_on_cpu() -> frozenset[str]:
+    """The ops whose result Inductor's lowering stores on a CPU, rather than compute it again in each
+    of several readers (``analysis.fusion``): the ``heavy_ops`` of the installed Inductor's
+    ``StorageBox.should_realize_on_reuse``, read from its source. Torch 2.11 lists ``exp`` and
+    ``sigmoid``; 2.13 adds ``log``, ``log10``, ``log1p``, ``log2`` and ``tanh``."""
+    from torch._inductor import ir
+
+    try:
+        source = inspect.getsource(ir.StorageBox.should_realize_on_reuse)
+    except (AttributeError, OSError, TypeError):
+        return _HEAVY_ON_CPU_2_13
+    listed = re.search(r"heavy_ops\s*=\s*\[([^\]]*)\]", source)
+    ops = frozenset(re.findall(r"[\"'](\w+)[\"']", listed.group(1))) if listed else frozenset()
+    return ops or _HEAVY_ON_CPU_2_13
 
 
 def cudagraphs_enabled(config_patches: dict[str, Any]) -> bool:

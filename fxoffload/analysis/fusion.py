@@ -19,7 +19,8 @@ The rules, after ``GraphLowering.run_node`` and ``StorageBox.mark_reuse`` in tor
   An extern kernel (``mm``), a fallback or anything else realizes its inputs.
 - Read by more than one op, it is realized where its expression reads more than
   ``realize_reads_threshold`` buffers, is long (``realize_opcount_threshold``), or, on a CPU, runs
-  an op Inductor calls heavy there (``exp``, ``log``, ``sigmoid``, ``tanh``: torch 2.13's list).
+  an op the installed Inductor calls heavy there (``_compat.inductor_heavy_ops_on_cpu``: ``exp`` and
+  ``sigmoid`` on torch 2.11; ``log``, ``tanh`` and others as well on 2.13).
   Any read count past ``realize_acc_reads_threshold`` realizes it as well.
 
 An inlined node's reads happen where the kernels that compute it run (``Fusion.runs_at``): a buffer
@@ -44,7 +45,7 @@ from collections.abc import Mapping
 import torch
 import torch.fx as fx
 
-from .._compat import inductor_realize_limits
+from .._compat import inductor_heavy_ops_on_cpu, inductor_realize_limits
 from .graph import is_view, last_reads, storage_owners, storage_root, storage_users
 
 __all__ = ["Fusion", "addmm_products", "extern_scratch", "inductor_fusion"]
@@ -64,8 +65,6 @@ _POINTWISE = frozenset({
 _REDUCTIONS = frozenset({
     "sum", "mean", "amax", "amin", "var_mean", "var", "max", "min", "argmax", "argmin", "prod", "any", "all",
 })  # fmt: skip
-# Ops Inductor realizes rather than recompute for every reader on a CPU (``should_realize_on_reuse``).
-_HEAVY_ON_CPU = frozenset({"exp", "log", "log10", "log1p", "log2", "sigmoid", "tanh"})
 # Extern kernels whose scratch Inductor's code cannot show, taken from torch's allocator while they
 # run (see ``extern_scratch``).
 _MATMULS = frozenset({"mm", "addmm", "bmm", "baddbmm"})
@@ -174,7 +173,7 @@ def inductor_fusion(gm: fx.GraphModule) -> Fusion:
             continue
         val = n.meta["val"]
         limits = inductor_realize_limits(cpu=val.device.type == "cpu")
-        heavy = val.device.type == "cpu" and bool(used & _HEAVY_ON_CPU)
+        heavy = val.device.type == "cpu" and bool(used & inductor_heavy_ops_on_cpu())
         if len(n.users) > 1 and (heavy or len(read) > limits.reads or count > limits.opcount):
             continue
         if len(read) > limits.acc_reads:
