@@ -8,10 +8,7 @@ Supported: torch 2.11 and 2.13. Nothing here may depend on pieces that exist in 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import functools
 import inspect
-import re
 import types
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -28,6 +25,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from .donated import backward_lowered_at_compile, can_lower_backward_at_compile, donates_saved_buffers, lowering_backward
 from .lowering import inductor_runs_as_fallback, register_fallbacks
+from .realize import RealizeLimits, inductor_heavy_ops_on_cpu, inductor_realize_limits
 from .scheduler_runs import TransferOps, joining_runs
 
 __all__ = [
@@ -44,6 +42,7 @@ __all__ = [
     "register_fallbacks",
     "real_tensors",
     "inductor_mode_options", "inductor_runs_as_fallback",
+    "RealizeLimits", "inductor_heavy_ops_on_cpu", "inductor_realize_limits",
     "is_backward_node",
     "kernel_source_name",
     "must_save",
@@ -159,56 +158,6 @@ def inductor_mode_options(mode: str | None) -> dict[str, Any]:
     if mode is None or mode == "default":
         return {}
     return dict(list_mode_options(mode))
-
-
-@dataclasses.dataclass(frozen=True)
-class RealizeLimits:
-    """When Inductor's lowering stores a pointwise expression in a buffer rather than inline it into
-    its readers (``analysis.fusion``): read by several ops, past ``reads`` buffers read or ``opcount``
-    ops; read by any, past ``acc_reads``."""
-
-    reads: int
-    opcount: int
-    acc_reads: int
-
-
-def inductor_realize_limits(cpu: bool) -> RealizeLimits:
-    """Inductor's realize thresholds from its config: a fixed value where one is set, else the
-    device's default (torch 2.13 leaves ``realize_opcount_threshold`` and
-    ``realize_acc_reads_threshold`` None and keeps a CPU value and a GPU value; torch 2.11 sets one
-    for both)."""
-
-    def pick(name: str, fallback: int) -> int:
-        value = getattr(inductor_config, name, None)
-        if value is None:
-            stem = name.removeprefix("realize_")
-            value = getattr(inductor_config, f"realize_cpu_{stem}" if cpu else f"_realize_{stem}_default", None)
-        return int(value) if value is not None else fallback
-
-    return RealizeLimits(pick("realize_reads_threshold", 4), pick("realize_opcount_threshold", 30),
-                         pick("realize_acc_reads_threshold", 8))  # fmt: skip
-
-
-# The ops torch 2.13's Inductor counts heavy (``StorageBox.should_realize_on_reuse``): where its source
-# cannot be read (a frozen install), the list the model was measured against.
-_HEAVY_ON_CPU_2_13 = frozenset({"exp", "log", "log10", "log1p", "log2", "sigmoid", "tanh"})
-
-
-@functools.cache
-def inductor_heavy_ops_on_cpu() -> frozenset[str]:
-    """The ops whose result Inductor's lowering stores on a CPU, rather than compute it again in each
-    of several readers (``analysis.fusion``): the ``heavy_ops`` of the installed Inductor's
-    ``StorageBox.should_realize_on_reuse``, read from its source. Torch 2.11 lists ``exp`` and
-    ``sigmoid``; 2.13 adds ``log``, ``log10``, ``log1p``, ``log2`` and ``tanh``."""
-    from torch._inductor import ir
-
-    try:
-        source = inspect.getsource(ir.StorageBox.should_realize_on_reuse)
-    except (AttributeError, OSError, TypeError):
-        return _HEAVY_ON_CPU_2_13
-    listed = re.search(r"heavy_ops\s*=\s*\[([^\]]*)\]", source)
-    ops = frozenset(re.findall(r"[\"'](\w+)[\"']", listed.group(1))) if listed else frozenset()
-    return ops or _HEAVY_ON_CPU_2_13
 
 
 def cudagraphs_enabled(config_patches: dict[str, Any]) -> bool:
