@@ -13,8 +13,8 @@ Llama-2-7B at 2,048 tokens), dit (tiny, video-16k, video-32k: diffusion-transfor
 video token sequence), unet (tiny, sd-64: a diffusion UNet on the noise-prediction loss). The hf-*
 ones need `transformers`.
 
-Methods: eager, inductor, fxoffload-auto, fxoffload-all, fxoffload-budget[=F], fxoffload-recompute[=F],
-save_on_cpu, streamed, checkpoint, inductor-amb[=F], intree (see bench/methods.py). Each runs on a
+Methods: eager, inductor, inductor-noreuse, fxoffload-auto, fxoffload-all, fxoffload-budget[=F],
+fxoffload-recompute[=F], save_on_cpu, streamed, checkpoint, inductor-amb[=F], intree (see bench/methods.py). Each runs on a
 fresh deep copy of the same model with the same seed; the first step's loss of every method is
 compared with eager's. Every row is set against the compiler alone (inductor, else eager): step time
 as a multiple, the bytes that left the peak, and for fxoffload that against the bound it measured

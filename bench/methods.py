@@ -4,6 +4,8 @@ A method that cannot run on this device or torch raises ``Skip`` with the reason
 shows; nothing is dropped silently. Names on the command line:
 
     eager, inductor, fxoffload-auto, fxoffload-all,
+    inductor-noreuse          Inductor lowering every graph without pool reuse (allow_buffer_reuse=False),
+                              as fxoffload lowers a graph that copies: what its extra allocations cost
     fxoffload-budget[=F]      fxoffload with memory_budget=F (a fraction of its predicted peak without
                               offloading)
     fxoffload-recompute[=F]   the same with recompute="inductor": torch's partitioner recomputes under its
@@ -46,6 +48,7 @@ log = logging.getLogger(__name__)
 KINDS = (
     "eager",
     "inductor",
+    "inductor-noreuse",
     "fxoffload-auto",
     "fxoffload-all",
     "fxoffload-budget",
@@ -156,6 +159,9 @@ def prepare(
         return Prepared(_step(model, batch, ctx))
     if kind == "inductor":
         return Prepared(_step(torch.compile(model, backend="inductor"), batch, ctx))
+    if kind == "inductor-noreuse":  # fxoffload's lowering of a graph with copies (``compiler.lowering``)
+        compiled = torch.compile(model, backend="inductor", options={"allow_buffer_reuse": False})
+        return Prepared(_step(compiled, batch, ctx), "Inductor without pool reuse (allow_buffer_reuse=False)")
     if kind.startswith("fxoffload"):
         options = {"policy": "all"} if kind == "fxoffload-all" else {"policy": "auto"}
         if kind in ("fxoffload-budget", "fxoffload-recompute"):

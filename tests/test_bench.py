@@ -207,6 +207,35 @@ def test_method_without_blocks_is_skipped_with_a_reason():
     }
 
 
+def test_inductor_without_pool_reuse_allocates_more_for_the_same_loss():
+    """``inductor-noreuse`` lowers as fxoffload lowers a graph that copies (``allow_buffer_reuse=False``):
+    the same step, a buffer allocated where Inductor's own code hands on a freed one."""
+    from torch._inductor.utils import run_and_get_code
+
+    from bench.methods import prepare
+
+    class MLP(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = torch.nn.Sequential(*(m for _ in range(4) for m in (torch.nn.Linear(64, 64), torch.nn.ReLU())))
+
+        def forward(self, x):
+            return self.layers(x).square().mean()
+
+    torch.manual_seed(0)
+    model, batch = MLP(), (torch.randn(32, 64),)
+    ctx = Context(torch.device("cpu"), 16384, "inductor", None)
+    allocations, losses = {}, {}
+    for kind in ("inductor", "inductor-noreuse"):
+        torch._dynamo.reset()
+        step = prepare(Method(kind), copy.deepcopy(model), batch, [], ctx).step
+        with torch._inductor.config.patch(fx_graph_cache=False):
+            losses[kind], codes = run_and_get_code(step)
+        allocations[kind] = sum(code.count("empty_strided") for code in codes)
+    assert losses["inductor"] == losses["inductor-noreuse"]
+    assert allocations["inductor-noreuse"] > allocations["inductor"], allocations
+
+
 def test_loss_check_and_table_flag_a_mismatch():
     rows = [{"method": "eager", "status": "ok", "loss": 2.0}, {"method": "x", "status": "ok", "loss": 2.01},
             {"method": "y", "status": "skipped", "note": "no GPU"}]  # fmt: skip
