@@ -14,11 +14,12 @@ video token sequence), unet (tiny, sd-64: a diffusion UNet on the noise-predicti
 ones need `transformers`.
 
 Methods: eager, inductor, inductor-noreuse, fxoffload-auto, fxoffload-all, fxoffload-budget[=F],
-fxoffload-recompute[=F], save_on_cpu, streamed, checkpoint, inductor-amb[=F], intree (see bench/methods.py). Each runs on a
-fresh deep copy of the same model with the same seed; the first step's loss of every method is
-compared with eager's. Every row is set against the compiler alone (inductor, else eager): step time
-as a multiple, the bytes that left the peak, and for fxoffload that against the bound it measured
-(the link's bytes/s x the forward's time: what can leave the peak without a stall).
+fxoffload-recompute[=F], save_on_cpu, streamed, checkpoint, inductor-amb[=F], intree (see
+bench/methods.py). Each runs on a fresh deep copy of the same model with the same seed; the first
+step's loss of every method is compared with eager's. Every row is set against the compiler alone
+(inductor, else eager): step time as a multiple, the bytes that left the peak, and for fxoffload that
+against the bound it measured (the link's bytes/s x the forward's time: what can leave the peak
+without a stall).
 
 A step is forward + backward (no optimizer). GPU: peak allocated/reserved over the timed steps,
 median step time from CUDA events, throughput, bytes copied to/from the host and the achieved link
