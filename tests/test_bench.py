@@ -14,7 +14,7 @@ from bench.methods import Context, Method, parse_methods
 from bench.runner import check_losses, copies_from_trace, run_method
 from bench.streamed import StreamedOffload
 from bench.workloads import WORKLOADS, Workload, WorkloadUnavailable, build
-from fxoffload.testing.models import GPT, PRESETS, gpt_batch
+from fxoffload.testing.models import GPT, MLP, PRESETS, gpt_batch
 
 from .conftest import TORCH_2_11
 
@@ -214,16 +214,8 @@ def test_inductor_without_pool_reuse_allocates_more_for_the_same_loss():
 
     from bench.methods import prepare
 
-    class MLP(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.layers = torch.nn.Sequential(*(m for _ in range(3) for m in (torch.nn.Linear(64, 64), torch.nn.ReLU())))
-
-        def forward(self, x):
-            return self.layers(x).square().mean()
-
     torch.manual_seed(0)
-    model, batch = MLP(), (torch.randn(32, 64),)
+    model, batch = MLP(layers=2), (torch.randn(32, 64),)
     ctx = Context(torch.device("cpu"), 16384, "inductor", None)
     allocations, losses = {}, {}
     for kind in ("inductor", "inductor-noreuse"):
