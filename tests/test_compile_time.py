@@ -354,3 +354,42 @@ def test_a_replan_that_fails_in_the_compiler_stays_on_the_report(counted, monkey
     failed = [s for s in report.timings.spent if s.round == 1]
     assert [s.what for s in failed] == ["the plan (failed)"], report.timings.spent
     assert [s.what for s in report.timings.spent if s.round == 0][0] == "the plan"
+
+
+def test_the_code_lowered_for_its_code_alone_is_read_back_by_the_next_compile(tmp_path, monkeypatch, caplog):
+    """A fraction's base, the pair without offloading lowered for its code alone, is kept under
+    Inductor's FX graph cache key (``_compat.code_cache``): the same model compiled again (a new
+    process's first step; here after a reset) reads both graphs' code back instead of lowering them,
+    for the same budget in bytes. With Inductor's cache off, whose key it is, they are lowered again."""
+    from fxoffload._compat import code_cache
+
+    monkeypatch.setattr(code_cache, "_path", lambda key: str(tmp_path / f"{key}.py"))
+    lowerings = collections.Counter()
+    original = GraphLowering.codegen
+
+    def counting(self, *args, **kwargs):
+        lowerings["now"] += 1
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(GraphLowering, "codegen", counting)
+
+    def compiled(**patches):
+        lowerings.clear()
+        caplog.clear()
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model, batch = example("mlp")
+        backend = fxoffload.backend(memory_budget=0.5, offload_cpu=True, min_bytes=0)
+        with caplog.at_level("DEBUG", logger=code_cache.__name__), torch._inductor.config.patch(patches):
+            torch.compile(model, backend=backend)(*batch).backward()
+        (report,) = backend.reports
+        assert "for memory_budget's fraction" in report.timings.spent_text(), report.timings.spent_text()
+        read = sum("read back" in r.getMessage() for r in caplog.records)
+        return report.memory_budget, lowerings["now"], read
+
+    budget, first, read = compiled()
+    assert read == 0 and len(list(tmp_path.iterdir())) == 2  # the forward's code and the backward's
+    again, second, read = compiled()
+    assert (again, read) == (budget, 2) and second <= first - 2, (first, second)
+    _, _, read = compiled(fx_graph_cache=False)
+    assert read == 0

@@ -23,6 +23,7 @@ from torch._inductor import config as inductor_config
 from torch._inductor.custom_graph_pass import CustomPartitionerFn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from .code_cache import keeping_code
 from .donated import backward_lowered_at_compile, can_lower_backward_at_compile, donates_saved_buffers, lowering_backward
 from .lowering import inductor_runs_as_fallback, register_fallbacks
 from .realize import RealizeLimits, inductor_heavy_ops_on_cpu, inductor_realize_limits
@@ -264,7 +265,8 @@ def _until_code(
     output_strides: Callable[[str], list[tuple[int, ...] | None]] | None = None,
 ) -> Any:
     """``compile_fx_inner`` stopped once ``on_code`` has the wrapper code (``_code_only_stub``); with
-    ``output_strides``, a forward's outputs' strides reported first, as a whole compile does."""
+    ``output_strides``, a forward's outputs' strides reported first, as a whole compile does. The code
+    is kept on disk under Inductor's cache key, and read back from there (``code_cache``)."""
     from torch._inductor.compile_fx import compile_fx_inner
 
     def sink(code: str) -> None:
@@ -273,7 +275,11 @@ def _until_code(
             _report_output_strides(output_strides(code))
         raise _CodeOnly()
 
-    with capture_output_code(sink):
+    def lowered(code: str) -> None:
+        keep(code)
+        sink(code)
+
+    with keeping_code(sink) as keep, capture_output_code(lowered):  # read back where kept (``code_cache``)
         try:
             return compile_fx_inner(graph, inputs, **kwargs)
         except Exception as e:
