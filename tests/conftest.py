@@ -1,6 +1,8 @@
 import contextlib
 import copy
 import dataclasses
+import gc
+import logging
 import os
 import re
 
@@ -26,6 +28,21 @@ torch._inductor.config.cpp.vec_isa_ok = False
 _WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 if _WORKERS > 1:
     torch.set_num_threads(max(1, torch.get_num_threads() // _WORKERS))
+    # Each worker builds its C++ kernels itself: a pool of compile processes per worker (Inductor's
+    # default on two cores) added 11% of CPU time for the same tests (`test_kernel_runs` and
+    # `test_fuzz`, 394 against 351 CPU-seconds), on a machine the two workers already keep busy.
+    torch._inductor.config.compile_threads = 1
+
+# pytest 9 attaches its log capture to every logger that does not propagate, torch's structured-trace
+# logger too: torch then builds every TORCH_TRACE payload (graphs printed, fxoffload's plan as JSON)
+# for the capture, 2.4% of a budget test's time. Propagating, it gets no handler of pytest's and
+# builds none; a TORCH_TRACE run (tests/test_explain.py, in its own process) is not affected.
+logging.getLogger("torch.__trace").propagate = True
+
+# Dynamo and Inductor allocate millions of small objects a compile; at Python's default thresholds the
+# cyclic collector ran often enough to cost 7% of the CPU time of `test_kernel_runs` and `test_fuzz`
+# (322 against 346 CPU-seconds, 185 against 197 s). Measurements collect before they read (``measure_memory``).
+gc.set_threshold(100_000, 50, 100)
 
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 # The older of the two supported torch versions, where some measured figures differ by design of torch.
