@@ -1,7 +1,6 @@
 import contextlib
 import copy
 import dataclasses
-import gc
 import logging
 import os
 import re
@@ -38,11 +37,6 @@ if _WORKERS > 1:
 # for the capture, 2.4% of a budget test's time. Propagating, it gets no handler of pytest's and
 # builds none; a TORCH_TRACE run (tests/test_explain.py, in its own process) is not affected.
 logging.getLogger("torch.__trace").propagate = True
-
-# Dynamo and Inductor allocate millions of small objects a compile; at Python's default thresholds the
-# cyclic collector ran often enough to cost 7% of the CPU time of `test_kernel_runs` and `test_fuzz`
-# (322 against 346 CPU-seconds, 185 against 197 s). Measurements collect before they read (``measure_memory``).
-gc.set_threshold(100_000, 50, 100)
 
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 # The older of the two supported torch versions, where some measured figures differ by design of torch.
