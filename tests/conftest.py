@@ -28,8 +28,8 @@ _WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 if _WORKERS > 1:
     torch.set_num_threads(max(1, torch.get_num_threads() // _WORKERS))
     # Each worker builds its C++ kernels itself: a pool of compile processes per worker (Inductor's
-    # default on two cores) added 11% of CPU time for the same tests (`test_kernel_runs` and
-    # `test_fuzz`, 394 against 351 CPU-seconds), on a machine the two workers already keep busy.
+    # default on two cores) added 11% to the CPU time of `test_kernel_runs` and `test_fuzz` (394
+    # against 351 CPU-seconds), on a machine the two workers already keep busy.
     torch._inductor.config.compile_threads = 1
 
 # pytest 9 attaches its log capture to every logger that does not propagate, torch's structured-trace
