@@ -108,9 +108,9 @@ def test_a_users_tag_is_left_and_every_tag_given_back_after_the_partition():
 @pytest.mark.parametrize("link", ["0.5GB", None])
 def test_a_budget_below_torchs_lowest_peak_is_met_block_by_block(link):
     """The bench's tiny GPT at memory_budget 0.65 (recompute="inductor", offload_cpu at 0.5 GB/s or an
-    unthrottled link): none of torch's activation budgets meets it on the memory model, the offloads
-    that hide on top included (at 0.5 GB/s 3.9 MiB at best, for 3.8 MiB), and recomputing each block
-    in turn meets it alone (3.5 MiB). Measured on the CPU allocator, the step peaks below Inductor's at
+    unthrottled link): at 0.5 GB/s none of torch's activation budgets meets it on the memory model, the
+    offloads that hide on top included (3.9 MiB at best, for 3.8 MiB), and recomputing each block in
+    turn meets it alone (3.5 MiB). Measured on the CPU allocator, the step peaks below Inductor's at
     activation_memory_budget 0.2, its lowest on this model, with Inductor's gradients. (At 0.7 torch's
     budget 0.4 meets it for less, once what it recomputes is priced in full.)"""
     torch.manual_seed(0)
@@ -126,9 +126,14 @@ def test_a_budget_below_torchs_lowest_peak_is_met_block_by_block(link):
         got = run_steps(mine, compiled, batch)
     assert_same(got, train_step(model, batch, "inductor"), rtol=1e-4, atol=1e-6)
     (report,) = backend.reports
-    by_blocks = [r for r in report.saved if r.reason_code == "inductor_recompute"]
-    assert by_blocks and all("each repeated block in turn" in r.reason for r in by_blocks), report.table()
-    assert "each repeated block in turn" in report.note
+    recomputed = [r for r in report.saved if r.reason_code == "inductor_recompute"]
+    assert recomputed, report.table()
+    if link:  # at 0.5 GB/s the offloads on top of torch's budgets take too little: block by block
+        assert all("each repeated block in turn" in r.reason for r in recomputed), report.table()
+        assert "each repeated block in turn" in report.note
+    # Unthrottled, which way is cheaper turns on this machine's copies against its compute: on one
+    # 2-core machine block by block, on another (2026-12-01) torch's budget 0.4 with a 512 KiB offload
+    # on top that hid (0.82 ms a step as priced), its code at 3.4 MiB. Either way, below torch's lowest:
 
     # The steady step of the compile checked above (its fourth step), not of a second compile of the
     # same model and options, which cost as much as the first (Inductor's cache cannot serve it: the
