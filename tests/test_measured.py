@@ -735,3 +735,34 @@ def test_auto_plans_again_where_the_host_bound_phase_makes_its_calls_cost_the_st
     assert "the host bound the forward and backward" in why and "stalled" not in why, why
     assert not report.offloaded and "op_time" in {r.reason_code for r in report.saved}, report.table()
     assert "the host bound the forward and backward" in report.summary(), report.summary()
+
+
+@pytest.mark.parametrize("op_s", [5e-2, 0.0])
+def test_on_a_cpu_auto_plans_again_where_its_calls_measured_cost_the_step(monkeypatch, op_s):
+    """On a CPU the compute stream is the host's own thread: the calls' measured time is step time in
+    either phase, though no host window is measured there to call a phase host-bound. No copy stalls
+    (forced); each offloaded tensor's calls measured at 50 ms each way (forced): past ``auto``'s
+    allowance, the graph is planned again and keeps every tensor for that reason. Before this rule
+    the plan stayed, as it does where the calls cost nothing measurable (0 s each way, forced): on the
+    demo's GPT one 512 KiB offload's calls took 0.40 ms a step on the CPU, 4-10% of it."""
+    from fxoffload.compiler import watch
+    from fxoffload.runtime import timing
+
+    real = timing.compute_windows
+    monkeypatch.setattr(timing, "compute_windows", lambda resolved: [dataclasses.replace(t, op_s=op_s) for t in real(resolved)])
+    for module in (watch, measured):
+        monkeypatch.setattr(module, "stalled", lambda t: False)
+    backend = _backend("5GB")
+    step = _stepper(backend)
+    step()
+    assert backend.reports[0].offloaded
+    for _ in range(4):
+        step()
+    (report,) = backend.reports
+    if not op_s:
+        assert report.offloaded and not report.replans, report.table()
+        return
+    (why,) = [r for r in report.replans if r.startswith("measured in the first steps")]
+    assert "op calls cost 100 ms of the step (on a CPU they run on the compute thread)" in why, why
+    assert "stalled" not in why and "host bound" not in why, why
+    assert not report.offloaded and "op_time" in {r.reason_code for r in report.saved}, report.table()

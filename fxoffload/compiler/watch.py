@@ -356,6 +356,8 @@ class CallWatch:
         measured = measured_plan(old.plan, times, forward[0] if forward else None).merged(self.measured)
         if measured.host_bound("d2h") or measured.host_bound("h2d"):  # the device waited on the host
             measured = dataclasses.replace(measured, host_calls=host_op_seconds(self.timer.device))
+        elif self.timer.device.type == "cpu":  # the host's thread is the compute stream
+            measured = dataclasses.replace(measured, on_cpu=True)
         predicted = old.plan.stall * 1e3
         log.info(
             "fxoffload: graph %d: measured %d copies: %.3f ms of stall a step (%.3f ms predicted), compute %.2fx "
@@ -365,7 +367,7 @@ class CallWatch:
         options = self.options
         if not options.plans_from_measurements:  # "auto"'s own choices: alone, or on top of torch's recompute
             return False
-        # Planned again where a copy stalled, or where, in a phase the host bound, the calls cost more of
+        # Planned again where a copy stalled, or where, in a phase the host bound or on a CPU, the calls cost more of
         # the step than auto allows, or than a budget's plan priced them (not where the user set ``op_time``).
         dearer = calls_over_allowance if options.memory_budget is None else calls_over_price
         costly = options.op_time is None and dearer(old.plan, measured)

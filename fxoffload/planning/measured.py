@@ -101,6 +101,10 @@ class Measured:
     # Only the forward's time, no copy (``learns_without_copies``): one ratio for both phases, and no
     # spread of windows to size a margin by (the first guess's is kept, ``margin``).
     forward_only: bool = False
+    # Timed on a CPU (``offload_cpu``): the compute stream is the host's own thread, so each call's
+    # measured time (``op_s``: the call, and its wait's work) is step time in either phase, as in a
+    # phase the host bound on an accelerator.
+    on_cpu: bool = False
 
     def host_bound(self, direction: str) -> bool:
         """Whether the phase of ``direction``'s copies was host-bound when measured (``host_ratio``)."""
@@ -192,8 +196,8 @@ class Measured:
 
     def why(self, predicted_ms: float) -> str:
         """What a plan made again from this measurement was made for (the report's ``replans``): copies
-        that stalled, or calls over the allowance in a phase the host bound (``calls_over_allowance``
-        needs one), the only two reasons to make it; ``predicted_ms``: the stall the plan predicted."""
+        that stalled, or calls over the allowance where they are step time (a phase the host bound,
+        or a CPU: ``calls_over_allowance``), the only two reasons to make it; ``predicted_ms``: the stall the plan predicted."""
         said = []
         if self.stalls and not self.grows:
             said.append(
@@ -214,6 +218,11 @@ class Measured:
             said.append(
                 f"the host bound the {bound} (the device waited on it), where each offloaded tensor's op calls "
                 f"cost {self.op_time * 1e3:.3g} ms of the step"
+            )
+        elif self.on_cpu and self.op_time is not None:
+            said.append(
+                f"each offloaded tensor's op calls cost {self.op_time * 1e3:.3g} ms of the step (on a CPU they run "
+                "on the compute thread)"
             )
         return (
             f"measured in the first steps: {', '.join(said)}, compute ran {self.fw_scale:.2f}x / {self.bw_scale:.2f}x "
@@ -273,8 +282,8 @@ def host_bound(ratio: float | None) -> bool:
 
 
 def calls_over_allowance(plan: OffloadPlan, measured: Measured) -> bool:
-    """Whether ``plan``'s offloads' op calls, at the price measured in a phase the host bound
-    (``host_calls``, above the one planned with), take more of the step than ``auto`` allows
+    """Whether ``plan``'s offloads' op calls, at the price measured where it is step time (a phase
+    the host bound, ``host_calls``, or a CPU; above the one planned with), take more of the step than ``auto`` allows
     (``OpAllowance``), the step as the measurement prices it: a plan to make again though no copy
     stalled (every host microsecond of the calls is step time there)."""
     op, costs = _dearer_calls(plan, measured), plan.costs
@@ -288,7 +297,7 @@ def calls_over_allowance(plan: OffloadPlan, measured: Measured) -> bool:
 
 def calls_over_price(plan: OffloadPlan, measured: Measured) -> bool:
     """With a ``memory_budget`` met beside torch's recomputation (``compiler.inductor_recompute``):
-    whether ``plan``'s offloads' op calls, at the price measured in a phase the host bound, cost the
+    whether ``plan``'s offloads' op calls, at the price measured where it is step time, cost the
     step more than the plan priced them, by ``WORTH_A_COMPILE`` of the step as measured at least. The
     plans that meet the budget are then priced again, and recomputing may be the cheaper way."""
     op, costs = _dearer_calls(plan, measured), plan.costs
@@ -299,12 +308,15 @@ def calls_over_price(plan: OffloadPlan, measured: Measured) -> bool:
 
 
 def _dearer_calls(plan: OffloadPlan, measured: Measured) -> float | None:
-    """The op calls' measured price (``Measured.op_time``) where a phase the host bound measured it
-    above the price ``plan`` was made with (by more than a quarter); else None."""
+    """The op calls' measured price (``Measured.op_time``) where it is step time (a phase the host
+    bound, or a CPU: ``on_cpu``) and above the price ``plan`` was made with (by more than a quarter);
+    else None. On a CPU the price planned is the calls' probe on tiny tensors (``measure.op_time``);
+    the CPU engine's waits also publish their copies' bytes on the compute thread: a 512 KiB tensor's
+    calls measured 0.40 ms a step, priced 0.12 ms (the demo's GPT, 2026-12-01)."""
     op, costs = measured.op_time, plan.costs
-    if measured.host_calls is None or op is None or costs is None or op <= costs.rates.op_time * 1.25:
+    if not (measured.on_cpu or measured.host_calls is not None) or op is None or costs is None:
         return None
-    return op
+    return op if op > costs.rates.op_time * 1.25 else None
 
 
 def measured_step(costs: PlanCosts, measured: Measured) -> tuple[float, float]:
