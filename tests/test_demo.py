@@ -27,3 +27,23 @@ def test_demo_first_screen(monkeypatch, capsys):
     assert f"offloaded: {counts['all']} tensors" in text and "more kept" in text and "--all-rows" in text
     assert "decision" not in text  # the short table, not the full one
     assert "policy 'auto' offloads what hides" in text and "policy='all'" in text and "memory_budget=" in text
+
+
+def test_the_closing_line_says_why_auto_was_planned_again():
+    """What the first steps measured and ``auto`` did with it, from the reports: switched-off copies,
+    a re-plan for stalls, for room, or for op calls that cost the step, or copies that hid."""
+    from types import SimpleNamespace
+
+    def backend(replans=(), switched=(), offloaded=()):
+        return SimpleNamespace(reports=[SimpleNamespace(replans=replans, switched_off=switched, offloaded=offloaded)])
+
+    calls = "measured in the first steps: each offloaded tensor's op calls cost 0.403 ms of the step (on a CPU ...)"
+    assert demo._first_steps(backend((calls,))).endswith("its offloads' op calls cost the step")
+    stalled = "measured in the first steps: the copies of bmm stalled the compute stream 1 ms a step"
+    assert demo._first_steps(backend((stalled,), offloaded=("x",))).endswith("its copies stalled")
+    assert demo._first_steps(backend(("measured ...: every copy hid, and ... has room for 1 MiB more",))).endswith(
+        "with room for more"
+    )
+    assert "2 tensors measured stalling" in demo._first_steps(backend(switched=("a", "b")))
+    assert demo._first_steps(backend(offloaded=("x",))) == "; its copies measured hiding in the first steps"
+    assert demo._first_steps(backend()) == ""

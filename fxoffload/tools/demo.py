@@ -152,20 +152,27 @@ def _figures(args, cfg, preset, where, device, policies, backends, runs, ref) ->
           "step and reused")  # fmt: skip
 
 
+def _first_steps(backend: Any) -> str:
+    """What ``auto`` did with what its first steps measured, as the closing line's end."""
+    replanned = [why for report in backend.reports for why in report.replans if why.startswith("measured")]
+    switched = sum(len(report.switched_off) for report in backend.reports)
+    if switched:
+        return (f"; the copies of {switched} tensors measured stalling in\n  the first steps were switched off "
+                "(those tensors stay on the device)")  # fmt: skip
+    if replanned:
+        why = replanned[-1]
+        found = ("its copies stalled" if "stalled" in why else "its copies hid, with room for more" if "room for" in why
+                 else "its offloads' op calls cost the step")  # fmt: skip
+        return f"; planned again from what the first steps measured:\n  {found}"
+    return "; its copies measured hiding in the first steps" if any(r.offloaded for r in backend.reports) else ""
+
+
 def _closing(args: argparse.Namespace, backends: list[Any], device: str) -> None:
     """What to try next, how the figures were taken, and each graph's table."""
     backend = backends[0]
-    replanned = [why for report in backend.reports for why in report.replans if why.startswith("measured")]
-    switched = sum(len(report.switched_off) for report in backend.reports)
     calls = [r for report in backend.reports for r in report.saved if r.reason_code == "op_time"]
     if args.policy == "auto":
-        offloaded = any(report.offloaded for report in backend.reports)
-        print("policy 'auto' offloads what hides behind compute and costs no time"
-              + ("" if not offloaded and not switched else
-                 f"; the copies of {switched} tensors measured stalling in\n  the first steps were switched off "
-                 "(those tensors stay on the device)" if switched
-                 else "; its copies measured stalling in the first steps\n  were kept: planned again once"
-                 if replanned else "; its copies measured hiding in the first steps"))  # fmt: skip
+        print("policy 'auto' offloads what hides behind compute and costs no time" + _first_steps(backend))
         if calls:
             print(f"  {len(calls)} tensors stayed for their op calls, which would cost more than 1% of the step\n"
                   "  (reason op_time; on a CPU the calls run on the compute thread)")  # fmt: skip
