@@ -716,6 +716,18 @@ def test_a_phase_the_host_bound_charges_its_calls_their_host_time():
     assert measured.Measured(tuple(behind[1:] + times[2:]), (), (), {}, {}).host_bound("d2h")
 
 
+def _auto_after_its_first_steps():
+    """The report of ``auto``'s graph after five steps, its first plan having offloaded something."""
+    backend = _backend("5GB")
+    step = _stepper(backend)
+    step()
+    assert backend.reports[0].offloaded
+    for _ in range(4):
+        step()
+    (report,) = backend.reports
+    return report
+
+
 def test_auto_plans_again_where_the_host_bound_phase_makes_its_calls_cost_the_step(monkeypatch):
     """No copy stalls (forced); the first steps measure both phases host-bound (the host's
     windows forced to the device's) and the calls' host time at 50 ms a tensor each way (forced): every
@@ -724,13 +736,7 @@ def test_auto_plans_again_where_the_host_bound_phase_makes_its_calls_cost_the_st
     the graph is planned again, and its plan keeps every tensor for that reason. The report says the
     host bound both phases."""
     calls_cost_the_step(monkeypatch, 5e-2)
-    backend = _backend("5GB")
-    step = _stepper(backend)
-    step()
-    assert backend.reports[0].offloaded
-    for _ in range(4):
-        step()
-    (report,) = backend.reports
+    report = _auto_after_its_first_steps()
     (why,) = [r for r in report.replans if r.startswith("measured in the first steps")]
     assert "the host bound the forward and backward" in why and "stalled" not in why, why
     assert not report.offloaded and "op_time" in {r.reason_code for r in report.saved}, report.table()
@@ -752,13 +758,7 @@ def test_on_a_cpu_auto_plans_again_where_its_calls_measured_cost_the_step(monkey
     monkeypatch.setattr(timing, "compute_windows", lambda resolved: [dataclasses.replace(t, op_s=op_s) for t in real(resolved)])
     for module in (watch, measured):
         monkeypatch.setattr(module, "stalled", lambda t: False)
-    backend = _backend("5GB")
-    step = _stepper(backend)
-    step()
-    assert backend.reports[0].offloaded
-    for _ in range(4):
-        step()
-    (report,) = backend.reports
+    report = _auto_after_its_first_steps()
     if not op_s:
         assert report.offloaded and not report.replans, report.table()
         return
