@@ -755,7 +755,9 @@ def test_on_a_cpu_auto_plans_again_where_its_calls_measured_cost_the_step(monkey
     from fxoffload.runtime import timing
 
     real = timing.compute_windows
-    monkeypatch.setattr(timing, "compute_windows", lambda resolved: [dataclasses.replace(t, op_s=op_s) for t in real(resolved)])
+    monkeypatch.setattr(
+        timing, "compute_windows", lambda resolved: [dataclasses.replace(t, op_s=op_s) for t in real(resolved)]
+    )
     for module in (watch, measured):
         monkeypatch.setattr(module, "stalled", lambda t: False)
     report = _auto_after_its_first_steps()

@@ -367,8 +367,9 @@ class CallWatch:
         options = self.options
         if not options.plans_from_measurements:  # "auto"'s own choices: alone, or on top of torch's recompute
             return False
-        # Planned again where a copy stalled, or where, in a phase the host bound or on a CPU, the calls cost more of
-        # the step than auto allows, or than a budget's plan priced them (not where the user set ``op_time``).
+        # Planned again where a copy stalled, or where, in a phase the host bound or on a CPU, the calls
+        # cost more of the step than auto allows, or than a budget's plan priced them (not where the user
+        # set ``op_time``).
         dearer = calls_over_allowance if options.memory_budget is None else calls_over_price
         costly = options.op_time is None and dearer(old.plan, measured)
         copies_stalled = any(stalled(t) for t in times)

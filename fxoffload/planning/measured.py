@@ -197,7 +197,8 @@ class Measured:
     def why(self, predicted_ms: float) -> str:
         """What a plan made again from this measurement was made for (the report's ``replans``): copies
         that stalled, or calls over the allowance where they are step time (a phase the host bound,
-        or a CPU: ``calls_over_allowance``), the only two reasons to make it; ``predicted_ms``: the stall the plan predicted."""
+        or a CPU: ``calls_over_allowance``), the only two reasons to make it; ``predicted_ms``: the
+        stall the plan predicted."""
         said = []
         if self.stalls and not self.grows:
             said.append(
@@ -283,9 +284,9 @@ def host_bound(ratio: float | None) -> bool:
 
 def calls_over_allowance(plan: OffloadPlan, measured: Measured) -> bool:
     """Whether ``plan``'s offloads' op calls, at the price measured where it is step time (a phase
-    the host bound, ``host_calls``, or a CPU; above the one planned with), take more of the step than ``auto`` allows
-    (``OpAllowance``), the step as the measurement prices it: a plan to make again though no copy
-    stalled (every host microsecond of the calls is step time there)."""
+    the host bound, ``host_calls``, or a CPU; above the one planned with), take more of the step
+    than ``auto`` allows (``OpAllowance``), the step as the measurement prices it: a plan to make
+    again though no copy stalled (every host microsecond of the calls is step time there)."""
     op, costs = _dearer_calls(plan, measured), plan.costs
     if op is None or costs is None:
         return False
