@@ -38,7 +38,8 @@ def test_the_closing_line_says_why_auto_was_planned_again():
         return SimpleNamespace(reports=[SimpleNamespace(replans=replans, switched_off=switched, offloaded=offloaded)])
 
     calls = "measured in the first steps: each offloaded tensor's op calls cost 0.403 ms of the step (on a CPU ...)"
-    assert demo._first_steps(backend((calls,))).endswith("its offloads' op calls cost the step")
+    said = "policy 'auto' offloads what hides behind compute and costs no time" + demo._first_steps(backend((calls,)))
+    assert said.endswith("its offloads' op calls cost the step") and max(map(len, said.splitlines())) <= 110, said
     stalled = "measured in the first steps: the copies of bmm stalled the compute stream 1 ms a step"
     assert demo._first_steps(backend((stalled,), offloaded=("x",))).endswith("its copies stalled")
     assert demo._first_steps(backend(("measured ...: every copy hid, and ... has room for 1 MiB more",))).endswith(

@@ -163,7 +163,7 @@ def _first_steps(backend: Any) -> str:
         why = replanned[-1]
         found = ("its copies stalled" if "stalled" in why else "its copies hid, with room for more" if "room for" in why
                  else "its offloads' op calls cost the step")  # fmt: skip
-        return f"; planned again from what the first steps measured:\n  {found}"
+        return f"; planned again\n  from what the first steps measured: {found}"
     return "; its copies measured hiding in the first steps" if any(r.offloaded for r in backend.reports) else ""
 
 
