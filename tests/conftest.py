@@ -211,7 +211,6 @@ def calls_cost_the_step(monkeypatch, seconds=5e-2):
     device's), each offloaded tensor's calls at ``seconds`` of host time each way, and no copy
     stalled, so that only the calls' price can make a plan be made again."""
     from fxoffload.compiler import watch
-    from fxoffload.planning import measured
     from fxoffload.runtime import timing
 
     real = timing.compute_windows
@@ -220,6 +219,14 @@ def calls_cost_the_step(monkeypatch, seconds=5e-2):
         lambda resolved: [dataclasses.replace(t, host_window_s=t.stream_window_s) for t in real(resolved)],
     )  # fmt: skip
     monkeypatch.setattr(watch, "host_op_seconds", lambda device: (seconds, seconds))
+    no_copy_stalls(monkeypatch)
+
+
+def no_copy_stalls(monkeypatch):
+    """Forced: no copy the first steps measure counts as stalled, whatever its stall."""
+    from fxoffload.compiler import watch
+    from fxoffload.planning import measured
+
     for module in (watch, measured):
         monkeypatch.setattr(module, "stalled", lambda t: False)
 

@@ -133,8 +133,7 @@ def test_a_budget_below_torchs_lowest_peak_is_met_block_by_block(link):
         assert "each repeated block in turn" in report.note
     # Unthrottled, which way is cheaper turns on this machine's copies against its compute: on one
     # 2-core machine block by block, on another (2026-12-01) torch's budget 0.4 with a 512 KiB offload
-    # on top that hid (0.82 ms a step as priced), its code at 3.4 MiB. Either way, below torch's lowest:
-
+    # on top that hid (0.82 ms a step as priced), its code at 3.4 MiB. Either way, below torch's lowest.
     # The steady step of the compile checked above (its fourth step), not of a second compile of the
     # same model and options, which cost as much as the first (Inductor's cache cannot serve it: the
     # copies' names carry the graph's id).

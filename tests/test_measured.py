@@ -28,7 +28,7 @@ from fxoffload.runtime.timing import Recording
 from fxoffload.runtime.transfers import copies_switched_off, switch_copies_off, switch_copies_on
 from fxoffload.testing.models import GPT, GPTConfig, gpt_batch
 
-from .conftest import assert_same, calls_cost_the_step, measured_steady_step, train_step
+from .conftest import assert_same, calls_cost_the_step, measured_steady_step, no_copy_stalls, train_step
 
 LINKS = {"50MB": 50e6, "500MB": 500e6, "5GB": 5e9}
 MISPRICED = {"compute_rates": {"flops": 1e9, "memory_bandwidth": 1e8}}
@@ -751,15 +751,13 @@ def test_on_a_cpu_auto_plans_again_where_its_calls_measured_cost_the_step(monkey
     allowance, the graph is planned again and keeps every tensor for that reason. Before this rule
     the plan stayed, as it does where the calls cost nothing measurable (0 s each way, forced): on the
     demo's GPT one 512 KiB offload's calls took 0.40 ms a step on the CPU, 4-10% of it."""
-    from fxoffload.compiler import watch
     from fxoffload.runtime import timing
 
     real = timing.compute_windows
     monkeypatch.setattr(
         timing, "compute_windows", lambda resolved: [dataclasses.replace(t, op_s=op_s) for t in real(resolved)]
     )
-    for module in (watch, measured):
-        monkeypatch.setattr(module, "stalled", lambda t: False)
+    no_copy_stalls(monkeypatch)
     report = _auto_after_its_first_steps()
     if not op_s:
         assert report.offloaded and not report.replans, report.table()
