@@ -87,8 +87,9 @@ class OffloadOptions:
     # None uses figures for the GPU model (fixed ones on CPU).
     compute_rates: Any = None
     # Seconds of the compute stream's time one offloaded tensor's four op calls take (offload, reload
-    # and their waits), apart from any stall. None: measured once per process on a CPU (where the
-    # calls run on the compute thread), 0 on an accelerator (the host issues them ahead of the device).
+    # and their waits), apart from any stall, the same for every tensor. None: measured once per
+    # process on a CPU (where the calls run on the compute thread), with what each byte adds to them
+    # there; 0 on an accelerator (the host issues them ahead of the device).
     # "auto" spends at most ``AUTO_TIME_SHARE`` of the predicted step on them.
     op_time: float | None = None
     # Time every distinct compute op of a graph once on its device (random inputs of the traced

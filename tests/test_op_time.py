@@ -10,7 +10,14 @@ import torch
 import fxoffload
 from fxoffload import ir
 from fxoffload.analysis.cost import CPU_RATES
-from fxoffload.measure.op_time import _NAME, OP_CALLS, forget_op_times, measure_op_time, op_call_seconds
+from fxoffload.measure.op_time import (
+    _NAME,
+    OP_CALLS,
+    forget_op_times,
+    measure_op_rates,
+    measure_op_time,
+    op_call_seconds,
+)
 from fxoffload.planning.decisions import PlanCosts
 from fxoffload.planning.measured import Measured
 from fxoffload.planning.schedule import AUTO_TIME_SHARE
@@ -150,6 +157,16 @@ def test_a_plan_made_again_charges_the_calls_as_measured():
     costs = PlanCosts(rates, (0.0, 1.0), (0.0, 1.0), None)
     assert measured.corrected(costs).rates.op_time == pytest.approx(6e-4)
     assert Measured((), (), (), {}, {}).corrected(costs).rates.op_time == 0.0  # nothing measured: the model's
+    # Priced by the bytes too (a CPU's probes): both figures scaled to what was measured for the tensors'
+    # size, so that a larger one still costs more; the user's op_time is a flat price.
+    by_bytes = dataclasses.replace(CPU_RATES, op_time=1e-4, op_byte_time=1e-7)
+    assert measured.priced_op_time(by_bytes) == pytest.approx(1e-4 + 1024e-7)
+    again = measured.corrected(dataclasses.replace(costs, rates=by_bytes)).rates
+    assert again.op_cost(1024) == pytest.approx(6e-4)
+    assert again.op_byte_time / again.op_time == pytest.approx(1e-3)
+    assert again.op_cost(4096) > again.op_cost(1024)
+    flat = measured.corrected(dataclasses.replace(costs, rates=by_bytes), op_time=2e-4).rates
+    assert (flat.op_time, flat.op_byte_time) == (2e-4, 0.0)
 
 
 def test_a_memory_budget_takes_copies_that_hide_only_as_far_as_it_needs():
@@ -163,4 +180,44 @@ def test_a_memory_budget_takes_copies_that_hide_only_as_far_as_it_needs():
     assert placed and all("its copies placed to hide" in r.reason for r in placed), report.table()
     assert len(report.offloaded) < len(free.offloaded), (len(report.offloaded), len(free.offloaded))
     assert free.predicted_peak_after < report.predicted_peak_after <= report.memory_budget * 1.03
+    assert_same(result, train_step(model, batch))
+
+
+def test_on_a_cpu_the_calls_are_priced_by_the_tensors_bytes_too():
+    """On a CPU the copy engine poisons each destination at the issue and publishes the copy at the
+    wait, on the compute thread: a larger tensor's calls take longer (``measure_op_rates``, a second
+    probe on 1 MiB); an accelerator's host issues them ahead of the device, priced nothing."""
+    rates = dataclasses.replace(CPU_RATES, op_time=1e-4, op_byte_time=1e-9)
+    assert rates.op_cost(0) == 1e-4 and rates.op_cost(1 << 20) == pytest.approx(1e-4 + (1 << 20) * 1e-9)
+    with pytest.raises(ValueError, match="op_byte_time must be a number >= 0, got -1"):
+        dataclasses.replace(CPU_RATES, op_byte_time=-1)
+    forget_op_times()
+    small, per_byte = measure_op_rates(torch.device("cpu"))
+    assert small == measure_op_time(torch.device("cpu"))
+    # 1 MiB poisoned and published twice a cycle (measured 2026-12-01, 2 cores: 64 B 0.18 ms, 512 KiB 0.34 ms).
+    assert per_byte > 0, "the 1 MiB probe's calls took no longer than the 64 B one's"
+    assert measure_op_rates(torch.device("cpu")) == (small, per_byte), "measured once per process"
+    assert measure_op_rates(torch.device("cuda")) == (0.0, 0.0)
+
+
+def test_auto_charges_a_larger_tensor_more_for_its_calls(monkeypatch):
+    """The calls priced by the bytes alone (the CPU probe's figures replaced, so that the test does not
+    hang on this machine's speed): ``auto`` spends its 1% on the bytes its offloads move, not on a
+    count of tensors, and prices each one kept for it at its own size."""
+    free, _, _ = _plan(op_time=0.0, **RATES)
+    assert len(free.offloaded) >= 4, free.table()
+    moved = sum(r.nbytes for r in free.offloaded)
+    allowance_s = AUTO_TIME_SHARE * free.predicted_compute_ms / 1e3
+    per_byte = 2 * allowance_s / moved  # room for about half the bytes that hide
+    monkeypatch.setattr("fxoffload.compiler.costs.measure_op_rates", lambda device: (0.0, per_byte))
+    report, result, (model, batch) = _plan(**RATES)
+    assert report.offloaded, report.table()
+    spent = per_byte * sum(r.nbytes for r in report.offloaded)
+    assert report.predicted_op_ms == pytest.approx(spent * 1e3)
+    assert spent <= allowance_s * (1 + 1e-9) and sum(r.nbytes for r in report.offloaded) < moved
+    over = [r for r in report.saved if r.reason_code == "op_time"]
+    assert over, report.table()
+    for r in over:  # each priced at its own bytes
+        assert f"would take {per_byte * r.nbytes * 1e3:.3g} ms" in r.reason, r.reason
+    assert f"+ {per_byte * (1 << 20) * 1e3:.3g} ms a MiB" in report.device, report.device
     assert_same(result, train_step(model, batch))

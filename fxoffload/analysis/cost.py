@@ -63,16 +63,24 @@ class DeviceRates:
     # their waits), stall apart: on a CPU the calls run on the compute thread; on an accelerator the
     # host issues them ahead of the device (0 until the first steps measure otherwise).
     op_time: float = 0.0
+    # And per byte of the tensor, on top of ``op_time``: on a CPU the copy engine poisons each copy's
+    # destination at its issue and publishes the copied bytes into it at its wait, on the compute
+    # thread (``measure.op_time.measure_op_rates``); 0 on an accelerator, and where the user gives ``op_time``.
+    op_byte_time: float = 0.0
 
     def __post_init__(self) -> None:
         for field in ("flops", "memory_bandwidth", "d2h", "h2d"):
             value = getattr(self, field)
             if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"fxoffload: device rate {field} must be a positive number, got {value!r}")
-        for field in ("copy_margin", "op_time"):
+        for field in ("copy_margin", "op_time", "op_byte_time"):
             value = getattr(self, field)
             if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 <= value < float("inf"):
                 raise ValueError(f"fxoffload: device rate {field} must be a number >= 0, got {value!r}")
+
+    def op_cost(self, nbytes: int) -> float:
+        """Seconds of the compute stream's time the op calls of one offloaded tensor of ``nbytes`` take."""
+        return self.op_time + self.op_byte_time * nbytes
 
 
 # Achieved (not datasheet) rates; the host link figures are placeholders replaced by a measurement.

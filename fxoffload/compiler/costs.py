@@ -19,7 +19,7 @@ from ..analysis.lifetimes import GraphLifetimes
 from ..analysis.memory import CodeFacts, kept_saved_bytes, simulate
 from ..analysis.outside import OutsideMemory, graph_device, read_outside_memory
 from ..measure.link import measure_link
-from ..measure.op_time import measure_op_time
+from ..measure.op_time import measure_op_rates
 from ..measure.standalone import calibrate, call_temporaries, op_temporaries
 from ..options import OffloadOptions
 from ..planning.decisions import PlanCosts
@@ -42,7 +42,7 @@ def plan_costs(
     code: CodeFacts | None = None,
 ) -> PlanCosts:
     """The cost model's view of a graph pair: device rates (the host link measured once per device
-    where a plan needs it, and on a CPU the transfer ops' own time, ``measure_op_time``), predicted
+    where a plan needs it, and on a CPU the transfer ops' own time, ``measure_op_rates``), predicted
     node start times (ops timed on the device with ``calibrate``),
     the ops' measured temporaries and the predicted memory before any change (``baseline``), with
     what code before the pair holds (``outside``, for what this pair keeps) included. ``probe``
@@ -62,9 +62,10 @@ def plan_costs(
         # plan never made again (policy "all", fxoffload's own budget fit) is placed on the figures.
         rates = dataclasses.replace(rates, copy_margin=cost.FIRST_GUESS_MARGIN)
     if options.op_time is not None:
-        rates = dataclasses.replace(rates, op_time=options.op_time)
+        rates = dataclasses.replace(rates, op_time=options.op_time, op_byte_time=0.0)
     elif wants_measure and device.type == "cpu" and options.offload_cpu:
-        rates = dataclasses.replace(rates, op_time=measure_op_time(device))
+        op_time, op_byte_time = measure_op_rates(device)
+        rates = dataclasses.replace(rates, op_time=op_time, op_byte_time=op_byte_time)
     fw_times = bw_times = None
     if options.calibrate and wants_measure and (device.type != "cpu" or options.offload_cpu):
         fw_times, bw_times = calibrate(fw, device), calibrate(bw, device)

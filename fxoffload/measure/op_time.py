@@ -14,7 +14,11 @@ steps measure a phase so bound (``planning.measured``), ``host_op_seconds`` is w
 
 ``op_call_seconds`` times each call on a small tensor (its own cost, not the copy's), a wait after
 its copy has finished (a wait that does not stall); ``measure_op_time`` is the four calls' sum, once
-per device type and process, what the planner charges each offload on a CPU.
+per device type and process. On a CPU the calls' time also grows with the tensor's bytes: the copy
+engine poisons each destination at the issue and publishes the copy into it at the wait, on the
+compute thread (a 512 KiB tensor's calls took 0.34 ms where a 64 B one's took 0.18 ms, on 2 cores,
+2026-12-01). ``measure_op_rates`` gives both figures, the calls on a small tensor and the seconds a
+byte adds (a second probe on 1 MiB), what the planner charges each offload on a CPU.
 """
 
 from __future__ import annotations
@@ -32,13 +36,16 @@ from ..runtime.transfers import switch_copies_off, switch_copies_on, track_relea
 
 log = logging.getLogger(__name__)
 
-__all__ = ["OP_CALLS", "forget_op_times", "host_op_seconds", "measure_op_time", "op_call_seconds"]
+__all__ = ["OP_CALLS", "forget_op_times", "host_op_seconds", "measure_op_rates", "measure_op_time", "op_call_seconds"]
 
 _NAME = ir.transfer_name(-1, "op_time")  # a graph id no compile uses: no recording takes its copies
 OP_CALLS = ("offload", "wait (d2h)", "reload", "wait (h2d)")  # one offloaded tensor's calls a step
 _PROBE_CYCLES = 30
+_PROBE_BYTES = 64  # the calls' own time
+_LARGE_PROBE_BYTES = 1 << 20  # and what the bytes add (``measure_op_rates``)
+_LARGE_PROBE_SETTLE_S = 0.002  # its copies done before their waits (1 MiB at 0.5 GB/s)
 
-_measured: dict[str, dict[str, float]] = {}  # ``op_call_seconds`` by device (``_probed``)
+_measured: dict[tuple[str, int], dict[str, float]] = {}  # ``op_call_seconds`` by device and bytes (``_probed``)
 
 
 def forget_op_times() -> None:
@@ -101,19 +108,21 @@ def op_call_seconds(
     return out
 
 
-def _probed(device: torch.device) -> dict[str, float]:
-    """``op_call_seconds`` of ``device`` (a few cycles), once per device and process; zeros where the
-    calls cannot be timed (a measurement never fails a compile or a step: they are charged nothing)."""
-    key = str(device)
+def _probed(device: torch.device, nbytes: int = _PROBE_BYTES) -> dict[str, float]:
+    """``op_call_seconds`` of ``device`` on a tensor of ``nbytes`` (a few cycles), once per device,
+    size and process; zeros where the calls cannot be timed (a measurement never fails a compile or a
+    step: they are charged nothing)."""
+    key = (str(device), nbytes)
     if key not in _measured:
+        settle = 0.0005 if nbytes == _PROBE_BYTES else _LARGE_PROBE_SETTLE_S
         try:
-            _measured[key] = op_call_seconds(device, calls=_PROBE_CYCLES, switched_off=False)
+            _measured[key] = op_call_seconds(device, nbytes, calls=_PROBE_CYCLES, settle_s=settle, switched_off=False)
         except RuntimeError as e:
             log.warning("fxoffload: could not time the transfer ops on %s (%s); charging them nothing", device, e)
             _measured[key] = dict.fromkeys(OP_CALLS, 0.0)
         else:
-            log.info("fxoffload: one offloaded tensor's op calls take %.0f us of host time on %s",
-                     sum(_measured[key][k] for k in OP_CALLS) * 1e6, device)  # fmt: skip
+            log.info("fxoffload: one offloaded tensor's op calls take %.0f us of host time on %s (%d bytes)",
+                     sum(_measured[key][k] for k in OP_CALLS) * 1e6, device, nbytes)  # fmt: skip
     return _measured[key]
 
 
@@ -131,3 +140,15 @@ def measure_op_time(device: torch.device) -> float:
     if device.type != "cpu":
         return 0.0
     return sum(_probed(device)[k] for k in OP_CALLS)
+
+
+def measure_op_rates(device: torch.device) -> tuple[float, float]:
+    """``DeviceRates.op_time`` and ``op_byte_time`` of ``device``: on a CPU one offloaded tensor's
+    calls on a small tensor (``measure_op_time``) and the seconds each byte adds to them (from a
+    second probe on 1 MiB, at least 0), measured once per process; zeros on an accelerator, whose
+    host issues the calls ahead of the device."""
+    small = measure_op_time(device)
+    if device.type != "cpu":
+        return small, 0.0
+    large = sum(_probed(device, _LARGE_PROBE_BYTES)[k] for k in OP_CALLS)
+    return small, max(0.0, (large - small) / (_LARGE_PROBE_BYTES - _PROBE_BYTES))

@@ -168,7 +168,7 @@ class _Fit:
         self.stall_estimate = {t.name: self._standalone_cost(t) for t in (*left, *later)}
         # Of ``later``, those whose copies hide on their own are placed as hidden ones; the others
         # are candidates like ``left``'s.
-        self.later = {t.name for t in later if self._standalone_cost(t, padded=True) <= costs.rates.op_time}
+        self.later = {t.name for t in later if self._standalone_cost(t, padded=True) <= costs.rates.op_cost(t.nbytes)}
         self.recomputes: dict[str, RecomputeOption] = dict(recomputed)
         self.chosen = list(chosen)
         self.taken = {t.name for t in chosen} | set(self.recomputes)  # offloaded or recomputed
@@ -194,7 +194,7 @@ class _Fit:
         with the copies ``copy_margin`` longer, as the hidden-set check counts them."""
         d2h, h2d = (padded_copy_seconds if padded else copy_seconds)(t, self.costs.rates)
         fw_window, bw_window = windows(t, self.costs.fw_starts, self.costs.bw_starts)
-        return max(0.0, d2h - fw_window) + max(0.0, h2d - bw_window) + self.costs.rates.op_time
+        return max(0.0, d2h - fw_window) + max(0.0, h2d - bw_window) + self.costs.rates.op_cost(t.nbytes)
 
     def outside(self, phase: str, off_bytes: int) -> int:
         return outside_at(self.costs.calls, phase, self.costs.kept - off_bytes) if self.repeated else 0

@@ -101,9 +101,11 @@ class OffloadPlan:
 
     @property
     def op_seconds(self) -> float:
-        """The compute stream's own time a step in the offloads' op calls (``DeviceRates.op_time``
+        """The compute stream's own time a step in the offloads' op calls (``DeviceRates.op_cost`` of
         each offloaded tensor: its copies hidden or not, the calls that issue and wait for them run)."""
-        return len(self.offloaded) * self.costs.rates.op_time if self.costs is not None else 0.0
+        if self.costs is None:
+            return 0.0
+        return sum(self.costs.rates.op_cost(d.saved.nbytes) for d in self.offloaded)
 
     @property
     def time_cost(self) -> float:

@@ -45,7 +45,7 @@ import dataclasses
 import statistics
 from collections.abc import Mapping, Sequence
 
-from ..analysis.cost import FIRST_GUESS_MARGIN
+from ..analysis.cost import FIRST_GUESS_MARGIN, DeviceRates
 from ..ir import TransferTime
 from ..options import OffloadOptions
 from ..reasons import Action, Reason, ReasonCode
@@ -168,6 +168,15 @@ class Measured:
         both = [sum(d.values()) for d in by.values() if len(d) == 2]
         return statistics.median(both) if both else None
 
+    def priced_op_time(self, rates: DeviceRates) -> float | None:
+        """What ``rates`` price the calls of the tensors ``op_time`` is the median over (their
+        median ``DeviceRates.op_cost``, by the bytes offloaded); None: none measured both ways."""
+        by: dict[str, dict[str, int]] = {}
+        for t in self.times:
+            by.setdefault(t.tensor, {})[t.direction] = t.nbytes
+        both = [rates.op_cost(d["d2h"]) for d in by.values() if len(d) == 2]
+        return statistics.median(both) if both else None
+
     def merged(self, earlier: Measured | None) -> Measured:
         """This measurement and an earlier one of the same graph: every ratio, every byte moved and
         every tensor that stalled, but those this one timed again without a stall (judged again, a
@@ -252,16 +261,26 @@ class Measured:
             rates = dataclasses.replace(rates, d2h=self.d2h)
         if self.h2d is not None:
             rates = dataclasses.replace(rates, h2d=self.h2d)
-        if op_time is None:
-            op_time = self.op_time
         if op_time is not None:
-            rates = dataclasses.replace(rates, op_time=op_time)
+            rates = dataclasses.replace(rates, op_time=op_time, op_byte_time=0.0)
+        elif self.op_time is not None:
+            rates = _op_rates_as_measured(rates, self.op_time, self.priced_op_time(rates))
         rates = dataclasses.replace(rates, copy_margin=self.margin)
         fw, bw = self.fw_scale, self.bw_scale
         return dataclasses.replace(
             costs, rates=rates, fw_starts=tuple(t * fw for t in costs.fw_starts),
             bw_starts=tuple(t * bw for t in costs.bw_starts), scale=(fw * costs.scale[0], bw * costs.scale[1]),
         )  # fmt: skip
+
+
+def _op_rates_as_measured(rates: DeviceRates, measured: float, priced: float | None) -> DeviceRates:
+    """``rates`` with the op calls at their measured price: where ``rates`` price them by the
+    tensor's bytes too (a CPU), both figures scaled by measured over ``priced`` (what they priced the
+    tensors measured), so that a larger tensor still costs more; otherwise ``measured`` a tensor."""
+    if rates.op_byte_time and priced:
+        scale = measured / priced
+        return dataclasses.replace(rates, op_time=rates.op_time * scale, op_byte_time=rates.op_byte_time * scale)
+    return dataclasses.replace(rates, op_time=measured, op_byte_time=0.0)
 
 
 def host_ratio(times: Sequence[TransferTime], direction: str) -> float | None:
@@ -291,9 +310,7 @@ def calls_over_allowance(plan: OffloadPlan, measured: Measured) -> bool:
     if op is None or costs is None:
         return False
     fw, bw = measured_step(costs, measured)
-    rates = dataclasses.replace(costs.rates, op_time=op)
-    priced = dataclasses.replace(costs, rates=rates, fw_starts=(fw,), bw_starts=(bw,))
-    return len(plan.offloaded) * op > OpAllowance(priced).left
+    return len(plan.offloaded) * op > OpAllowance(dataclasses.replace(costs, fw_starts=(fw,), bw_starts=(bw,))).left
 
 
 def calls_over_price(plan: OffloadPlan, measured: Measured) -> bool:
@@ -304,20 +321,20 @@ def calls_over_price(plan: OffloadPlan, measured: Measured) -> bool:
     op, costs = _dearer_calls(plan, measured), plan.costs
     if op is None or costs is None:
         return False
-    extra = len(plan.offloaded) * (op - costs.rates.op_time)
+    extra = len(plan.offloaded) * (op - (measured.priced_op_time(costs.rates) or 0.0))
     return extra >= WORTH_A_COMPILE * sum(measured_step(costs, measured))
 
 
 def _dearer_calls(plan: OffloadPlan, measured: Measured) -> float | None:
     """The op calls' measured price (``Measured.op_time``) where it is step time (a phase the host
-    bound, or a CPU: ``on_cpu``) and above the price ``plan`` was made with (by more than a quarter);
-    else None. On a CPU the price planned is the calls' probe on tiny tensors (``measure.op_time``);
-    the CPU engine's waits also publish their copies' bytes on the compute thread: a 512 KiB tensor's
-    calls measured 0.40 ms a step, priced 0.12 ms (the demo's GPT, 2026-12-01)."""
+    bound, or a CPU: ``on_cpu``) and above the price ``plan`` was made with for the same tensors (by
+    more than a quarter); else None. On a CPU the price planned is the calls' probes on a small and a
+    1 MiB tensor (``measure.op_time``); before the second probe, a 512 KiB tensor's calls measured
+    0.40 ms a step where the first priced them 0.12 ms (the demo's GPT, 2026-12-01)."""
     op, costs = measured.op_time, plan.costs
     if not (measured.on_cpu or measured.host_calls is not None) or op is None or costs is None:
         return None
-    return op if op > costs.rates.op_time * 1.25 else None
+    return op if op > (measured.priced_op_time(costs.rates) or 0.0) * 1.25 else None
 
 
 def measured_step(costs: PlanCosts, measured: Measured) -> tuple[float, float]:

@@ -228,8 +228,8 @@ def _pick(
     for t in sorted(eligible, key=lambda t: (-t.nbytes, t.output_index)):
         if not fits(t):
             reasons[t.name] = Reason(ReasonCode.HOST_BUDGET, _host_budget_text(picks.host_used, host_available))
-        elif allowance is not None and not allowance.room():  # spent: it stays so for the smaller ones
-            reasons[t.name] = allowance.reason()
+        elif allowance is not None and not allowance.room(t):
+            reasons[t.name] = allowance.reason(t)
             picks.later.append(t)  # a memory_budget may take it, placed as a copy that hides
         elif checker is not None and not checker.try_add(t):
             reasons[t.name] = not_hidden(t, costs)
@@ -238,7 +238,7 @@ def _pick(
             picks.host_used += planned_host_bytes(t)
             picks.chosen.append(t)
             if allowance is not None:
-                allowance.take()
+                allowance.take(t)
             idle = f"idle for {t.idle_compute_nodes} compute nodes ({t.fw_compute_after} forward + "
             idle += f"{t.bw_compute_before} backward)"
             if checker is not None:

@@ -248,31 +248,31 @@ AUTO_TIME_SHARE = 0.01
 
 
 class OpAllowance:
-    """"auto"'s allowance for its offloads' op calls (``DeviceRates.op_time`` each, the compute
+    """"auto"'s allowance for its offloads' op calls (``DeviceRates.op_cost`` each, the compute
     stream's own time on a CPU): ``AUTO_TIME_SHARE`` of the predicted step. A tensor whose copies
     would hide still costs its calls: past the allowance, it is time traded for memory that nobody
     asked to save."""
 
     def __init__(self, costs: PlanCosts) -> None:
-        self.op_time = costs.rates.op_time
+        self.rates = costs.rates
         self.step = costs.fw_starts[-1] + costs.bw_starts[-1]
         self.left = AUTO_TIME_SHARE * self.step
         self.taken = 0
 
-    def room(self) -> bool:
-        """Whether one more tensor's calls fit (``take`` them once it is chosen)."""
-        return self.op_time <= self.left
+    def room(self, t: SavedTensor) -> bool:
+        """Whether ``t``'s calls fit (``take`` them once it is chosen)."""
+        return self.rates.op_cost(t.nbytes) <= self.left
 
-    def take(self) -> None:
-        self.left -= self.op_time
+    def take(self, t: SavedTensor) -> None:
+        self.left -= self.rates.op_cost(t.nbytes)
         self.taken += 1
 
-    def reason(self) -> Reason:
+    def reason(self, t: SavedTensor) -> Reason:
         return Reason(
             ReasonCode.OP_TIME,
-            f"its four op calls would take {self.op_time * 1e3:.3g} ms of the compute stream's time a step "
-            f"(op_time), and policy='auto' spends at most {AUTO_TIME_SHARE:.0%} of the predicted step "
-            f"({self.step * 1e3:.3g} ms) on them: {self.taken} larger tensors took it",
+            f"its four op calls would take {self.rates.op_cost(t.nbytes) * 1e3:.3g} ms of the compute stream's "
+            f"time a step (op_time), and policy='auto' spends at most {AUTO_TIME_SHARE:.0%} of the predicted "
+            f"step ({self.step * 1e3:.3g} ms) on them: {self.taken} larger tensors took it",
         )
 
 

@@ -131,7 +131,7 @@ class OffloadReport:
     device: str = ""  # the device the cost model priced, with its host link
     predicted_recompute_ms: float = 0.0  # compute added to the backward by recomputation
     # The model's compute time of the step (forward and backward), and the compute stream's time the
-    # offloads' op calls take in it (``DeviceRates.op_time`` each: "auto" spends at most 1% on them).
+    # offloads' op calls take in it (``DeviceRates.op_cost`` each: "auto" spends at most 1% on them).
     predicted_compute_ms: float = 0.0
     predicted_op_ms: float = 0.0
     # The code the inner compiler really runs, by graph ("forward", "backward"): Inductor's wrapper
@@ -211,7 +211,7 @@ class OffloadReport:
         rows = saved_rows(plan)
         if costs is not None:
             fields.setdefault("predicted_compute_ms", (costs.fw_starts[-1] + costs.bw_starts[-1]) * 1e3)
-            fields.setdefault("predicted_op_ms", costs.rates.op_time * len(plan.offloaded) * 1e3)
+            fields.setdefault("predicted_op_ms", plan.op_seconds * 1e3)
             fields.setdefault("unchanged_code_peak", costs.code_peak)
         return cls(
             graph_id, plan.policy, rows, plan.note, fw.code, bw.code,
@@ -420,8 +420,10 @@ def _device_line(costs: PlanCosts | None, offloaded: bool = True) -> str:
         return ""
     r = costs.rates
     line = f"{r.name}: link {r.d2h / 1e9:.1f} GB/s out, {r.h2d / 1e9:.1f} GB/s in"
-    if r.op_time:
+    if r.op_time or r.op_byte_time:
         line += f"; op calls {r.op_time * 1e3:.3g} ms a tensor"
+        if r.op_byte_time:
+            line += f" + {r.op_byte_time * (1 << 20) * 1e3:.3g} ms a MiB"
     if r.copy_margin and offloaded:
         line += f"; copies planned {r.copy_margin:.0%} longer than predicted"
     if costs.calibrated:
