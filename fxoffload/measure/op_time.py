@@ -4,7 +4,8 @@ Every offloaded tensor adds four op calls to a step: its offload, that copy's wa
 that copy's wait. On a CPU (``offload_cpu=True``) the compute stream is the host thread that makes
 those calls, so their host time is step time whether or not the copies hide: the dispatcher's way into
 a Python kernel, the host pool, the copy engine's hand-off, the publishing copy at the wait (about
-0.4 ms a tensor on the 2-core development machine, ``python -m bench.op_overhead``). On an accelerator
+0.15-0.2 ms for a small tensor, 0.34 ms for 512 KiB, on a 2-core development machine, ``python -m
+bench.op_overhead``). On an accelerator
 the host issues the calls ahead of the device while it has kernels queued, and they cost the compute
 stream nothing; that is the model's first figure there (``DeviceRates.op_time`` = 0). Not always: on
 an H100, gpt2-medium's forward (batch 8, bf16) kept the device waiting on the host, each kernel
