@@ -221,3 +221,44 @@ def test_auto_charges_a_larger_tensor_more_for_its_calls(monkeypatch):
         assert f"would take {per_byte * r.nbytes * 1e3:.3g} ms" in r.reason, r.reason
     assert f"+ {per_byte * (1 << 20) * 1e3:.3g} ms a MiB" in report.device, report.device
     assert_same(result, train_step(model, batch))
+
+
+def test_the_calls_measured_are_charged_each_at_its_own_size():
+    """Where the plan priced the calls by the bytes too, the measured price (the median tensor's) is
+    charged to each offload scaled to its size: two small tensors and a 4 MiB one, each measured at
+    twice its price, cost the step twice the plan's price, over ``auto``'s 1% of a 0.2 s step; the
+    median tensor's price charged three times (the flat rule) would be under it."""
+    from fxoffload.analysis.lifetimes import SavedTensor
+    from fxoffload.planning.decisions import Decision, OffloadPlan
+    from fxoffload.planning.measured import calls_over_allowance, calls_over_price
+    from fxoffload.reasons import Action, Reason, ReasonCode
+
+    def offload(name, nbytes):
+        t = SavedTensor(
+            name=name, output_index=0, shape=(nbytes // 4,), stride=(1,), dtype=torch.float32,
+            device=torch.device("cpu"), nbytes=nbytes, producer="mm", storage=name, is_view=False,
+            is_graph_input=False, is_static_input=False, is_user_output=False, is_dense=True,
+            shares_storage_with=(), fw_position=3, fw_last_use=5, fw_last_user="u", fw_compute_after=10,
+            bw_first_use=7, bw_first_user="g", bw_compute_before=10,
+        )  # fmt: skip
+        return Decision(t, Action.OFFLOAD, Reason(ReasonCode.POLICY_ALL, ""))
+
+    rates = dataclasses.replace(CPU_RATES, op_time=1e-4, op_byte_time=1e-9)
+    sizes = {"a": 1024, "b": 1024, "c": 4 << 20}
+    costs = PlanCosts(rates, (0.0, 0.1), (0.0, 0.1), None)
+    plan = OffloadPlan(tuple(offload(n, b) for n, b in sizes.items()), "auto", costs=costs)
+    times = [
+        ir.TransferTime(f"3:{n}", d, b, 1e-3, 1e-4, 0.0, rates.op_cost(b))  # each way its price: twice it
+        for n, b in sizes.items()
+        for d in ("d2h", "h2d")
+    ]
+    measured = Measured(tuple(times), (), (), {}, {}, on_cpu=True)
+    assert measured.op_time == pytest.approx(2 * rates.op_cost(1024))
+    assert plan.op_seconds == pytest.approx(sum(rates.op_cost(b) for b in sizes.values()))
+    assert 3 * measured.op_time < AUTO_TIME_SHARE * 0.2 < 2 * plan.op_seconds
+    assert calls_over_allowance(plan, measured)
+    assert calls_over_price(plan, measured)  # 4.5 ms over the plan's price: over 2% of the step
+    # Measured at the price planned: neither rule makes the plan again.
+    at_price = [dataclasses.replace(t, op_s=t.op_s / 2) for t in times]
+    same = Measured(tuple(at_price), (), (), {}, {}, on_cpu=True)
+    assert not calls_over_allowance(plan, same) and not calls_over_price(plan, same)

@@ -310,7 +310,8 @@ def calls_over_allowance(plan: OffloadPlan, measured: Measured) -> bool:
     if op is None or costs is None:
         return False
     fw, bw = measured_step(costs, measured)
-    return len(plan.offloaded) * op > OpAllowance(dataclasses.replace(costs, fw_starts=(fw,), bw_starts=(bw,))).left
+    allowance = OpAllowance(dataclasses.replace(costs, fw_starts=(fw,), bw_starts=(bw,)))
+    return _calls_as_measured(plan, costs, measured, op) > allowance.left
 
 
 def calls_over_price(plan: OffloadPlan, measured: Measured) -> bool:
@@ -321,8 +322,16 @@ def calls_over_price(plan: OffloadPlan, measured: Measured) -> bool:
     op, costs = _dearer_calls(plan, measured), plan.costs
     if op is None or costs is None:
         return False
-    extra = len(plan.offloaded) * (op - (measured.priced_op_time(costs.rates) or 0.0))
+    extra = _calls_as_measured(plan, costs, measured, op) - plan.op_seconds
     return extra >= WORTH_A_COMPILE * sum(measured_step(costs, measured))
+
+
+def _calls_as_measured(plan: OffloadPlan, costs: PlanCosts, measured: Measured, op: float) -> float:
+    """The compute stream's time a step in ``plan``'s offloads' op calls at the price measured
+    (``op``, the median tensor's), each tensor at its own size where ``costs`` (the plan's) priced
+    the bytes too."""
+    rates = _op_rates_as_measured(costs.rates, op, measured.priced_op_time(costs.rates))
+    return sum(rates.op_cost(d.saved.nbytes) for d in plan.offloaded)
 
 
 def _dearer_calls(plan: OffloadPlan, measured: Measured) -> float | None:
