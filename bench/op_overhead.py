@@ -7,6 +7,9 @@ the op's own cost, not the copy's), median of many calls:
 
     python -m bench.op_overhead                  # the accelerator if there is one, else the CPU engine
     python -m bench.op_overhead --device cpu --calls 2000
+    python -m bench.op_overhead --device cpu --bytes 524288   # on a CPU the calls grow with the bytes
+
+On a CPU it also prints the price the planner charges (``measure_op_rates``: a tensor, plus a MiB).
 
 On a CPU the copies run on the copy engine's threads (``offload_cpu=True``); a wait is timed after
 its copy has finished (a sleep between issue and wait), so it is the cost of a wait that does not
@@ -23,7 +26,8 @@ import torch
 from tabulate import tabulate
 
 import fxoffload  # noqa: F401  (registers the ops' implementations)
-from fxoffload.measure.op_time import OP_CALLS, op_call_seconds
+from fxoffload.measure.op_time import OP_CALLS, measure_op_rates, op_call_seconds
+
 
 def measure(
     device: torch.device, nbytes: int = 64, calls: int = 1000, settle_s: float = 0.0005
@@ -59,6 +63,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     per_tensor = sum(us[k] for k in OP_CALLS)
     print(f"one offloaded tensor, its four calls: {per_tensor:.1f} us of host time a step")
+    if device.type == "cpu":
+        op_time, op_byte_time = measure_op_rates(device)
+        print(
+            f"the planner's price on this CPU: {op_time * 1e6:.1f} us a tensor + {op_byte_time * (1 << 20) * 1e6:.1f} us a "
+            f"MiB (for {args.bytes} B: {(op_time + op_byte_time * args.bytes) * 1e6:.1f} us)"
+        )
     return 0
 
 

@@ -387,6 +387,11 @@ def test_op_overhead_times_each_transfer_op_call(capsys):
     for call in ("offload", "wait (d2h)", "reload", "wait (h2d)", "order", "offload, switched off"):
         assert re.search(rf"\| {re.escape(call)} +\| +\d+\.\d \|", out), (call, out)
     assert "one offloaded tensor, its four calls:" in out
+    from fxoffload.measure.op_time import measure_op_rates
+
+    op_time, op_byte_time = measure_op_rates(torch.device("cpu"))
+    assert f"the planner's price on this CPU: {op_time * 1e6:.1f} us a tensor + " in out, out
+    assert f"{op_byte_time * (1 << 20) * 1e6:.1f} us a MiB (for 64 B: " in out, out
     assert _NAME not in copies_switched_off()
     with pytest.raises(SystemExit):
         main(["--calls", "0"])
