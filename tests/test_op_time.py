@@ -3,6 +3,7 @@ run on the compute thread, and charged by the planner, so that ``auto`` spends n
 be measured on its copies' calls (issue 23, part 2)."""
 
 import dataclasses
+import time
 
 import pytest
 import torch
@@ -50,6 +51,23 @@ def test_the_op_calls_are_timed_on_the_cpu_and_leave_nothing_behind():
     assert seconds["offload, switched off"] > 0
     assert transfers._pending == pending, "every copy of the probe was waited on"
     assert _NAME not in transfers.copies_switched_off(), "its switched-off copy was switched on again"
+
+
+def test_the_probe_times_a_wait_whose_copy_is_done():
+    """``copy_finished`` blocks until the copy is done on its link, its wait left pending: the probe's
+    timed wait neither stalls nor copies the bytes itself, so a larger tensor's calls measure their
+    bytes, not the link (a 1 MiB copy at 50 MB/s: 21 ms)."""
+    x = torch.arange(1 << 18, dtype=torch.float32)
+    with transfers.track_releases():
+        host = ir.OFFLOAD(x, [], 50e6, _NAME)
+        job = transfers._pending[host.data_ptr()].job
+        transfers.copy_finished(host)
+        assert job.done.wait(0) and job.copied_at > 0, "the copy thread has copied the bytes"
+        assert time.perf_counter() >= job.ready_at, "the emulated link is done with it"
+        assert host.data_ptr() in transfers._pending, "its wait is still to come"
+        assert torch.isnan(host).all(), "the bytes are published at the wait, not before"
+        torch.testing.assert_close(ir.WAIT(host, x, []), x, rtol=0, atol=0)
+    transfers.copy_finished(host)  # nothing pending: returns
 
 
 def test_timing_the_op_calls_leaves_the_random_numbers_alone():
@@ -194,8 +212,11 @@ def test_on_a_cpu_the_calls_are_priced_by_the_tensors_bytes_too():
     forget_op_times()
     small, per_byte = measure_op_rates(torch.device("cpu"))
     assert small == measure_op_time(torch.device("cpu"))
-    # 1 MiB poisoned and published twice a cycle (measured 2026-12-01, 2 cores: 64 B 0.18 ms, 512 KiB 0.34 ms).
-    assert per_byte > 0, "the 1 MiB probe's calls took no longer than the 64 B one's"
+    # A cycle's calls write each byte four times on the compute thread (the destination poisoned at each
+    # issue, the copy published at each wait): 4 MiB a MiB, at no more than 100 GB/s on any CPU thread
+    # (0.29-0.36 ms a MiB measured here, 2026-12-02, 2 cores, two pytest workers beside).
+    added = per_byte * (1 << 20)
+    assert added >= 4 * (1 << 20) / 100e9, f"bytes added {added * 1e6:.1f} us a MiB"
     assert measure_op_rates(torch.device("cpu")) == (small, per_byte), "measured once per process"
     assert measure_op_rates(torch.device("cuda")) == (0.0, 0.0)
 
