@@ -134,7 +134,8 @@ class OffloadOptions:
     recompute: str = "fxoffload"
     # How many times a plan is made again when the peak it reached (on the memory model of the new
     # partition, in the code Inductor generated, or at run time) misses ``memory_budget``: each time
-    # for a target lowered by the miss, and the lowest peak is kept. 0 keeps the first plan.
+    # for a target lowered by the miss; of the plans that meet it the cheapest is kept, else the
+    # lowest peak (``compiler.refine``). 0 keeps the first plan.
     max_replans: int = 2
     # For fxoffload's own tests only: compile with one ordering rule of the rewrite broken on purpose
     # (one of ``BROKEN_RULES``), to prove that the suite notices (NaNs from the CPU copy engine's

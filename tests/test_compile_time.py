@@ -20,7 +20,8 @@ from fxoffload import _compat
 from fxoffload.analysis.memory import MemoryPoint, MemoryTimeline
 from fxoffload.compiler import compile as compile_module
 from fxoffload.compiler import verify as verify_module
-from fxoffload.compiler.compile import GraphCompiler, copy_graph_module
+from fxoffload.compiler.compile import GraphCompiler
+from fxoffload.compiler.dynamo_graph import copy_graph_module
 from fxoffload.compiler.pair import PairRegister
 from fxoffload.compiler.partitioner import OffloadPartitioner
 from fxoffload.compiler.verify import MODEL_AGREEMENT, MODEL_MARGIN, checked_model_floor, unchanged_floor

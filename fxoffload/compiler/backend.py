@@ -12,8 +12,8 @@ import torch.fx as fx
 from ..options import OffloadOptions
 from ..planning.measured import learns_without_copies
 from ..reporting.report import OffloadReport
-from .compile import GraphCompiler, copy_graph_module
-from .dynamo_graph import static_shapes
+from .compile import GraphCompiler
+from .dynamo_graph import copy_graph_module, static_shapes
 from .pair import PairRegister
 from .watch import CallWatch
 

@@ -3,14 +3,12 @@ runs, and ``verify_peak``."""
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import logging
 import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-import torch
 import torch.fx as fx
 
 from .. import _compat
@@ -25,7 +23,7 @@ from ..reasons import Reason, ReasonCode
 from ..reporting.report import CompileSpent
 from ..sizes import fmt_bytes
 from .costs import code_scratch, read_outside
-from .dynamo_graph import may_have_a_backward, may_return_only_scalars, static_shapes
+from .dynamo_graph import copy_graph_module, may_have_a_backward, may_return_only_scalars, static_shapes
 from .inductor_recompute import Partitions
 from .lowering import fusion_groups, host_placeholders, lowering_config, on_roomy_stack
 from .pair import PairRegister, PlannedPair, new_graph_id
@@ -277,7 +275,9 @@ class GraphCompiler:
 
         tried: list[int | None] = []
         judge = opts if checked and early else None  # verify_peak's unchanged forward, lowered in the plan's compile
-        compiled_plans: set[tuple[str, str]] = set()  # a re-plan that takes nothing more is not lowered again
+        # The graphs of each plan compiled, and its code's peak once judged: a plan again that takes nothing
+        # more is not lowered again, and judged by that peak (``refine`` lowers its target once more).
+        compiled_plans: dict[tuple[str, str], int | None] = {}
 
         def attempt(target: int | None) -> Trial | None:
             partitioner = first if not tried else self._partitioner(
@@ -297,12 +297,16 @@ class GraphCompiler:
                 return None  # strict=True and a lower target out of the FX model's reach: keep what was tried
             pair = partitioner.pair
             # Stopped: the plan changes nothing (``compile`` compiles it as Inductor does), or it is one
-            # compiled before (``refine`` keeps the trials it judged).
+            # compiled before (``refine`` keeps the trials it judged), judged by that one's peak.
             if compiled is None:
-                return Trial((None, pair), None, target, said=said)
+                peak = compiled_plans.get(partitioner.rewritten) if partitioner is not first and pair else None
+                budget = pair.memory_budget if peak is not None and pair is not None else None
+                return Trial((None, pair), peak, target, said=said, budget=budget, repeats=peak is not None)
             timeline = pair.code_memory() if pair is not None and lowered else None
             if pair is None or timeline is None or not timeline.points or pair.memory_budget is None:
                 return Trial((compiled, pair if lowered else None), None, target, said=said)
+            if partitioner.rewritten is not None:
+                compiled_plans[partitioner.rewritten] = timeline.peak_bytes
             plan = pair.plan
             aimed = target if target is not None else first_aim(opts.memory_budget, plan)
             lowest_reachable = fit_is_lowest(pair, timeline, aimed if aimed is not None else pair.memory_budget)
@@ -313,11 +317,7 @@ class GraphCompiler:
 
         def on_replan(trial: Trial, target: int) -> None:
             _, pair = trial.value
-            side = "over" if trial.peak > pair.memory_budget else "well under"
-            replans.append(
-                f"Inductor's code of plan {len(replans) + 1} peaked at {fmt_bytes(trial.peak)}, {side} memory_budget "
-                f"{fmt_bytes(pair.memory_budget)}; planned again for {fmt_bytes(target)} on the FX model"
-            )
+            replans.append(_replanned(len(replans) + 1, trial, pair.memory_budget, target))
             log.info("fxoffload: graph %d: %s", pair.graph_id, replans[-1])
 
         # The budget in bytes is the first plan's (a fraction needs its baseline): read from its trial.
@@ -469,6 +469,16 @@ def check_budget(pair: PlannedPair, strict: bool = False) -> None:
     )  # fmt: skip
 
 
+def _replanned(n: int, trial: Trial, budget: int, target: int) -> str:
+    """``report.replans``' line for plan ``n``, planned again for ``target``."""
+    side = "over" if trial.peak is not None and trial.peak > budget else "well under"
+    what = f"plan {n} made the graphs of a plan before it, whose code" if trial.repeats else f"Inductor's code of plan {n}"
+    return (
+        f"{what} peaked at {fmt_bytes(trial.peak or 0)}, {side} memory_budget {fmt_bytes(budget)}; planned again for "
+        f"{fmt_bytes(target)} on the FX model"
+    )
+
+
 def _known(
     table: dict[int, tuple[OutsideMemory | None, T]], graph_id: int | None, outside: OutsideMemory | None
 ) -> T | None:
@@ -483,18 +493,3 @@ def _fraction_of_code(gm: fx.GraphModule) -> bool:
     where both graphs can be lowered at compile time, and their code replayed (fixed sizes), and
     there may be a backward (else there is no pair, nor budget to judge)."""
     return _compat.can_lower_backward_at_compile() and static_shapes(gm) and may_have_a_backward(gm)
-
-
-
-def copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
-    """A copy of ``gm`` whose graph can be changed without changing ``gm``'s; its tensors (parameters,
-    buffers, constants: on a GPU, possibly gigabytes) are shared, not copied."""
-    memo: dict[int, Any] = {}
-    for module in gm.modules():
-        for value in vars(module).values():
-            for t in value.values() if isinstance(value, dict) else (value,):
-                if isinstance(t, torch.Tensor):
-                    memo[id(t)] = t
-    out = copy.deepcopy(gm, memo)
-    _compat.copy_dynamo_metadata(gm, out)  # its parameters stay static inputs
-    return out

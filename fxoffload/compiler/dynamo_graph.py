@@ -1,11 +1,17 @@
-"""What Dynamo's graph says before it is compiled: from its placeholders' and outputs' example values."""
+"""What Dynamo's graph says before it is compiled (from its placeholders' and outputs' example values),
+and a copy of it to plan again from."""
 
 from __future__ import annotations
+
+import copy
+from typing import Any
 
 import torch
 import torch.fx as fx
 
-__all__ = ["may_have_a_backward", "may_return_only_scalars", "static_shapes"]
+from .. import _compat
+
+__all__ = ["copy_graph_module", "may_have_a_backward", "may_return_only_scalars", "static_shapes"]
 
 
 def may_return_only_scalars(gm: fx.GraphModule) -> bool:
@@ -45,3 +51,17 @@ def may_have_a_backward(gm: fx.GraphModule) -> bool:
         if not isinstance(val, torch.Tensor) or val.requires_grad:
             return True
     return False
+
+
+def copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
+    """A copy of ``gm`` whose graph can be changed without changing ``gm``'s; its tensors (parameters,
+    buffers, constants: on a GPU, possibly gigabytes) are shared, not copied."""
+    memo: dict[int, Any] = {}
+    for module in gm.modules():
+        for value in vars(module).values():
+            for t in value.values() if isinstance(value, dict) else (value,):
+                if isinstance(t, torch.Tensor):
+                    memo[id(t)] = t
+    out = copy.deepcopy(gm, memo)
+    _compat.copy_dynamo_metadata(gm, out)  # its parameters stay static inputs
+    return out

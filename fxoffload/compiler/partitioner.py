@@ -113,7 +113,8 @@ class OffloadPartitioner(_compat.CustomPartitionerFn):
         self.keep_unchanged_forward = False
         # The rewritten graphs' code of the plans compiled for this graph (shared by the compiles of a
         # budget's re-plans): one seen before stops the compile (``PlanCompiledBefore``). None: never.
-        self.compiled_plans: set[tuple[str, str]] | None = None
+        self.compiled_plans: dict[tuple[str, str], int | None] | None = None  # with their code's peaks
+        self.rewritten: tuple[str, str] | None = None  # the graphs its plan made, as ``compiled_plans`` keys them
         # torch's partitions of a graph priced by its plans made with these options and outside
         # (``GraphCompiler``): a plan made again prices on them (``inductor_recompute.Partition``).
         self.partitions_of: Callable[[int, OffloadOptions, OutsideMemory | None], Partitions] | None = None
@@ -232,10 +233,10 @@ class OffloadPartitioner(_compat.CustomPartitionerFn):
         if self.stop_if_unchanged and not changes_graphs:
             raise PlanChangesNothing(f"fxoffload: graph {self.graph_id}: the plan changes nothing")
         if self.compiled_plans is not None:
-            rewritten = (fw.code, bw.code)
+            rewritten = self.rewritten = (fw.code, bw.code)
             if rewritten in self.compiled_plans:
                 raise PlanCompiledBefore(f"fxoffload: graph {self.graph_id}: the plan rewrites the graphs as one compiled before")
-            self.compiled_plans.add(rewritten)
+            self.compiled_plans[rewritten] = None
 
 
 def unchanged_forward(

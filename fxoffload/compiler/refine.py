@@ -49,6 +49,9 @@ class Trial(Generic[T]):
     cost: float = 0.0
     # Planned again for a higher target where it is well under the budget (its plan did something).
     raisable: bool = False
+    # Its plan rewrote the graphs as an earlier trial's did (nothing compiled again): ``peak`` is that
+    # trial's. Never kept, but judged: a target lowered again may still change the plan.
+    repeats: bool = False
 
 
 def attempt_quietly(fn: Callable[[], T]) -> tuple[T, tuple[warnings.WarningMessage, ...]]:
@@ -77,7 +80,8 @@ def refine(
     Inductor fuses or reuses buffers in ways the FX model does not follow) offloads more than the
     budget needs, and the code it compiles to is the judge. Kept: of the trials within
     ``tolerance`` of the budget, the cheapest (``cost``); else the lowest peak (the first trial when
-    none could be judged). ``budget`` None: the first trial's ``budget``. ``attempt`` returns None
+    none could be judged). A trial that ``repeats`` an earlier one moves the target by that one's
+    miss again and is not kept. ``budget`` None: the first trial's ``budget``. ``attempt`` returns None
     to stop; ``on_replan(trial, next_target)`` hears of each trial planned again."""
     trials: list[Trial[T]] = []
     target = start if start is not None else budget
@@ -87,7 +91,8 @@ def refine(
             break
         if trial.peak is None:  # nothing to judge it by: kept only if it is all there is
             return (trial if not trials else min(trials, key=_peak)), trials
-        trials.append(trial)
+        if not trial.repeats:
+            trials.append(trial)
         budget = budget if budget is not None else trial.budget
         if budget is None or i == limit:
             break

@@ -69,7 +69,8 @@ from ..runtime.host_pool import host_buffer_ranges
 from ..runtime.transfers import switch_copies_off, switch_copies_on
 from ..sizes import fmt_bytes
 from ..warn import warn
-from .compile import GraphCompiler, copy_graph_module
+from .compile import GraphCompiler
+from .dynamo_graph import copy_graph_module
 from .copy_timer import CopyTimer
 from .pair import PlannedPair
 from .refine import Trial, attempt_quietly, say
