@@ -479,7 +479,9 @@ def test_the_inputs_inductors_code_saves_as_channels_last_copies_are_predicted_f
     def pair_of(amp, policy):
         torch._dynamo.reset()
         torch.manual_seed(0)
-        backend = fxoffload.backend(offload_cpu=True, policy=policy, min_bytes=0)
+        # The plan kept whatever its code's peak: on a CPU with AMX (an Intel Xeon, 2026-12-02) the
+        # recomputing partition's code peaked 3.1 KiB above the code without it, and verify_peak undid it.
+        backend = fxoffload.backend(offload_cpu=True, policy=policy, min_bytes=0, verify_peak=False)
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
             loss = torch.compile(ConvStack(), backend=backend)(torch.randn(2, 3, 16, 16))
         loss.float().backward()
