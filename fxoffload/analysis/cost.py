@@ -3,12 +3,15 @@
 Compute time of a node is the larger of its FLOPs at the device's rate (torch's own FLOP formulas,
 ``torch.utils.flop_counter``, called on the fake values' shapes, so nothing runs) and the bytes it
 reads and writes at the device's memory bandwidth, plus a launch overhead. Views, getitems and the
-transfer ops themselves cost nothing. The windows of the copies are priced node by node: a chain
-of pointwise ops that Inductor fuses into one kernel is charged for every intermediate, so a window
-of memory-bound code is over-estimated, which is the unsafe direction (a copy predicted hidden
-behind it may not be); the first steps' measurements correct it. What recomputation costs under
-Inductor is priced as Inductor compiles it (``node_time(..., fusion)``): a recomputed pointwise
-chain runs inside the kernels that read it.
+transfer ops themselves cost nothing. On an accelerator under Inductor the copies' windows are
+priced on the kernels Inductor writes, each charged once (``node_start_times(..., fusion)``). On a
+CPU, and under ``aot_eager``, they are priced node by node: a chain of pointwise ops that Inductor
+fuses into one kernel is charged for every intermediate, standing in for the kernel overheads a
+CPU's rates leave out (``compiler.costs``), so a window of memory-bound code there may be
+over-estimated, the unsafe direction (a copy predicted hidden behind it may not be); the first
+steps' measurements correct it. What recomputation costs under Inductor is priced as Inductor
+compiles it (``node_time(..., fusion)``): a recomputed pointwise chain runs inside the kernels that
+read it.
 
 On a CPU (``offload_cpu=True``) the figures are fixed and meant to be at the fast end (``CPU_RATES``):
 predicted windows short rather than long, so that what policy="auto" calls hidden is. They are not
