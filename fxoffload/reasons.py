@@ -46,6 +46,7 @@ class ReasonCode(_StrEnum):
     USER_OUTPUT = "user_output"
     SHARED_STORAGE = "shared_storage"
     NON_DENSE = "non_dense"
+    LAZY_VIEW = "lazy_view"
     UNUSED_IN_BACKWARD = "unused_in_backward"
     EMPTY = "empty"
     TOO_SMALL = "too_small"

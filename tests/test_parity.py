@@ -161,6 +161,39 @@ def test_cpu_graph_unchanged_without_offload_cpu(caplog):
     assert any("no accelerator tensors" in r.getMessage() for r in caplog.records)
 
 
+class ComplexProducts(torch.nn.Module):
+    """Activations multiplied as complex numbers (RoPE written with ``view_as_complex``, spectral
+    layers): the backward of a complex product saves the other factor as a lazy conjugate view."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(64, 128)
+
+    def forward(self, x, phase):
+        h = self.fc(x)
+        y = torch.view_as_complex(h.reshape(*h.shape[:-1], -1, 2)) * phase
+        return (torch.view_as_real(y * y).flatten(-2).sin() * h).sum()
+
+
+@pytest.mark.parametrize("inner", INNERS)
+def test_a_saved_lazy_conjugate_view_is_kept_and_the_rest_offloaded(inner):
+    """Torch resolves a tensor's conjugate bit into a temporary for every op it is passed to,
+    fxoffload's copy ops too: offloaded, the copy read a tensor freed as the offload returned (on a
+    CPU the copy engine's check raised; on a GPU the allocator could reuse it mid-copy). Such a view
+    is kept with its reason; the other saved tensors are offloaded and the results are Inductor's."""
+    torch.manual_seed(0)
+    model, args = ComplexProducts(), (torch.randn(64, 64), torch.polar(torch.ones(64, 64), torch.randn(64, 64)))
+    backend = cpu_backend(inner=inner)
+    got = train_step(model, args, backend, steps=2)
+    assert_same(got, train_step(model, args, inner, steps=2), rtol=1e-5, atol=1e-6)
+    assert_same(got, train_step(model, args, steps=2), rtol=1e-4, atol=1e-5)
+    (report,) = backend.reports
+    # One conjugates an activation, the other an input (kept as a graph input, the rule before).
+    conjugates = {r.reason_code for r in report.saved if r.producer == "_conj"}
+    assert conjugates == {"lazy_view", "graph_input"}, report.table()
+    assert report.offloaded, report.table()
+
+
 @pytest.mark.parametrize("options", [{}, {"memory_budget": 0.5}], ids=["verify_peak", "memory_budget"])
 def test_backward_retaining_the_graph_runs_where_inductor_does(options):
     """verify_peak and memory_budget lower the backward while the forward compiles; with donated

@@ -42,6 +42,7 @@ def plan(records, **options):
         (dict(is_user_output=True), "user_output", "returned to the caller"),
         (dict(shares_storage_with=("v",), storage="b"), "shared_storage", "also saved as v"),
         (dict(is_dense=False, stride=(2,)), "non_dense", "non-dense layout"),
+        (dict(resolved_per_op="conjugate"), "lazy_view", "a lazy conjugate view: torch resolves it"),
         (dict(nbytes=1024), "min_bytes", "1.0 KiB < min_bytes (1.0 MiB)"),
         (dict(nbytes=0, shape=(0,)), "empty", "empty tensor"),
         (dict(device="cpu"), "cpu_tensor", "offload_cpu=True"),

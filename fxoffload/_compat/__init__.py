@@ -40,6 +40,7 @@ __all__ = [
     "compile_with_inductor",
     "detect_fake_mode",
     "raised_from",
+    "resolved_per_op",
     "register_fallbacks",
     "real_tensors",
     "inductor_mode_options", "inductor_runs_as_fallback",
@@ -459,6 +460,17 @@ def is_fake(t: Any) -> bool:
     from torch._subclasses.fake_tensor import FakeTensor
 
     return isinstance(t, FakeTensor)
+
+
+def resolved_per_op(t: torch.Tensor) -> str:
+    """The lazy bit of ``t`` that torch resolves into a new tensor before any op without its own
+    kernel for that bit runs (fxoffload's transfer ops among them: the conjugate, negative and
+    zero-tensor fallbacks): "conjugate", "negative", "zero", or "" for none. Fake tensors carry them."""
+    if t.is_conj():
+        return "conjugate"
+    if t.is_neg():
+        return "negative"
+    return "zero" if t._is_zerotensor() else ""
 
 
 def can_read_saved_tensors() -> bool:

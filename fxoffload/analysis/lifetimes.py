@@ -15,7 +15,7 @@ from collections.abc import Sequence
 import torch
 import torch.fx as fx
 
-from .._compat import size_hint
+from .._compat import resolved_per_op, size_hint
 from ..sizes import tensor_bytes
 from .graph import is_compute, is_dense, module_path, op_name, static_inputs, storage_root, storage_users
 
@@ -51,6 +51,10 @@ class SavedTensor:
     # The module whose forward produced it, as a dotted path from the compiled module ("layers.0.mlp.fc1"),
     # from the node's ``nn_module_stack``; "" for graph inputs and code outside any submodule.
     module_path: str = ""
+    # A lazy bit torch resolves into a temporary copy for every op it is passed to ("conjugate",
+    # "negative", "zero"; ``_compat.resolved_per_op``), or "": a copy op would read, and its wait
+    # keep alive, a tensor freed as each op returns.
+    resolved_per_op: str = ""
 
     @property
     def idle_compute_nodes(self) -> int:
@@ -151,6 +155,7 @@ class _Pair:
             bw_first_user=first.name if first is not None else "",
             bw_compute_before=self.bw_compute[first_i] if first is not None else self.bw_compute[-1],
             module_path=module_path(node) or module_path(root),
+            resolved_per_op=resolved_per_op(val),
         )
 
 

@@ -55,6 +55,12 @@ def ineligible_reason(t: SavedTensor, options: OffloadOptions, *, asked: bool = 
         )
     if not t.is_dense:
         return Reason(ReasonCode.NON_DENSE, f"non-dense layout (stride {t.stride}): copying it would need a gather")
+    if t.resolved_per_op:
+        return Reason(
+            ReasonCode.LAZY_VIEW,
+            f"a lazy {t.resolved_per_op} view: torch resolves it into a temporary copy for each op it is passed "
+            "to, so the offload would copy, and its wait keep alive, a tensor freed as each op returns",
+        )
     if t.bw_first_use < 0:
         return Reason(ReasonCode.UNUSED_IN_BACKWARD, "not used by the backward graph")
     if t.nbytes == 0:
