@@ -9,7 +9,8 @@ Each case is a small training model drawn from ``(seed, case)``: a stack of bloc
 chains, LayerNorm/RMSNorm, activations, residual adds, hand-written and SDPA attention, conv2d +
 BatchNorm stems, views/transposes/slices, argsort/gather and max indices, bool masks, in-place buffer
 updates read by the loss, bf16 autocast and bf16/float64 pieces, graph breaks, several outputs,
-frozen blocks, a block applied twice, a statistic taken under no_grad). It trains two steps (SGD
+frozen blocks, a block applied twice, a statistic taken under no_grad, features rotated as complex
+numbers). It trains two steps (SGD
 in between, each weight's move bounded, the seed fixed before each step, every run's second step
 starting from eager's updated weights; ``LONG_STEPS`` on weights held for the option sets whose
 plans the first steps' measurements make again, ``REPLANNING``) under
@@ -175,6 +176,10 @@ class Case:
     # A block after which the activation is divided by a statistic of it taken under torch.no_grad()
     # (a scale, a teacher's target): a grad-mode region inside the graph. -1 for none.
     no_grad_scale: int = -1
+    # A block after which the activation is rotated as complex numbers (RoPE written with
+    # ``view_as_complex``, by a learnt phase): complex activations, and the lazy conjugate views a
+    # complex product's backward saves (``lazy_view``). -1 for none; only where ``dim`` is even.
+    complex_rotation: int = -1
 
     @property
     def low_precision(self) -> bool:
@@ -195,6 +200,8 @@ class Case:
             extra.append(f"repeat={self.repeat}")
         if self.no_grad_scale >= 0:
             extra.append(f"no_grad_scale={self.no_grad_scale}")
+        if self.complex_rotation >= 0:
+            extra.append(f"complex_rotation={self.complex_rotation}")
         return (f"B={self.batch} T={self.seq} D={self.dim} H={self.heads} [{blocks}] " + " ".join(extra))
 
 
@@ -296,6 +303,7 @@ def make_case(seed: int, index: int) -> Case:
         frozen=_frozen(_stream(seed, index, "frozen"), blocks),
         repeat=_one_of(_stream(seed, index, "repeat"), [i for i, (k, _) in enumerate(blocks) if k != "graph_break"]),
         no_grad_scale=_one_of(_stream(seed, index, "no_grad"), range(len(blocks))),
+        complex_rotation=_one_of(_stream(seed, index, "complex"), range(len(blocks)) if dim % 2 == 0 else ()),
     )
 
 
@@ -682,6 +690,20 @@ BLOCKS: dict[str, type[Block]] = {
 assert set(BLOCKS) == set(KINDS)
 
 
+class ComplexRotation(nn.Module):
+    """Pairs of features rotated as complex numbers by a learnt phase per position, scaled by their
+    own modulus: the backward saves the phase's and the activation's lazy conjugates."""
+
+    def __init__(self, case: Case):
+        super().__init__()
+        self.theta = nn.Parameter(torch.randn(case.seq, case.dim // 2))
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        z = torch.view_as_complex(h.float().reshape(*h.shape[:-1], -1, 2))
+        y = z * torch.polar(torch.ones_like(self.theta), self.theta) * z.abs().add(1.0).reciprocal()
+        return h + torch.view_as_real(y).flatten(-2).to(h.dtype)
+
+
 class Stem(nn.Module):
     """conv2d + BatchNorm2d (running statistics: buffers updated in place) [+ conv2d] [+ max-pool
     indices]."""
@@ -713,6 +735,7 @@ class FuzzModel(nn.Module):
         self.stem = Stem(case) if case.image else None
         self.blocks = nn.ModuleList(BLOCKS[kind](case, **dict(params)) for kind, params in case.blocks)
         self.head = nn.Linear(case.dim, self.CLASSES).to(getattr(torch, case.head_dtype))
+        self.rotation = ComplexRotation(case) if case.complex_rotation >= 0 else None
 
     def forward(self, x, target, tokens=None, image=None):
         h = x
@@ -731,6 +754,8 @@ class FuzzModel(nn.Module):
                 with torch.no_grad():
                     scale = h.float().pow(2).mean(-1, keepdim=True).add(1.0).sqrt()
                 h = h / scale.to(h.dtype)
+            if i == self.case.complex_rotation:
+                h = self.rotation(h)
         out = self.head(h.to(self.head.weight.dtype)).float()
         if self.case.loss == "tuple":
             return (out, *aux)
