@@ -10,10 +10,10 @@ chains, LayerNorm/RMSNorm, activations, residual adds, hand-written and SDPA att
 BatchNorm stems, views/transposes/slices, argsort/gather and max indices, bool masks, in-place buffer
 updates read by the loss, bf16 autocast and bf16/float64 pieces, graph breaks, several outputs,
 frozen blocks, a block applied twice, a statistic taken under no_grad, features rotated as complex
-numbers). It trains two steps (SGD
-in between, each weight's move bounded, the seed fixed before each step, every run's second step
-starting from eager's updated weights; ``LONG_STEPS`` on weights held for the option sets whose
-plans the first steps' measurements make again, ``REPLANNING``) under
+numbers). It trains two steps (SGD in between, each weight's move bounded, the seed fixed before
+each step, every run's second step starting from eager's updated weights; ``LONG_STEPS`` on
+weights held for the option sets whose plans the first steps' measurements make again,
+``REPLANNING``) under
 
 - eager,
 - the inner compiler alone (``backend="aot_eager"`` or ``"inductor"``),
