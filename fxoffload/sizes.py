@@ -4,7 +4,8 @@ Four quantities, each with one function, so that the planner, the memory models,
 reports and the host budget all count the same way:
 
 - ``tensor_bytes(val)``: the dense bytes of a (possibly fake, possibly symbolic) tensor, numel times
-  the element size at size hints. What the FX memory model and the plan count per tensor.
+  the element size at size hints (a size that depends on the data at torch's estimate,
+  ``_compat.size_hint``). What the FX memory model and the plan count per tensor.
 - ``span_bytes(size, stride, dtype)``: the bytes of the storage a strided layout addresses, from its
   first element to its last, gaps included (``empty_strided`` allocates this much). What the replay
   of Inductor's code counts, and what a transfer copies (``span_elements``).

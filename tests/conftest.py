@@ -245,3 +245,33 @@ def through_inductors_cache(monkeypatch):
         m.setattr(partitioner, "new_graph_id", lambda: 0)
         counters.clear()
         yield lambda: counters["inductor"]["fxgraph_cache_hit"]
+
+
+class RoutedTokens(torch.nn.Module):
+    """A mixture-of-experts layer's dispatch: each expert runs on the tokens its router chose
+    (``torch.where``: a count known only when the graph runs) and scales its output by the gate, a
+    (tokens, 1) column that Inductor lays out with that count in a stride."""
+
+    def __init__(self, dim=32, experts=2):
+        super().__init__()
+        self.router = torch.nn.Linear(dim, experts)
+        self.up = torch.nn.ModuleList(torch.nn.Linear(dim, 2 * dim) for _ in range(experts))
+        self.down = torch.nn.ModuleList(torch.nn.Linear(2 * dim, dim) for _ in range(experts))
+
+    def forward(self, x):
+        gate = self.router(x).softmax(-1)
+        choice = gate.argmax(-1)
+        out = torch.zeros_like(x)
+        for e, (up, down) in enumerate(zip(self.up, self.down)):
+            (tokens,) = torch.where(choice == e)
+            h = down(torch.nn.functional.gelu(up(x[tokens])))
+            out = out.index_add(0, tokens, h * gate[tokens, e, None])
+        return out.square().mean()
+
+
+def routed_tokens():
+    """``RoutedTokens`` on 256 tokens (a gate column of 1 KiB at most: not too small to copy), and the
+    Dynamo setting that traces its ``torch.where``."""
+    torch.manual_seed(0)
+    settings = torch._dynamo.config.patch(capture_dynamic_output_shape_ops=True)
+    return RoutedTokens(), (torch.randn(256, 32),), settings

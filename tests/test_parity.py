@@ -9,7 +9,7 @@ import torch._inductor.config as inductor_config
 import fxoffload
 from fxoffload.testing.models import CNN, GPT, MLP, GPTConfig, gpt_batch
 
-from .conftest import assert_same, cpu_backend, train_step
+from .conftest import assert_same, cpu_backend, routed_tokens, train_step
 
 INNERS = ["aot_eager", "inductor"]
 
@@ -192,6 +192,22 @@ def test_a_saved_lazy_conjugate_view_is_kept_and_the_rest_offloaded(inner):
     conjugates = {r.reason_code for r in report.saved if r.producer == "_conj"}
     assert conjugates == {"lazy_view", "graph_input"}, report.table()
     assert report.offloaded, report.table()
+
+
+@pytest.mark.parametrize("inner", INNERS)
+def test_tensors_whose_sizes_depend_on_the_data_are_offloaded_with_inductors_results(inner):
+    """Tensors sized by a ``torch.where`` (an unbacked size) are offloaded, the (tokens, 1) gate too:
+    its host layout was chosen by comparing Inductor's layout, whose stride holds the count, with the
+    traced one, and Inductor refused to compile the guard that asked whether the count was 1."""
+    model, args, settings = routed_tokens()
+    backend = cpu_backend(inner=inner)
+    with settings:
+        got = train_step(model, args, backend, steps=2)
+        assert_same(got, train_step(model, args, "inductor", steps=2), rtol=1e-5, atol=1e-6)
+        assert_same(got, train_step(model, args, steps=2), rtol=1e-4, atol=1e-5)
+    (report,) = backend.reports
+    routed = [r for r in report.offloaded if r.data_dependent_dims == (0,)]
+    assert any(r.shape[1:] == (1,) for r in routed) and any(r.shape[1:] == (64,) for r in routed), report.table()
 
 
 @pytest.mark.parametrize("options", [{}, {"memory_budget": 0.5}], ids=["verify_peak", "memory_budget"])

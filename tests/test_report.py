@@ -8,7 +8,7 @@ import torch
 from fxoffload.testing.models import GPT, GPTConfig, gpt_batch
 from fxoffload.reporting.report import OffloadReport
 
-from .conftest import cpu_backend, train_step
+from .conftest import cpu_backend, routed_tokens, train_step
 
 
 @pytest.fixture(scope="module")
@@ -173,3 +173,21 @@ def test_short_table_says_a_graph_wide_note_once_and_no_stall_when_nothing_is_pl
 def test_table_bad_arguments(gpt_report, kwargs, message):
     with pytest.raises(ValueError, match=message):
         gpt_report.table(**kwargs)
+
+
+def test_sizes_that_depend_on_the_data_are_estimated_within_their_bounds_and_marked():
+    """A ``torch.where`` count is known only when the graph runs: torch proves it at most the mask's
+    256 elements, so it is planned at 256, not at Inductor's blind 8192 (32x the bytes, the copy
+    times and the windows), and the tables mark it as an estimate."""
+    model, args, settings = routed_tokens()
+    backend = cpu_backend(inner="aot_eager")
+    with settings:
+        train_step(model, args, backend)
+    (report,) = backend.reports
+    routed = [r for r in report.saved if r.data_dependent_dims]
+    assert routed and all(r.data_dependent_dims == (0,) and r.shape[0] == 256 for r in routed), report.table()
+    gelu = next(r for r in routed if r.producer == "gelu")
+    assert gelu.nbytes == 256 * 64 * 4
+    for table in (report.table(), report.table(rows="short")):
+        assert "256?x64" in table and "a size marked ? depends on the data" in table
+    assert OffloadReport.from_json(report.to_json()).saved == report.saved

@@ -28,6 +28,7 @@ from .donated import backward_lowered_at_compile, can_lower_backward_at_compile,
 from .lowering import inductor_runs_as_fallback, register_fallbacks
 from .realize import RealizeLimits, inductor_heavy_ops_on_cpu, inductor_realize_limits
 from .scheduler_runs import TransferOps, joining_runs
+from .sizes import UNBACKED_FALLBACK, is_data_dependent, size_hint
 
 __all__ = [
     "CustomPartitionerFn",
@@ -39,6 +40,7 @@ __all__ = [
     "checkpoint_tags",
     "compile_with_inductor",
     "detect_fake_mode",
+    "UNBACKED_FALLBACK", "is_data_dependent",
     "raised_from",
     "resolved_per_op",
     "register_fallbacks",
@@ -362,21 +364,6 @@ def detect_fake_mode(values: list[Any]) -> FakeTensorMode | None:
     from torch._guards import detect_fake_mode as _detect
 
     return _detect(values)
-
-
-def size_hint(value: Any, fallback: int = 8192) -> int:
-    """An int for a possibly symbolic size, without adding a guard (dynamic shapes stay dynamic)."""
-    if isinstance(value, int):
-        return value
-    if isinstance(value, torch.SymInt):
-        node = value.node
-        constant = node.maybe_as_int()
-        if constant is not None:
-            return int(constant)
-        if node.has_hint():
-            return int(node.hint)
-        return fallback  # unbacked (data-dependent) size
-    return int(value)
 
 
 def storage_use_count(storage: torch.UntypedStorage) -> int:

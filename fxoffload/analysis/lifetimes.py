@@ -15,7 +15,7 @@ from collections.abc import Sequence
 import torch
 import torch.fx as fx
 
-from .._compat import resolved_per_op, size_hint
+from .._compat import is_data_dependent, resolved_per_op, size_hint
 from ..sizes import tensor_bytes
 from .graph import is_compute, is_dense, module_path, op_name, static_inputs, storage_root, storage_users
 
@@ -55,6 +55,10 @@ class SavedTensor:
     # "negative", "zero"; ``_compat.resolved_per_op``), or "": a copy op would read, and its wait
     # keep alive, a tensor freed as each op returns.
     resolved_per_op: str = ""
+    # Dimensions whose size is known only when the graph runs (the count of a ``nonzero``, a mask's
+    # selection: ``_compat.is_data_dependent``). ``shape`` and ``nbytes`` hold torch's estimate for
+    # them (``_compat.size_hint``: its fallback, within the range torch proved), not a measured size.
+    data_dependent_dims: tuple[int, ...] = ()
 
     @property
     def idle_compute_nodes(self) -> int:
@@ -156,6 +160,7 @@ class _Pair:
             bw_compute_before=self.bw_compute[first_i] if first is not None else self.bw_compute[-1],
             module_path=module_path(node) or module_path(root),
             resolved_per_op=resolved_per_op(val),
+            data_dependent_dims=tuple(i for i, s in enumerate(val.shape) if is_data_dependent(s)),
         )
 
 

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 
 from tabulate import tabulate
 
+from .._compat import UNBACKED_FALLBACK
 from ..planning.budget import BUDGET_TOLERANCE
 from ..planning.measured import host_bound
 from ..reasons import Action
@@ -78,8 +79,10 @@ def table(report: OffloadReport, rows: str = "all", width: int | None = None, ke
     header += f"\n{host}"
     if report.note:
         header += f"\n{report.note}"
+    if any(r.data_dependent_dims for r in report.saved):
+        header += "\n" + "\n".join(textwrap.wrap(DATA_DEPENDENT, width))
     body = [
-        (r.name, "x".join(map(str, r.shape)) or "scalar", r.dtype, f"{r.nbytes / 2**20:.3f}",
+        (r.name, r.shape_text, r.dtype, f"{r.nbytes / 2**20:.3f}",
          r.producer, r.fw_last_use, r.bw_first_use or "-", r.idle_compute_nodes,
          f"recompute {r.recompute_ms:.3f}" if r.decision == Action.RECOMPUTE
          else f"{r.d2h_ms:.3f}/{r.h2d_ms:.3f}", f"{r.fw_window_ms:.3f}/{r.bw_window_ms:.3f}", r.decision,
@@ -96,6 +99,13 @@ def table(report: OffloadReport, rows: str = "all", width: int | None = None, ke
     reason_width = max(40, width - others - 2)
     widths = [None] * (len(headers) - 1) + [reason_width]
     return f"{header}\n{tabulate(body, headers=headers, maxcolwidths=widths)}"
+
+
+# Said once above a table with a size that depends on the data (``SavedRow.shape_text``).
+DATA_DEPENDENT = (
+    "a size marked ? depends on the data: it, and the bytes and copy times of its tensor, are torch's "
+    f"estimate ({UNBACKED_FALLBACK}, held within the range torch proved for it), not a measured size"
+)
 
 
 def _measured(r) -> str:
@@ -117,6 +127,8 @@ def _short_table(report: OffloadReport, header: str, host: str, width: int, kept
         code, text = next(iter(reasons)) if shared else ("", report.note)
         note = f"note: {text}" + (f" [{code}]" if shared and code else "")
         lines.extend(textwrap.wrap(note, width, subsequent_indent="  "))
+    if any(r.data_dependent_dims for r in report.saved):
+        lines.extend(textwrap.wrap(DATA_DEPENDENT, width))
     # Parameters, buffers and graph inputs (placeholders) stay whatever the policy: one line for all.
     inputs = [r for r in report.saved if r.producer == "placeholder" and r.decision == Action.KEEP]
     groups = [(f"offloaded: {_count(report.offloaded)}", report.offloaded)]
@@ -134,7 +146,7 @@ def _short_table(report: OffloadReport, header: str, host: str, width: int, kept
     titled = {id(r): r.reason_code for _, group in groups if len({r.reason_code for r in group}) == 1
               for r in group if r.reason_code}  # fmt: skip
     body = [
-        (r.name, "x".join(map(str, r.shape)) or "scalar", r.dtype, fmt_bytes(r.nbytes),
+        (r.name, r.shape_text, r.dtype, fmt_bytes(r.nbytes),
          r.module_path or f"({r.producer})",  # no module: the op that made it, said apart
          f"{r.recompute_ms:.3f} compute" if r.decision == Action.RECOMPUTE
          else f"{r.d2h_ms:.3f}/{r.h2d_ms:.3f}" if r.decision == Action.OFFLOAD else "",

@@ -383,7 +383,10 @@ class OffloadReport:
     def from_json(cls, text: str) -> OffloadReport:
         data = json.loads(text)
         data["saved"] = tuple(
-            SavedRow(**{**r, "shape": tuple(r["shape"]), "decision": Action(r["decision"])})
+            SavedRow(**{
+                **r, "shape": tuple(r["shape"]), "decision": Action(r["decision"]),
+                "data_dependent_dims": tuple(r.get("data_dependent_dims", ())),
+            })  # fmt: skip
             for r in data["saved"]
         )
         for key in ("memory_before", "memory_after"):

@@ -57,6 +57,14 @@ class SavedRow:
     measured_stall_ms: float | None = None
     # The compute stream's own time in its copies' calls (offload, reload and, on a CPU, their waits).
     measured_op_ms: float | None = None
+    # Dimensions of ``shape`` that depend on the data (estimates; ``SavedTensor.data_dependent_dims``).
+    data_dependent_dims: tuple[int, ...] = ()
+
+    @property
+    def shape_text(self) -> str:
+        """``256?x64``: the shape, a ``?`` after each size that depends on the data; ``scalar`` for 0-dim."""
+        dims = (f"{n}?" if i in self.data_dependent_dims else str(n) for i, n in enumerate(self.shape))
+        return "x".join(dims) or "scalar"
 
 
 def saved_rows(plan: OffloadPlan) -> tuple[SavedRow, ...]:
@@ -80,6 +88,7 @@ def saved_rows(plan: OffloadPlan) -> tuple[SavedRow, ...]:
             module_path=d.saved.module_path,
             recompute_refused=d.recompute_refused.text if d.recompute_refused else "",
             recompute_refused_code=d.recompute_refused.code.value if d.recompute_refused else "",
+            data_dependent_dims=d.saved.data_dependent_dims,
         )
         for d in plan.decisions
     )

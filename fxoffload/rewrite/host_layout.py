@@ -37,8 +37,10 @@ def wanted_stride(
     """The stride Inductor will return ``wait``'s result in, the host copy of ``x`` (the traced value
     of ``source``): channels-last where Inductor prefers that for ``wait`` (it forces it then) or for
     ``source`` (it would have returned the source so; ``channels_last``, None: not known), else ``x``'s
-    traced stride. None, the source's layout at run time, where a stride is symbolic."""
-    if not all(isinstance(s, int) for s in x.stride()):
+    traced stride. None, the source's layout at run time, where a stride is symbolic or a size depends
+    on the data (Inductor may lay such a buffer out with the data-dependent size in a stride, (u0, 1)
+    as (1, u0), and comparing layouts would ask whether u0 is 1: a guard on data the compile has not)."""
+    if not all(isinstance(s, int) for s in x.stride()) or any(_compat.is_data_dependent(s) for s in x.shape):
         return None
     if channels_last and (wait in channels_last or source in channels_last) and x.dim() == 4 and is_dense(x):
         return list(torch.empty(x.shape, device="meta").to(memory_format=torch.channels_last).stride())
