@@ -28,7 +28,7 @@ from fxoffload.runtime.timing import Recording
 from fxoffload.runtime.transfers import copies_switched_off, switch_copies_off, switch_copies_on
 from fxoffload.testing.models import GPT, GPTConfig, gpt_batch
 
-from .conftest import assert_same, calls_cost_the_step, measured_steady_step, no_copy_stalls, train_step
+from .conftest import assert_same, calls_cost_the_step, measured_steady_step, no_copy_stalls, routed_tokens, train_step
 
 LINKS = {"50MB": 50e6, "500MB": 500e6, "5GB": 5e9}
 MISPRICED = {"compute_rates": {"flops": 1e9, "memory_bandwidth": 1e8}}
@@ -319,6 +319,23 @@ def test_auto_plans_again_from_what_stalled_and_compiles_it(bf16):
     step()
     stats = copy_stats()
     assert stats.copies == {"d2h": len(report.offloaded), "h2d": len(report.offloaded)}, (stats, report.table())
+
+
+def test_a_graph_whose_sizes_depend_on_the_data_is_compiled_again():
+    """A mixture of experts' dispatch (``torch.where``: sizes known only at run time) whose copies
+    stall is planned again and compiled again like any graph. Compiled again from the call's real
+    tensors, AOTAutograd's own fake mode refused the ``nonzero`` and the plan that stalled ran on;
+    Dynamo's mode (``_compat.static_fakes``) traces it. The results stay eager's."""
+    model, args, settings = routed_tokens()
+    backend = _backend("50MB", **STALLS)
+    with settings:
+        got = train_step(model, args, backend, steps=6)
+    (report,) = backend.reports
+    rounds = [r for r in report.replans if r.startswith("measured in the first steps")]
+    assert rounds and all("planned again with the measured times" in r for r in rounds), report.replans
+    assert report.timings.compiles >= 1 and not report.switched_off
+    assert any(r.data_dependent_dims for r in report.saved if r.measured_stall_ms), report.table()
+    assert_same(got, train_step(model, args, steps=6), rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16-autocast"])

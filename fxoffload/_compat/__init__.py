@@ -28,7 +28,7 @@ from .donated import backward_lowered_at_compile, can_lower_backward_at_compile,
 from .lowering import inductor_runs_as_fallback, register_fallbacks
 from .realize import RealizeLimits, inductor_heavy_ops_on_cpu, inductor_realize_limits
 from .scheduler_runs import TransferOps, joining_runs
-from .sizes import UNBACKED_FALLBACK, is_data_dependent, size_hint
+from .sizes import UNBACKED_FALLBACK, is_data_dependent, size_hint, static_fakes
 
 __all__ = [
     "CustomPartitionerFn",
@@ -50,7 +50,7 @@ __all__ = [
     "is_backward_node",
     "kernel_source_name",
     "must_save",
-    "size_hint",
+    "size_hint", "static_fakes",
     "storage_expired", "free_storage_weak_ref", "storage_use_count", "storage_weak_ref",
     "tag_must_recompute",
 ]

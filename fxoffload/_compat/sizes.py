@@ -52,3 +52,22 @@ def _unbacked_hint(node: Any, fallback: int) -> int:
         return int(expr.xreplace(values))
     except (AttributeError, TypeError, ValueError, ZeroDivisionError):  # an expression sympy cannot make an int
         return fallback
+
+
+def static_fakes(values: list[Any], like: Any) -> list[Any]:
+    """Real tensors as fakes of the mode Dynamo traced the graph module ``like`` in (its ShapeEnv,
+    every size static), as Dynamo handed them to the backend; a new mode with a ShapeEnv where
+    ``like`` has none. An op whose output size depends on the data (``nonzero``, a mask's selection)
+    traces there into an unbacked size: from real tensors AOTAutograd makes a mode without a
+    ShapeEnv, which refuses it (``DynamicOutputShapeException``), and a new ShapeEnv names its sizes
+    u0, u1, ... again, which the graph's bindings from Dynamo's trace already use ("possible memo
+    disaster")."""
+    from torch._guards import detect_fake_mode
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    traced = [n.meta.get("example_value", n.meta.get("val")) for n in like.graph.find_nodes(op="placeholder")]
+    mode = detect_fake_mode([v for v in traced if isinstance(v, torch.Tensor)])
+    if mode is None or mode.shape_env is None:
+        mode = FakeTensorMode(shape_env=ShapeEnv(), static_shapes=True)
+    return [mode.from_tensor(v, static_shapes=True) if isinstance(v, torch.Tensor) else v for v in values]

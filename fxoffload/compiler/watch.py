@@ -52,6 +52,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from .. import _compat
 from ..analysis.memory import CallOutside
 from ..analysis.output_code import read_offloads, reused_reloads
 from ..analysis.outside import OutsideMemory, graph_device, mark_call, read_outside_memory
@@ -489,5 +490,8 @@ def _compile_outside_dynamo(
     graph_id: int,
     measured: Measured | None = None,
 ) -> tuple[Compiled, PlannedPair | None]:
-    """``compiler.compile`` from a running step (``CallWatch.compile_again``): Dynamo is not to trace it."""
-    return compiler.compile(gm, example_inputs, opts, outside=outside, graph_id=graph_id, measured=measured)
+    """``compiler.compile`` from a running step (``CallWatch.compile_again``): Dynamo is not to trace it.
+    The call's arguments go in as fakes of Dynamo's mode, as at the first compile (``_compat.static_fakes``):
+    from real ones AOTAutograd could not trace a ``nonzero`` (a mixture of experts' dispatch)."""
+    fakes = _compat.static_fakes(example_inputs, like=gm)
+    return compiler.compile(gm, fakes, opts, outside=outside, graph_id=graph_id, measured=measured)
