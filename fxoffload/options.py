@@ -13,10 +13,11 @@ PARTITIONERS = ("min_cut", "default")
 RECOMPUTE = ("fxoffload", "inductor")
 MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 # The rules of the rewrite that the ``broken_rule`` option breaks on purpose: its ordering rules
-# (``rewrite.transfers``) and random ops kept saved under torch's recomputation (``rewrite.random_ops``).
+# (``rewrite.transfers``) and random ops and ops binding data-dependent sizes kept saved under torch's
+# recomputation (``rewrite.random_ops``).
 BROKEN_RULES = (
     "no_wait_before_use", "source_released_at_issue", "reload_before_written", "no_order_edges", "random_ops_saved",
-    "order_edges_on_pointwise", "host_copy_in_compilers_layout", "fallback_results_held",
+    "order_edges_on_pointwise", "host_copy_in_compilers_layout", "fallback_results_held", "size_ops_saved",
 )  # fmt: skip
 
 _UNITS = {

@@ -87,6 +87,42 @@ def test_dropout_draws_once_and_the_test_fails_with_the_rule_broken():
     assert all("activation_memory_budget=" in r.reason for r in _by_torch(report)), report.table()
 
 
+class KeptTokens(nn.Module):
+    """Variable-length work: the first ``keep.sum().item()`` rows, and the rows a mask selects (sizes
+    known only at run time)."""
+
+    def __init__(self):
+        super().__init__()
+        self.up, self.down = nn.Linear(D, 4 * D), nn.Linear(4 * D, D)
+
+    def forward(self, x, keep):
+        n = keep.sum().item()
+        torch._check_is_size(n)
+        torch._check(n <= x.shape[0])
+        h = self.down(F.gelu(self.up(x[:n])))
+        return h.square().mean() + self.down(self.up(x[keep.bool()])).mean()
+
+
+def test_ops_binding_data_dependent_sizes_stay_saved_and_the_test_fails_with_the_rule_broken():
+    """Under an activation budget torch's partitioner recomputes the ``.item()`` and the mask's
+    ``nonzero`` in the backward; Inductor then cannot compile the forward (the symbols they bind are
+    not among its outputs: ``PendingUnbackedSymbolNotFound``, as with ``backend="inductor"`` and
+    ``activation_memory_budget`` alone). Kept saved, the graph compiles and its results are eager's."""
+    torch.manual_seed(0)
+    model, args = KeptTokens(), (torch.randn(N, D), (torch.rand(N) > 0.3).long())
+    settings = torch._dynamo.config.patch(capture_scalar_outputs=True, capture_dynamic_output_shape_ops=True)
+    with settings:
+        eager = train_step(model, args)
+        backend = _backend("inductor", memory_budget=0.5)
+        assert_same(train_step(model, args, backend), eager, rtol=1e-4, atol=1e-5)
+        torch._dynamo.reset()
+        broken = _backend("inductor", memory_budget=0.5, broken_rule="size_ops_saved")
+        with pytest.raises(Exception, match="PendingUnbackedSymbolNotFound"):
+            train_step(model, args, broken)
+    (report,) = backend.reports
+    assert "_local_scalar_dense.default(" not in report.bw_code and "nonzero.default(" not in report.bw_code
+
+
 def test_inductor_code_meets_the_budget_and_matches_inductor():
     torch.manual_seed(0)
     model, x = Blocks(), (torch.randn(N, D),)

@@ -22,7 +22,7 @@ from ..reasons import Reason
 from ..reporting.report import OffloadReport, PassTimings
 from ..rewrite.host_copies import find_host_copies
 from ..rewrite.mutated_reads import ReadsMutatedInput, mutated_reads_added, protect_mutated_reads
-from ..rewrite.random_ops import keep_random_ops_saved
+from ..rewrite.random_ops import keep_random_ops_saved, keep_size_ops_saved
 from .inductor_recompute import Partitions
 from .offload_pass import offload_pass
 from .pair import PairRegister, PlannedPair, new_graph_id
@@ -67,6 +67,8 @@ def _torchs(
         _compat.tag_must_recompute(joint, recompute)
     if (memory_budget is not None or per_block) and options.broken_rule != "random_ops_saved":
         keep_random_ops_saved(joint)
+    if (memory_budget is not None or per_block) and options.broken_rule != "size_ops_saved":
+        keep_size_ops_saved(joint)
     blocks = block_tags(joint) if per_block else None
     if per_block and blocks is None:
         raise NoRepeatedBlocks("fxoffload: no repeated blocks (ModuleList items) in this graph's forward")
