@@ -21,7 +21,7 @@ from fxoffload.planning.policy import TensorInfo
 from fxoffload.reasons import Action
 from fxoffload.analysis.recompute import RecomputeOption
 
-from .conftest import assert_same, returned_names, train_step
+from .conftest import assert_same, returned_names, routed_tokens, train_step
 from .test_plan import saved
 
 FAST = dict(offload_cpu=True, inner="aot_eager")
@@ -281,3 +281,16 @@ def test_llama_policy_function_parity_and_plan():
     attn = {r.name for r in report.saved if ".self_attn." in r.module_path and r.reason_code == "user_policy"}
     assert attn and {r.name for r in report.offloaded} == attn, report.table()
     assert all(r.decision == "keep" for r in report.saved if r.name not in attn)
+
+
+def test_a_policy_function_is_told_which_sizes_depend_on_the_data():
+    """A routed expert's activations (``torch.where``'s count) reach a policy function with their
+    estimated sizes named, so a rule on ``nbytes`` can tell an estimate from a size."""
+    model, args, settings = routed_tokens()
+    seen = []
+    backend = fxoffload.backend(offload_cpu=True, inner="aot_eager", policy=lambda t: seen.append(t))
+    with settings:
+        train_step(model, args, backend)
+    routed = [t for t in seen if t.data_dependent_dims]
+    assert routed and all(t.data_dependent_dims == (0,) and t.shape[0] == 256 for t in routed), seen
+    assert any(t.producer == "placeholder" and not t.data_dependent_dims for t in seen)

@@ -38,10 +38,13 @@ class TensorInfo:
     # The module whose forward produced it, dotted from the compiled module ("layers.0.mlp.fc1"); ""
     # for graph inputs (parameters included) and code outside any submodule.
     module_path: str
+    # Dimensions whose size depends on the data (a ``nonzero``'s count): ``shape`` and ``nbytes`` hold
+    # torch's estimate for them (``SavedTensor.data_dependent_dims``).
+    data_dependent_dims: tuple[int, ...] = ()
 
     @classmethod
     def of(cls, t: SavedTensor) -> TensorInfo:
-        return cls(t.name, t.shape, t.dtype, t.nbytes, t.device, t.producer, t.module_path)
+        return cls(t.name, t.shape, t.dtype, t.nbytes, t.device, t.producer, t.module_path, t.data_dependent_dims)
 
 
 def matches(patterns: tuple[str, ...], path: str) -> str | None:
